@@ -1,0 +1,44 @@
+"""``final/``: the trained model in the formats the ecosystem loads (PEFT adapter or HF model)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import peft
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def save_final(
+    model: PreTrainedModel | peft.PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    dtype: torch.dtype,
+) -> None:
+    """Write the model and tokenizer under a temporary name, then rename: ``out_dir`` is never partial.
+
+    A LoRA model saves only its adapter (``adapter_model.safetensors`` + ``adapter_config.json``).
+    A fully fine-tuned model saves its weights in ``dtype`` (the model's configured dtype), not in
+    the fp32 of its master weights, so it is the size users expect.
+    """
+    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    # Training turned the KV cache off; the exported model is for generation, which wants it.
+    use_cache, base.config.use_cache = base.config.use_cache, True
+    try:
+        if isinstance(model, peft.PeftModel):
+            model.save_pretrained(staging, safe_serialization=True)
+        else:
+            state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
+            original_dtype, model.config.dtype = model.config.dtype, dtype
+            model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+            model.config.dtype = original_dtype
+    finally:
+        base.config.use_cache = use_cache
+    tokenizer.save_pretrained(staging)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(staging, out_dir)

@@ -1,0 +1,95 @@
+"""``shardtune`` command line: parse, validate, then hand over to the command's module.
+
+Bad input (config keys, values, files, data rows) exits with status 2 and one line per problem,
+before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from shardtune import __version__
+from shardtune.config import load_config
+from shardtune.errors import ConfigError, InputError
+
+EXIT_BAD_INPUT = 2
+
+log = logging.getLogger("shardtune")
+
+
+def _setup_logging(is_main: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    # transformers' own progress bars and advice would interleave with ours.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        raise ConfigError(f"WORLD_SIZE={world_size}: multi-process training is not supported by this version")
+    # Heavy imports only after the config is known to be good: errors above come back in a second.
+    from shardtune.distributed.env import DistributedEnv
+    from shardtune.run_dir import prepare_output_dir
+    from shardtune.train.loop import run_training
+
+    env = DistributedEnv.from_environment(config.parallel.timeout_s)
+    _setup_logging(env.is_main)
+    try:
+        if env.is_main:
+            from pathlib import Path
+
+            prepare_output_dir(Path(config.training.output_dir), config.training.overwrite_output_dir)
+        run_training(config, env, sys.argv)
+    finally:
+        env.close()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shardtune.generate import generate_response
+
+    _setup_logging(True)
+    print(generate_response(args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardtune", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"shardtune {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="fine-tune a model as a config describes")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    train.set_defaults(handler=cmd_train)
+
+    generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")
+    generate.add_argument("model_dir", help="a final/ directory: PEFT adapter or full model, with tokenizer")
+    generate.add_argument("--instruction", required=True)
+    generate.add_argument("--input", default="", help="optional input for the instruction")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--base", default=None, help="base model for an adapter (default: from adapter_config)")
+    generate.set_defaults(handler=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except InputError as exc:
+        for line in exc.lines:
+            print(f"shardtune: error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The one place that knows about ranks, devices and the process group.
+
+Every run, including a single CPU process, gets a real process group: world size 1 is simply the
+smallest mesh, so the training loop's collectives (token counts, eval sums) run the same code at
+every scale and are exercised by every test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistributedEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only process that writes shared files."""
+        return self.rank == 0
+
+    @classmethod
+    def from_environment(cls, timeout_s: float = 1800.0) -> DistributedEnv:
+        """Join (or, alone, create) the process group described by torchrun-style variables."""
+        rank = int(os.environ.get("RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            # gloo next to nccl: CPU tensors (e.g. object gathers) still have a backend.
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            device = torch.device("cpu")
+            backend = "gloo"
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if world_size == 1 and "MASTER_ADDR" not in os.environ:
+                # A lone process needs no rendezvous: an in-memory store avoids opening a port.
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        return cls(rank, local_rank, world_size, local_world_size, device, timeout_s)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks in place and return it."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather_floats(self, value: float) -> list[float]:
+        """One float from every rank, in rank order (for per-rank throughput)."""
+        local = torch.tensor([value], dtype=torch.float64, device=self.device)
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        return [float(t.item()) for t in gathered]
+
+    def hostnames(self) -> list[str]:
+        names: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(names, socket.gethostname())
+        return [str(name) for name in names]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return "cpu"

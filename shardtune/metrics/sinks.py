@@ -1,0 +1,93 @@
+"""Where metrics go: JSONL files always, TensorBoard and Weights & Biases when asked for."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from shardtune.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class MetricSink(Protocol):
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """``logs/train_log.jsonl`` and ``logs/eval_log.jsonl``: one JSON object per line, flushed at once."""
+
+    def __init__(self, logs_dir: Path):
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        # Open for the whole run (closed by close()), so every record is appended without reopening.
+        self.files = {
+            kind: open(logs_dir / f"{kind}_log.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            for kind in ("train", "eval")
+        }
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        handle = self.files[kind]
+        handle.write(json.dumps({"step": step, **values}) + "\n")
+        handle.flush()
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            handle.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RuntimeError(
+                "logging.tensorboard: true needs the tensorboard package: pip install 'shardtune[tensorboard]'"
+            ) from exc
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{kind}/{name}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, config: Config, output_dir: Path):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise RuntimeError("logging.wandb.enabled: true needs wandb: pip install 'shardtune[wandb]'") from exc
+        settings = config.logging.wandb
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=settings.name,
+            tags=settings.tags,
+            mode=settings.mode,
+            dir=str(output_dir),
+            config=config.to_dict(),
+        )
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        self.run.log({f"{kind}/{name}": value for name, value in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_sinks(config: Config, output_dir: Path) -> list[MetricSink]:
+    """The sinks of global rank 0 (the only rank that writes shared files)."""
+    sinks: list[MetricSink] = [JsonlSink(output_dir / "logs")]
+    if config.logging.tensorboard:
+        sinks.append(TensorBoardSink(output_dir / "tensorboard"))
+    if config.logging.wandb.enabled:
+        sinks.append(WandbSink(config, output_dir))
+    return sinks

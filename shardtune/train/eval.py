@@ -1,0 +1,42 @@
+"""Evaluation: token-weighted loss and perplexity over the held-out examples, one all-reduce."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardtune.data.collate import pad_to_longest
+from shardtune.data.tokenize import TokenizedExample
+from shardtune.distributed.env import DistributedEnv
+from shardtune.train.loss import summed_token_loss
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    examples: list[TokenizedExample],
+    batch_size: int,
+    pad_token_id: int,
+    env: DistributedEnv,
+    autocast_dtype: torch.dtype | None,
+) -> dict[str, float]:
+    """Loss = sum of token losses / number of target tokens, over all ranks' shares of ``examples``."""
+    was_training = model.training
+    model.eval()
+    # Each rank takes a strided share; sorting by length first keeps padding per batch small.
+    mine = sorted(examples[env.rank :: env.world_size], key=lambda e: len(e.input_ids))
+    # Sums stay on the device and are reduced once at the end: no host sync per batch.
+    totals = torch.zeros(2, dtype=torch.float64, device=env.device)
+    for start in range(0, len(mine), batch_size):
+        batch = pad_to_longest(mine[start : start + batch_size], pad_token_id).to(env.device)
+        totals[0] += summed_token_loss(model, batch, autocast_dtype).double()
+        totals[1] += batch.num_targets
+    env.all_reduce_sum(totals)
+    model.train(was_training)
+    loss = (totals[0] / totals[1]).item()
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(min(loss, 700.0)),
+        "eval_tokens": int(totals[1].item()),
+    }

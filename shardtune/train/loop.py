@@ -1,0 +1,288 @@
+"""The training loop: the one path every run takes, from one CPU process up.
+
+Read top to bottom: set up (data, model, optimizer), then for each optimizer step run this rank's
+micro-batches, normalize the summed token loss by the step's global target-token count, clip, step,
+log, evaluate; finally evaluate, export ``final/`` and write ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from shardtune.checkpoint.export import save_final
+from shardtune.config import Config, inactive_keys
+from shardtune.data.collate import Batch, pad_to_longest
+from shardtune.data.dataset import PreparedData, prepare_data
+from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
+from shardtune.distributed.env import DistributedEnv
+from shardtune.errors import ConfigError
+from shardtune.metrics.memory import peak_memory_gib
+from shardtune.metrics.progress import Progress
+from shardtune.metrics.sinks import MetricSink, open_sinks
+from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
+from shardtune.model.lora import apply_lora, count_parameters
+from shardtune.run_dir import package_versions, write_metrics, write_run_start
+from shardtune.train.eval import evaluate
+from shardtune.train.loss import summed_token_loss
+from shardtune.train.optim import build_optimizer
+from shardtune.train.schedule import build_scheduler, warmup_steps_for
+
+log = logging.getLogger("shardtune")
+
+
+@dataclass
+class Precision:
+    """How numbers are stored and computed.
+
+    Frozen weights are stored in the compute dtype (half the memory in bf16). Trainable weights are
+    fp32 master copies (LoRA adapters via PEFT, all weights in full fine-tuning) and the forward pass
+    autocasts to bf16, so updates smaller than bf16's resolution are not rounded away.
+    """
+
+    compute: torch.dtype
+    frozen_storage: torch.dtype
+    autocast: torch.dtype | None
+
+    @classmethod
+    def resolve(cls, config: Config, device: torch.device) -> Precision:
+        compute = resolve_dtype(config.model.dtype, device)
+        bf16 = config.training.bf16 if config.training.bf16 is not None else compute == torch.bfloat16
+        if compute == torch.bfloat16 and not bf16:
+            raise ConfigError("training.bf16: false contradicts model.dtype: bfloat16; set one of them differently")
+        if bf16:
+            compute = torch.bfloat16
+        storage = compute if config.lora.enabled else torch.float32
+        return cls(compute, storage, torch.bfloat16 if bf16 else None)
+
+
+def total_steps_for(config: Config, sampler: GlobalBatchSampler) -> int:
+    if config.training.max_steps > 0:
+        return config.training.max_steps
+    return max(1, math.ceil(config.training.num_train_epochs * sampler.batches_per_epoch))
+
+
+def accumulate_gradients(
+    model: torch.nn.Module, micro_batches: list[Batch], env: DistributedEnv, autocast: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward this rank's micro-batches of one optimizer step.
+
+    The loss of a step is (sum of token losses over every micro-batch on every rank) divided by the
+    step's total target tokens, so each token weighs the same however the examples were split into
+    micro-batches or ranks. The count is known before any forward pass: one all-reduce per step.
+    Returns this rank's (summed token loss, target tokens), both on the device, for logging.
+    """
+    local_targets = torch.tensor(
+        float(sum(batch.num_targets for batch in micro_batches)), dtype=torch.float64, device=env.device
+    )
+    global_targets = env.all_reduce_sum(local_targets.clone()).float()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    for batch in micro_batches:
+        batch_loss = summed_token_loss(model, batch.to(env.device), autocast)
+        (batch_loss / global_targets).backward()
+        loss_sum += batch_loss.detach().double()
+    return loss_sum, local_targets
+
+
+def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> dict[str, Any]:
+    """Train as configured; return the metrics also written to ``metrics.json``."""
+    training = config.training
+    output_dir = Path(training.output_dir)
+    transformers.set_seed(training.seed)
+    hostnames = env.hostnames()
+    if env.is_main:
+        write_run_start(output_dir, config, argv, {"world_size": env.world_size, "hostnames": hostnames})
+        for key in inactive_keys(config):
+            log.warning("%s is accepted but not active in this version (it cannot change the results)", key)
+
+    precision = Precision.resolve(config, env.device)
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_data(config.data, training, tokenizer)
+    _log_data(data)
+
+    model = load_model(config.model, precision.frozen_storage, env.device, training.seed)
+    if training.gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) without input-grad hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora.enabled:
+        model = apply_lora(model, config.lora)
+    model.train()
+    trainable, total = count_parameters(model)
+    log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+
+    micro_batch_size = training.per_device_train_batch_size
+    global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
+    sampler = GlobalBatchSampler(len(data.train), global_batch_size, training.seed)
+    total_steps = total_steps_for(config, sampler)
+    warmup = warmup_steps_for(total_steps, training.warmup_ratio, training.warmup_steps)
+    optimizer = build_optimizer(model, training, env.device)
+    scheduler = build_scheduler(optimizer, total_steps, warmup, training.min_lr_ratio)
+    trainable_params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = training.max_grad_norm if training.max_grad_norm > 0 else math.inf
+    log.info(
+        "training: %d steps, global batch %d (%d per device x %d accumulation x %d ranks), warmup %d steps",
+        total_steps,
+        global_batch_size,
+        micro_batch_size,
+        training.gradient_accumulation_steps,
+        env.world_size,
+        warmup,
+    )
+
+    sinks: list[MetricSink] = open_sinks(config, output_dir) if env.is_main else []
+    progress = Progress(total_steps, config.logging.progress_bar, enabled=env.is_main)
+    pad_id = tokenizer.pad_token_id
+    eval_results: list[dict[str, float]] = []
+
+    def run_eval(step: int) -> None:
+        if not data.eval:
+            return
+        started = time.perf_counter()
+        result = evaluate(
+            model,
+            data.eval,
+            training.per_device_eval_batch_size or micro_batch_size,
+            pad_id,
+            env,
+            precision.autocast,
+        )
+        result = {**result, "eval_time_s": time.perf_counter() - started}
+        eval_results.append(result)
+        for sink in sinks:
+            sink.log("eval", step, result)
+        progress.message(
+            f"eval at step {step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.2f}"
+        )
+
+    if training.eval_on_start:
+        run_eval(0)
+
+    # Running sums for the logging window stay on the device: adding to them forces no host sync.
+    window = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, target tokens, tokens
+    rank_tokens = 0
+    train_time = 0.0
+    last_loss = float("nan")
+    run_started = window_started = time.perf_counter()
+    for step in range(1, total_steps + 1):
+        micro_batches = [
+            pad_to_longest([data.train[i] for i in indices], pad_id)
+            for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
+        ]
+        loss_sum, step_targets = accumulate_gradients(model, micro_batches, env, precision.autocast)
+        window[0] += loss_sum
+        window[1] += step_targets
+        step_tokens = sum(batch.num_tokens for batch in micro_batches)
+        window[2] += step_tokens
+        rank_tokens += step_tokens
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params, max_norm)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.advance()
+
+        if step % training.logging_steps == 0 or step == total_steps:
+            totals = env.all_reduce_sum(window.clone()).tolist()  # the host sync of this window
+            elapsed = time.perf_counter() - window_started
+            train_time += elapsed
+            last_loss = totals[0] / totals[1]
+            record = {
+                "epoch": round(sampler.epoch_progress, 4),
+                "loss": last_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens": int(totals[2]),
+                "tokens_per_s": totals[2] / elapsed,
+                "tokens_per_s_per_device": totals[2] / elapsed / env.world_size,
+                "peak_memory_gib": peak_memory_gib(env.device),
+                "elapsed_s": time.perf_counter() - run_started,
+            }
+            for sink in sinks:
+                sink.log("train", step, record)
+            progress.report(step, last_loss, lr, record["tokens_per_s"])
+            window.zero_()
+            window_started = time.perf_counter()
+
+        if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
+            run_eval(step)
+            window_started = time.perf_counter()
+
+    wall_time = time.perf_counter() - run_started
+    run_eval(total_steps)
+    progress.close()
+
+    if env.is_main:
+        save_final(model, tokenizer, output_dir / "final", precision.compute)
+        log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
+
+    tokens_per_rank = [int(t) for t in env.all_gather_floats(rank_tokens)]
+    rates_per_rank = env.all_gather_floats(rank_tokens / train_time)
+    peak_per_rank = env.all_gather_floats(peak_memory_gib(env.device))
+    metrics: dict[str, Any] = {
+        "wall_time_s": wall_time,
+        "train_time_s": train_time,
+        "steps": total_steps,
+        "epochs": round(sampler.epoch_progress, 4),
+        "tokens": sum(tokens_per_rank),
+        "tokens_per_rank": tokens_per_rank,
+        "tokens_per_s": sum(rates_per_rank),
+        "tokens_per_s_per_rank": rates_per_rank,
+        "target_tokens": int(data.train_summary.target_tokens),
+        "peak_memory_gib_per_rank": peak_per_rank,
+        "world_size": env.world_size,
+        "hostnames": hostnames,
+        "gpu": env.device_name(),
+        **{name: version for name, version in package_versions().items() if name in ("torch", "transformers", "peft")},
+        "model": config.model.name_or_path,
+        "dataset": config.data.dataset_path,
+        "use_lora": config.lora.enabled,
+        "dtype": str(precision.compute).removeprefix("torch."),
+        "bf16": precision.autocast == torch.bfloat16,
+        "gradient_checkpointing": training.gradient_checkpointing,
+        "strategy": "single" if env.world_size == 1 else config.parallel.strategy,
+        "trainable_params": trainable,
+        "total_params": total,
+        "global_batch_size": global_batch_size,
+        "train_loss": last_loss,
+        "data": data.train_summary.as_dict(),
+    }
+    if eval_results:
+        metrics.update(
+            first_eval_loss=eval_results[0]["eval_loss"],
+            eval_loss=eval_results[-1]["eval_loss"],
+            eval_perplexity=eval_results[-1]["eval_perplexity"],
+        )
+    if env.is_main:
+        write_metrics(output_dir, metrics)
+        for sink in sinks:
+            sink.close()
+        log.info(
+            "done: %d steps in %.1f s, %s tokens/s, final train loss %.4f%s",
+            total_steps,
+            wall_time,
+            f"{metrics['tokens_per_s']:,.0f}",
+            last_loss,
+            f", eval loss {metrics['eval_loss']:.4f}" if eval_results else "",
+        )
+    return metrics
+
+
+def _log_data(data: PreparedData) -> None:
+    summary = data.train_summary
+    log.info(
+        "data: %d train examples (%d rows read, %d truncated, dropped %s), %d eval examples, %s target tokens",
+        summary.kept,
+        summary.rows_read,
+        summary.truncated,
+        dict(summary.dropped) or "none",
+        len(data.eval),
+        f"{summary.target_tokens:,}",
+    )
