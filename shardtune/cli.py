@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from shardtune import __version__
 from shardtune.config import load_config
@@ -26,8 +27,12 @@ def _setup_logging(is_main: bool) -> None:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    # transformers' own progress bars and advice would interleave with ours.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # transformers' and PEFT's own progress bars and advice would interleave with ours.
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -91,8 +91,14 @@ def accumulate_gradients(
     return loss_sum, local_targets
 
 
-def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> dict[str, Any]:
-    """Train as configured; return the metrics also written to ``metrics.json``."""
+@dataclass
+class TrainingResult:
+    metrics: dict[str, Any]  # as written to metrics.json
+    model: torch.nn.Module  # the trained model (a PeftModel for LoRA), still on its device
+
+
+def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> TrainingResult:
+    """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
     training = config.training
     output_dir = Path(training.output_dir)
     transformers.set_seed(training.seed)
@@ -272,7 +278,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> dict[s
             last_loss,
             f", eval loss {metrics['eval_loss']:.4f}" if eval_results else "",
         )
-    return metrics
+    return TrainingResult(metrics, model)
 
 
 def _log_data(data: PreparedData) -> None:

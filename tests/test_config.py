@@ -1,0 +1,99 @@
+"""Config: the seed's config loads; every kind of mistake is one line naming the key, exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.config import ConfigError, dump_config, inactive_keys, load_config, parse_override
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture
+def seed_config(tmp_path: Path, tiny_model_dir: Path, alpaca_file: Path) -> Path:
+    text = (FIXTURES / "seed_config.yaml").read_text()
+    path = tmp_path / "config.yaml"
+    path.write_text(text.replace("__MODEL__", str(tiny_model_dir)).replace("__DATA__", str(alpaca_file)))
+    return path
+
+
+def test_seed_config_loads_as_written(seed_config: Path):
+    config = load_config(seed_config)
+    assert config.data.max_length == 16384
+    assert config.training.learning_rate == pytest.approx(2e-5)
+    assert config.training.gradient_accumulation_steps == 2
+    assert config.training.eval_dataset_type == "subset" and config.training.eval_subset_size == 200
+    assert config.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    # Saving settings are accepted and reported as not active, since they cannot change results.
+    assert inactive_keys(config) == ["training.save_steps=100", "training.save_total_limit=10"]
+
+
+def test_dump_round_trips(seed_config: Path, tmp_path: Path):
+    config = load_config(seed_config)
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(config))
+    assert load_config(again) == config
+
+
+def test_overrides_are_typed(seed_config: Path):
+    config = load_config(seed_config, ["training.learning_rate=1e-4", "lora.target_modules=all-linear", "lora.r=4"])
+    assert config.training.learning_rate == pytest.approx(1e-4)
+    assert config.lora.target_modules == "all-linear"
+    assert config.lora.r == 4
+    assert parse_override("lora.target_modules=[q_proj, v_proj]") == (["lora", "target_modules"], ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.learnig_rate=1e-4", "training.learnig_rate: unknown key (did you mean 'training.learning_rate'?)"),
+        ("trainng.seed=1", "trainng: unknown key (did you mean 'training'?)"),
+        ("lora.r=0", "lora.r: Input should be greater than 0 (got 0)"),
+        ("lora.r=2.5", "lora.r: Input should be a valid integer"),
+        ("training.learning_rate=0", "training.learning_rate: Input should be greater than 0"),
+        ("training.learning_rate=-1e-3", "training.learning_rate: Input should be greater than 0"),
+        ("training.learning_rate=fast", "training.learning_rate: Input should be a valid number"),
+        ("training.warmup_ratio=1.5", "training.warmup_ratio: Input should be less than or equal to 1 (got 1.5)"),
+        ("training.warmup_ratio=-0.1", "training.warmup_ratio: Input should be greater than or equal to 0"),
+        ("data.dataset_path=/no/such/file.jsonl", "data.dataset_path: file not found: /no/such/file.jsonl"),
+        ("model.name_or_path=./no/such/model", "model.name_or_path: directory not found: ./no/such/model"),
+        ("model.dtype=fp8", "model.dtype: Input should be 'auto', 'bfloat16' or 'float32'"),
+        ("data.packing=true", "data.packing: true is not supported"),
+        ("training.resume_from_checkpoint=ckpt", "training.resume_from_checkpoint: not supported"),
+        ("training.eval_subset_size=null", "training.eval_subset_size: required when eval_dataset_type is subset"),
+    ],
+)
+def test_bad_values_name_the_key(seed_config: Path, override: str, message: str):
+    with pytest.raises(ConfigError) as error:
+        load_config(seed_config, [override])
+    assert len(error.value.lines) == 1
+    assert error.value.lines[0].startswith(message), error.value.lines[0]
+
+
+def test_warmup_steps_and_ratio_conflict(seed_config: Path):
+    with pytest.raises(ConfigError, match="training.warmup_steps: set either warmup_steps or warmup_ratio"):
+        load_config(seed_config, ["training.warmup_steps=10", "training.warmup_ratio=0.1"])
+
+
+def test_hub_ids_are_not_checked_on_disk(seed_config: Path):
+    assert load_config(seed_config, ["model.name_or_path=mistralai/Mistral-7B-v0.1"]).model.name_or_path
+
+
+def test_cli_exits_2_with_one_line_per_problem(seed_config: Path, capsys):
+    status = main(["train", str(seed_config), "lora.r=0", "training.learnig_rate=1"])
+    assert status == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "shardtune: error: training.learnig_rate: unknown key (did you mean 'training.learning_rate'?)",
+        "shardtune: error: lora.r: Input should be greater than 0 (got 0)",
+    ]
+
+
+def test_cli_rejects_malformed_yaml(tmp_path: Path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  name_or_path: [unclosed\n")
+    assert main(["train", str(path)]) == 2
+    assert f"{path}:" in capsys.readouterr().err

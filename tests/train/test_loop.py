@@ -1,0 +1,202 @@
+"""The training loop: token-weighted loss normalization, evaluation, and what a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from conftest import make_config
+from transformers import AutoModelForCausalLM
+
+from shardtune.data.collate import pad_to_longest
+from shardtune.data.dataset import prepare_data
+from shardtune.model.load import load_model, load_tokenizer
+from shardtune.run_dir import prepare_output_dir
+from shardtune.train.loop import accumulate_gradients, run_training
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_one_batch_of_four_equals_four_batches_of_one(tmp_path, alpaca_file, world):
+    """Sum of token losses / step target tokens: the split into micro-batches must not matter."""
+    config = make_config(tmp_path, alpaca_file)
+    tokenizer = load_tokenizer(config.model)
+    examples = prepare_data(config.data, config.training, tokenizer).train[:4]
+    lengths = {len(example.input_ids) for example in examples}
+    assert len(lengths) > 1, "the check needs examples of different lengths"
+    model = load_model(config.model, torch.float32, world.device, seed=0)
+
+    def gradients(micro_batches):
+        model.zero_grad(set_to_none=True)
+        loss_sum, targets = accumulate_gradients(model, micro_batches, world, autocast=None)
+        grads = [p.grad.clone() for p in model.parameters()]
+        return (loss_sum / targets).item(), grads
+
+    pad = tokenizer.pad_token_id
+    loss_one, grads_one = gradients([pad_to_longest(examples, pad)])
+    loss_four, grads_four = gradients([pad_to_longest([example], pad) for example in examples])
+    assert loss_one == pytest.approx(loss_four, rel=1e-6, abs=1e-6)
+    for a, b in zip(grads_one, grads_four):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # A mean of per-batch means would weigh short examples' tokens more: make sure that differs.
+    means = []
+    for example in examples:
+        model.zero_grad(set_to_none=True)
+        loss_sum, targets = accumulate_gradients(model, [pad_to_longest([example], pad)], world, autocast=None)
+        means.append((loss_sum / targets).item())
+    assert abs(sum(means) / 4 - loss_one) > 1e-4
+
+
+def test_accumulation_split_gives_the_same_run(tmp_path, alpaca_file, world):
+    """4 examples per micro-batch x 1 step of accumulation == 1 x 4, over a whole short run."""
+    runs = {}
+    for micro, accum in ((4, 1), (1, 4)):
+        config = make_config(
+            tmp_path / f"{micro}x{accum}",
+            alpaca_file,
+            training={"per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, "max_steps": 3},
+        )
+        prepare_output_dir(Path(config.training.output_dir), overwrite=False)
+        result = run_training(config, world, ["test"])
+        runs[(micro, accum)] = (
+            [row["loss"] for row in _lines(Path(config.training.output_dir) / "logs/train_log.jsonl")],
+            {name: p.detach().clone() for name, p in result.model.named_parameters() if p.requires_grad},
+        )
+    (losses_a, params_a), (losses_b, params_b) = runs[(4, 1)], runs[(1, 4)]
+    assert len(losses_a) == 3
+    assert losses_a == pytest.approx(losses_b, rel=1e-6)
+    for name in params_a:
+        torch.testing.assert_close(params_a[name], params_b[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A short LoRA run with evaluation, shared by the run-directory tests."""
+    from conftest import TINY_DATA
+
+    from shardtune.distributed.env import DistributedEnv
+
+    tmp_path = tmp_path_factory.mktemp("lora")
+    config = make_config(
+        tmp_path,
+        TINY_DATA,
+        data={"eval_split_ratio": 0.1, "subset_size": 400},
+        training={"max_steps": 6, "logging_steps": 2, "eval_steps": 2, "eval_subset_size": 16, "eval_on_start": True},
+        logging={"tensorboard": True},
+    )
+    env = DistributedEnv.from_environment(timeout_s=60)
+    try:
+        prepare_output_dir(Path(config.training.output_dir), overwrite=False)
+        result = run_training(config, env, ["shardtune", "train", "test.yaml"])
+    finally:
+        env.close()
+    return config, result
+
+
+def test_run_directory_layout(lora_run):
+    config, result = lora_run
+    out = Path(config.training.output_dir)
+    assert (out / "config.yaml").is_file()
+    run_args = json.loads((out / "run_args.json").read_text())
+    assert run_args["world_size"] == 1 and len(run_args["hostnames"]) == 1
+    assert {"torch", "transformers", "peft", "shardtune"} <= set(run_args["versions"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in (
+        "wall_time_s", "tokens", "tokens_per_rank", "tokens_per_s", "tokens_per_s_per_rank", "world_size", "gpu",
+        "torch", "transformers", "model", "dataset", "use_lora", "bf16", "gradient_checkpointing", "strategy",
+    ):
+        assert key in metrics, key
+    assert metrics["steps"] == 6 and metrics["use_lora"] is True and metrics["bf16"] is False
+    assert metrics["tokens"] == sum(metrics["tokens_per_rank"]) > 0
+    assert metrics["tokens_per_s"] > 0 and metrics["gpu"] == "cpu"
+    assert metrics == result.metrics
+
+    train_log = _lines(out / "logs/train_log.jsonl")
+    assert [row["step"] for row in train_log] == [2, 4, 6]
+    for row in train_log:
+        assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_gib"} <= set(row)
+        assert row["loss"] > 0 and row["peak_memory_gib"] > 0
+    assert metrics["tokens"] == sum(row["tokens"] for row in train_log)
+
+    eval_log = _lines(out / "logs/eval_log.jsonl")
+    assert [row["step"] for row in eval_log] == [0, 2, 4, 6]
+    # The same deterministic eval subset at every evaluation: identical target-token counts.
+    assert len({row["eval_tokens"] for row in eval_log}) == 1
+    for row in eval_log:
+        assert row["eval_perplexity"] == pytest.approx(torch.tensor(row["eval_loss"]).exp().item(), rel=1e-6)
+    assert metrics["eval_loss"] == eval_log[-1]["eval_loss"]
+    assert metrics["first_eval_loss"] == eval_log[0]["eval_loss"]
+
+    final = out / "final"
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= {p.name for p in final.iterdir()}
+    assert list(out.glob(".*tmp*")) == []
+
+
+def test_tensorboard_receives_the_scalars(lora_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config, _ = lora_run
+    events = EventAccumulator(str(Path(config.training.output_dir) / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [2, 4, 6]
+    assert [event.step for event in events.Scalars("eval/eval_loss")] == [0, 2, 4, 6]
+
+
+def test_final_adapter_gives_the_trained_logits(lora_run, tiny_model_dir):
+    config, result = lora_run
+    trained = result.model.eval()
+    reloaded = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), Path(config.training.output_dir) / "final"
+    ).eval()
+    input_ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trained(input_ids=input_ids).logits
+        got = reloaded(input_ids=input_ids).logits
+    assert not torch.allclose(
+        expected, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(input_ids=input_ids).logits, atol=1e-4
+    ), "training should have changed the model"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_full_finetuning_exports_a_loadable_model(tmp_path, alpaca_file, world, tiny_model_dir):
+    config = make_config(tmp_path, alpaca_file, lora={"enabled": False}, training={"max_steps": 2})
+    prepare_output_dir(Path(config.training.output_dir), overwrite=False)
+    result = run_training(config, world, ["test"])
+    assert result.metrics["use_lora"] is False
+    assert result.metrics["trainable_params"] == result.metrics["total_params"]
+    final = Path(config.training.output_dir) / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    assert json.loads((final / "config.json").read_text())["use_cache"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    input_ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(input_ids=input_ids).logits, result.model.eval()(input_ids=input_ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_eval_subset_is_seeded_and_fixed(tmp_path, alpaca_file, tokenizer):
+    config = make_config(tmp_path, alpaca_file, data={"eval_split_ratio": 0.2}, training={"eval_subset_size": 10})
+    first = prepare_data(config.data, config.training, tokenizer)
+    second = prepare_data(config.data, config.training, tokenizer)
+    assert len(first.eval) == 10 and len(first.train) == 160
+    assert first.eval == second.eval
+    other_seed = config.training.model_copy(update={"seed": 1})
+    assert prepare_data(config.data, other_seed, tokenizer).eval != first.eval
+
+
+def test_existing_run_is_not_overwritten_silently(tmp_path):
+    from shardtune.errors import ConfigError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_output_dir(out, overwrite=False)
+    prepare_output_dir(out, overwrite=True)
+    assert not (out / "metrics.json").exists()
