@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -51,6 +52,14 @@ ROWS_PER_FAMILY = 300  # 8 families -> 2,400 rows
 NUM_MESSAGE_ROWS = 300
 VOCAB_SIZE = 1024
 MODEL_MAX_LENGTH = 1024
+HIDDEN_SIZE = 128
+# Weight init std. The Llama default (0.02) is tuned for hidden sizes in the thousands; at width 128
+# it makes the tied embedding / lm_head so small that logits are capped at about 0.02 * 128 = 2.6.
+# Full fine-tuning can grow the embeddings, but LoRA (which freezes embeddings, lm_head and norms)
+# then cannot push the loss below ~4.4 nats (measured: stuck at 5.5-6.4 after 600 steps).
+# Fan-in scaling (1/sqrt(hidden) ~= 0.088) lifts that cap to ~11 and lets both LoRA and full
+# fine-tuning of this random base learn the toy tasks quickly.
+INIT_STD = HIDDEN_SIZE**-0.5
 
 # Special tokens, in id order. ``<unk>`` first mirrors the Llama convention (unk=0, bos=1, eos=2);
 # a byte-level BPE never actually emits ``<unk>`` because every byte is in the base alphabet.
@@ -70,6 +79,9 @@ CHAT_TEMPLATE = (
 # ---------------------------------------------------------------------------------------------
 # Lookup tables. Kept small on purpose: a tiny model has to memorise them to answer correctly.
 # ---------------------------------------------------------------------------------------------
+
+# Tables are laid out several entries per line for readability; keep the formatter off them.
+# fmt: off
 
 CAPITALS: list[tuple[str, str]] = [
     ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
@@ -126,6 +138,8 @@ ADJECTIVES: list[str] = [
     "fast", "sleepy", "brave", "tiny",
 ]
 
+# fmt: on
+
 COUNT_WORDS: dict[int, str] = {2: "two", 3: "three", 4: "four"}
 
 
@@ -157,9 +171,7 @@ def make_uppercase(rng: random.Random) -> Row:
     phrase = f"{rng.choice(ADJECTIVES)} {rng.choice(WORDS)}"
     if rng.random() < 0.3:
         phrase = f"the {phrase}"
-    instruction = rng.choice(
-        ["Convert the text to uppercase.", "Rewrite the input in capital letters."]
-    )
+    instruction = rng.choice(["Convert the text to uppercase.", "Rewrite the input in capital letters."])
     return _row(instruction, phrase.upper(), phrase)
 
 
@@ -290,9 +302,7 @@ def build_message_rows(rows: list[Row], seed: int = 1) -> list[dict[str, list[Me
 def render_alpaca(row: Row) -> str:
     """Render a row in the alpaca prompt layout, response included, without the trailing eos."""
     if row["input"]:
-        prompt = (
-            f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
-        )
+        prompt = f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
     else:
         prompt = f"### Instruction:\n{row['instruction']}\n\n### Response:\n"
     return prompt + row["output"]
@@ -326,6 +336,8 @@ def build_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     The tokenizer does NOT add special tokens automatically (``add_bos_token=False``,
     ``add_eos_token=False``): callers (the trainer's formatter, the chat template) decide where
     ``<s>``/``</s>`` go, which avoids double-bos bugs when a template already contains them.
+    transformers 5 does not write these flags to ``tokenizer_config.json``; the behaviour is
+    persisted as the empty ``TemplateProcessing`` post-processor (``$A`` only) in ``tokenizer.json``.
     """
     backend = Tokenizer(models.BPE(unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -371,13 +383,14 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     """Create the randomly initialised tiny Llama (fp32, tied embeddings) with a fixed seed."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
+        hidden_size=HIDDEN_SIZE,
         intermediate_size=344,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=MODEL_MAX_LENGTH,
         tie_word_embeddings=True,
+        initializer_range=INIT_STD,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -427,9 +440,16 @@ def main() -> int:
     check_roundtrip(tokenizer, samples)
 
     model = build_model(tokenizer)
-    MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    # The directory is fully generated: start from scratch so no stale file from an older layout
+    # (e.g. a special_tokens_map.json) survives a rebuild.
+    if MODEL_DIR.exists():
+        shutil.rmtree(MODEL_DIR)
+    MODEL_DIR.mkdir(parents=True)
     tokenizer.save_pretrained(MODEL_DIR)
     model.save_pretrained(MODEL_DIR, safe_serialization=True)
+    # save_pretrained leaves the weights file with mode 0600; make it readable like the other assets.
+    for path in MODEL_DIR.glob("*.safetensors"):
+        path.chmod(0o644)
 
     n_params = verify_saved(MODEL_DIR, samples)
     lengths = [len(tokenizer.encode(text)) + 1 for text in corpus[: len(rows)]]  # +1 for eos
