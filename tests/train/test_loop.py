@@ -41,7 +41,7 @@ def test_one_batch_of_four_equals_four_batches_of_one(tmp_path, alpaca_file, wor
     loss_one, grads_one = gradients([pad_to_longest(examples, pad)])
     loss_four, grads_four = gradients([pad_to_longest([example], pad) for example in examples])
     assert loss_one == pytest.approx(loss_four, rel=1e-6, abs=1e-6)
-    for a, b in zip(grads_one, grads_four):
+    for a, b in zip(grads_one, grads_four, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # A mean of per-batch means would weigh short examples' tokens more: make sure that differs.
     means = []
@@ -107,8 +107,21 @@ def test_run_directory_layout(lora_run):
     assert {"torch", "transformers", "peft", "shardtune"} <= set(run_args["versions"])
     metrics = json.loads((out / "metrics.json").read_text())
     for key in (
-        "wall_time_s", "tokens", "tokens_per_rank", "tokens_per_s", "tokens_per_s_per_rank", "world_size", "gpu",
-        "torch", "transformers", "model", "dataset", "use_lora", "bf16", "gradient_checkpointing", "strategy",
+        "wall_time_s",
+        "tokens",
+        "tokens_per_rank",
+        "tokens_per_s",
+        "tokens_per_s_per_rank",
+        "world_size",
+        "gpu",
+        "torch",
+        "transformers",
+        "model",
+        "dataset",
+        "use_lora",
+        "bf16",
+        "gradient_checkpointing",
+        "strategy",
     ):
         assert key in metrics, key
     assert metrics["steps"] == 6 and metrics["use_lora"] is True and metrics["bf16"] is False

@@ -17,7 +17,7 @@ def test_warmup_then_cosine_to_the_floor():
     assert values[4] == pytest.approx(1.0)  # the cosine starts at the peak ...
     assert values[9] == pytest.approx(0.1)  # ... and ends at the floor on the last step
     assert values[6] == pytest.approx(floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * 2 / 5)))
-    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+    assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
 
 
 def test_no_warmup_starts_at_the_peak():
@@ -41,5 +41,13 @@ def test_scheduler_sets_the_optimizer_learning_rate():
         seen.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert seen == pytest.approx([1e-4, 2e-4, 2e-4, 2e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3))),
-                                  2e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3))), 2e-5])
+    assert seen == pytest.approx(
+        [
+            1e-4,
+            2e-4,
+            2e-4,
+            2e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3))),
+            2e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3))),
+            2e-5,
+        ]
+    )

@@ -1,0 +1,98 @@
+"""The command line end to end, as a user types it: train, then generate from final/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from shardtune.config import load_config
+
+
+def shardtune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "shardtune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_train_then_generate(tmp_path: Path):
+    out = tmp_path / "run"
+    result = shardtune(
+        "train",
+        "examples/quickstart.yaml",
+        f"training.output_dir={out}",
+        "training.max_steps=8",
+        "training.logging_steps=4",
+        "training.eval_steps=4",
+    )
+    assert result.returncode == 0, result.stderr
+    # Not a terminal: plain progress lines with an ETA instead of a bar.
+    assert "step 4/8  loss" in result.stderr and "eta" in result.stderr
+    assert "parameters: 147,968 trainable of" in result.stderr
+    # config.yaml is the resolved config, overrides included, and loads back as a config.
+    saved = load_config(out / "config.yaml")
+    assert saved.training.max_steps == 8 and saved.training.output_dir == str(out)
+    run_args = json.loads((out / "run_args.json").read_text())
+    assert run_args["argv"][-3:] == ["training.max_steps=8", "training.logging_steps=4", "training.eval_steps=4"]
+    assert [json.loads(line)["step"] for line in (out / "logs/eval_log.jsonl").read_text().splitlines()] == [0, 4, 8]
+
+    generated = shardtune("generate", str(out / "final"), "--instruction", "What is the capital of France?")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip(), "generation printed nothing"
+
+
+def test_second_run_into_the_same_directory_is_refused(tmp_path: Path):
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    result = shardtune(
+        "train", "examples/quickstart.yaml", f"training.output_dir={out}", "training.overwrite_output_dir=false"
+    )
+    assert result.returncode == 2
+    assert f"training.output_dir: {out} already holds a run (logs)" in result.stderr
+
+
+def test_malformed_data_row_names_file_and_line(tmp_path: Path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": \n')
+    result = shardtune(
+        "train", "examples/quickstart.yaml", f"data.dataset_path={data}", f"training.output_dir={tmp_path}/r"
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"shardtune: error: {data}:2: not valid JSON")
+
+
+def test_wandb_offline_logs_without_network(tmp_path: Path):
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    result = shardtune(
+        "train",
+        "examples/quickstart.yaml",
+        f"training.output_dir={out}",
+        "training.max_steps=4",
+        "training.logging_steps=2",
+        "logging.wandb.enabled=true",
+        "logging.wandb.mode=offline",
+    )
+    assert result.returncode == 0, result.stderr
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    content = runs[0].read_bytes()
+    assert b"train/loss" in content and b"eval/eval_loss" in content
+
+
+@pytest.mark.slow
+def test_quickstart_halves_the_eval_loss(tmp_path: Path):
+    """The README's promise: the quickstart, as shipped, ends with at most half its first eval loss."""
+    config = yaml.safe_load((REPO / "examples/quickstart.yaml").read_text())
+    result = shardtune("train", "examples/quickstart.yaml", f"training.output_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((tmp_path / "run/metrics.json").read_text())
+    assert config["training"]["eval_on_start"] is True
+    assert metrics["eval_loss"] <= 0.5 * metrics["first_eval_loss"], metrics
