@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -33,9 +34,12 @@ def save_final(
             model.save_pretrained(staging, safe_serialization=True)
         else:
             state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
-            original_dtype, model.config.dtype = model.config.dtype, dtype
             model.save_pretrained(staging, state_dict=state, safe_serialization=True)
-            model.config.dtype = original_dtype
+            # save_pretrained records the dtype of the fp32 master weights; record the saved one.
+            config_path = staging / "config.json"
+            saved_config = json.loads(config_path.read_text())
+            saved_config["dtype"] = str(dtype).removeprefix("torch.")
+            config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n")
     finally:
         base.config.use_cache = use_cache
     tokenizer.save_pretrained(staging)

@@ -70,8 +70,10 @@ def test_accumulation_split_gives_the_same_run(tmp_path, alpaca_file, world):
     (losses_a, params_a), (losses_b, params_b) = runs[(4, 1)], runs[(1, 4)]
     assert len(losses_a) == 3
     assert losses_a == pytest.approx(losses_b, rel=1e-6)
+    # Adam turns float-rounding-sized gradient differences on near-zero gradients into ~1e-6 weight
+    # differences; a wrongly normalized loss moves weights by the learning rate (1e-3).
     for name in params_a:
-        torch.testing.assert_close(params_a[name], params_b[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(params_a[name], params_b[name], rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +215,19 @@ def test_existing_run_is_not_overwritten_silently(tmp_path):
         prepare_output_dir(out, overwrite=False)
     prepare_output_dir(out, overwrite=True)
     assert not (out / "metrics.json").exists()
+
+
+def test_full_model_is_exported_in_the_compute_dtype(tmp_path, tiny_model_dir, tokenizer):
+    """fp32 master weights trained under bf16 autocast are saved as bf16, and say so."""
+    from safetensors import safe_open
+
+    from shardtune.checkpoint.export import save_final
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    save_final(model, tokenizer, tmp_path / "final", torch.bfloat16)
+    assert json.loads((tmp_path / "final/config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(tmp_path / "final/model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}  # noqa: SIM118
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype="auto")
+    assert reloaded.dtype == torch.bfloat16
+    assert model.dtype == torch.float32  # the trained model itself is untouched
