@@ -14,6 +14,7 @@ import warnings
 
 from shardtune import __version__
 from shardtune.config import load_config
+from shardtune.convert import add_convert_parser
 from shardtune.errors import ConfigError, InputError
 
 EXIT_BAD_INPUT = 2
@@ -58,6 +59,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Build (or find) the token store of a config, on any machine, before training."""
+    config = load_config(args.config, args.overrides)
+    _setup_logging(True)
+    from shardtune.data.prepare import describe, prepare_dataset
+    from shardtune.model.load import load_tokenizer
+
+    data = prepare_dataset(config, load_tokenizer(config.model), timeout_s=config.parallel.timeout_s)
+    print(f"token store: {data.store}")
+    print(describe(data.summary))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.generate import generate_response
 
@@ -75,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     train.set_defaults(handler=cmd_train)
+
+    prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")
+    prepare.add_argument("config", help="YAML config file")
+    prepare.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    prepare.set_defaults(handler=cmd_prepare)
+
+    add_convert_parser(commands)
 
     generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")
     generate.add_argument("model_dir", help="a final/ directory: PEFT adapter or full model, with tokenizer")

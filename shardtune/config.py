@@ -8,6 +8,7 @@ one exists.
 from __future__ import annotations
 
 import difflib
+import os
 import logging
 import re
 from pathlib import Path
@@ -35,20 +36,55 @@ class ModelConfig(_Section):
     revision: str | None = None
 
 
+FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("messages",), "text": ("text",)}
+
+
 class DataConfig(_Section):
-    dataset_path: str
-    format: Literal["alpaca"] = "alpaca"
+    dataset_path: str | list[str] = Field(description="file(s) (.jsonl, .json, .parquet) or hub dataset id(s)")
+    dataset_weights: list[float] | None = Field(None, description="per source: times each row is used per epoch")
+    dataset_split: str = "train"
+    dataset_subset: str | None = None
+    format: Literal["alpaca", "messages", "text"] = "alpaca"
+    columns: dict[str, str] = Field(default_factory=dict, description="format field -> dataset column")
+    train_on_prompt: bool = False
     max_length: int = Field(2048, gt=0)
+    truncation: Literal["truncate", "drop"] = "truncate"
+    on_bad_row: Literal["error", "skip"] = "error"
     subset_size: int | None = Field(None, gt=0)
     packing: bool = False
+    pad_to: Literal["longest", "max_length"] = "longest"
     eval_path: str | None = None
     eval_split_ratio: float = Field(0.0, ge=0.0, lt=1.0)
-    cache_dir: str | None = None
+    cache_dir: str | None = Field(None, description="token store root; default $SHARDTUNE_CACHE or ~/.cache/shardtune")
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.dataset_path] if isinstance(self.dataset_path, str) else list(self.dataset_path)
+
+    @property
+    def weights(self) -> list[float]:
+        return self.dataset_weights or [1.0] * len(self.paths)
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        default = os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune"
+        return Path(self.cache_dir or default).expanduser()
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.packing:
-            raise ValueError("packing: true is not supported by this version of shardtune (set packing: false)")
+        if not self.paths:
+            raise ValueError("dataset_path: name at least one dataset")
+        if self.dataset_weights is not None:
+            if len(self.dataset_weights) != len(self.paths):
+                raise ValueError(
+                    f"dataset_weights: {len(self.dataset_weights)} weights for {len(self.paths)} dataset paths"
+                )
+            if any(weight <= 0 for weight in self.dataset_weights):
+                raise ValueError("dataset_weights: every weight must be > 0")
+        unknown = sorted(set(self.columns) - set(FORMAT_FIELDS[self.format]))
+        if unknown:
+            fields = ", ".join(FORMAT_FIELDS[self.format])
+            raise ValueError(f"columns: {', '.join(unknown)} is not a field of format {self.format} ({fields})")
         if self.eval_path and self.eval_split_ratio > 0:
             raise ValueError("eval_split_ratio: set either eval_path or eval_split_ratio, not both")
         return self
@@ -165,7 +201,6 @@ _NOT_ACTIVE_YET = {
     ("training", "save_steps"): None,
     ("training", "save_total_limit"): None,
     ("training", "checkpoint_mode"): "lite",
-    ("data", "cache_dir"): None,
     ("parallel", "cpu_offload"): False,
     ("network", "socket_ifname"): None,
     ("network", "ib"): None,
@@ -239,12 +274,14 @@ def _format_error(error: dict[str, Any]) -> str:
 
 
 def _check_paths(config: Config) -> list[str]:
+    from shardtune.data.sources import is_local
+
     problems = []
-    for key, value in (
-        ("data.dataset_path", config.data.dataset_path),
-        ("data.eval_path", config.data.eval_path),
-    ):
-        if value is not None and not Path(value).is_file():
+    locals_ = [("data.dataset_path", path) for path in config.data.paths if is_local(path)]
+    if config.data.eval_path:
+        locals_.append(("data.eval_path", config.data.eval_path))
+    for key, value in locals_:
+        if not Path(value).expanduser().exists():
             problems.append(f"{key}: file not found: {value}")
     if _looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
         problems.append(f"model.name_or_path: directory not found: {config.model.name_or_path}")

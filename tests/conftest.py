@@ -48,7 +48,7 @@ def make_config(tmp_path: Path, data_path: Path, **sections: dict):
 
     tree = {
         "model": {"name_or_path": str(TINY_MODEL)},
-        "data": {"dataset_path": str(data_path), "max_length": 128},
+        "data": {"dataset_path": str(data_path), "max_length": 128, "cache_dir": str(tmp_path / "cache")},
         "training": {
             "output_dir": str(tmp_path / "run"),
             "max_steps": 4,

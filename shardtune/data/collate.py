@@ -1,47 +1,75 @@
-"""Examples -> a padded batch of tensors."""
+"""Sequences -> a batch of tensors: padded examples with an attention mask, or packed sequences."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from shardtune.data.tokenize import IGNORE_INDEX, TokenizedExample
+from shardtune.data.tokenize import IGNORE_INDEX
+
+SequenceView = tuple[np.ndarray, np.ndarray, np.ndarray]  # input_ids, targets, position_ids
 
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
     targets: torch.Tensor
+    attention_mask: torch.Tensor | None  # padded examples
+    position_ids: torch.Tensor | None  # packed sequences: restart at 0 for every example
     num_targets: int
-    num_tokens: int
+    num_tokens: int  # real (non-padding) tokens
 
     def to(self, device: torch.device) -> Batch:
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device, non_blocking=True)
+
         return Batch(
-            self.input_ids.to(device, non_blocking=True),
-            self.attention_mask.to(device, non_blocking=True),
-            self.targets.to(device, non_blocking=True),
+            move(self.input_ids),
+            move(self.targets),
+            move(self.attention_mask),
+            move(self.position_ids),
             self.num_targets,
             self.num_tokens,
         )
 
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        inputs = {"input_ids": self.input_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        return inputs
 
-def pad_to_longest(examples: list[TokenizedExample], pad_token_id: int) -> Batch:
-    """Right-pad to the longest example in the batch; padded positions are masked and carry no target."""
-    length = max(len(example.input_ids) for example in examples)
-    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
-    targets = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
-    for row, example in enumerate(examples):
-        n = len(example.input_ids)
-        input_ids[row, :n] = torch.tensor(example.input_ids)
-        targets[row, :n] = torch.tensor(example.targets)
-        attention_mask[row, :n] = 1
+
+def collate(sequences: list[SequenceView], pad_token_id: int, packed: bool, pad_to_length: int | None = None) -> Batch:
+    """Right-pad to the longest sequence (or to ``pad_to_length``); padding never carries a target.
+
+    Padded examples get an attention mask. Packed sequences get position ids and no mask (the mask
+    would hide the example boundaries); their padding tail gets positions of its own from 0, so it
+    is one more isolated pseudo-example that nothing attends to.
+    """
+    length = max(len(ids) for ids, _, _ in sequences)
+    if pad_to_length is not None:
+        length = max(length, pad_to_length)
+    input_ids = np.full((len(sequences), length), pad_token_id, dtype=np.int64)
+    targets = np.full((len(sequences), length), IGNORE_INDEX, dtype=np.int64)
+    real = np.zeros((len(sequences), length), dtype=np.int64)
+    positions = np.zeros((len(sequences), length), dtype=np.int64) if packed else None
+    for row, (ids, row_targets, row_positions) in enumerate(sequences):
+        n = len(ids)
+        input_ids[row, :n] = ids
+        targets[row, :n] = row_targets
+        real[row, :n] = 1
+        if positions is not None:
+            positions[row, :n] = row_positions
+            positions[row, n:] = np.arange(length - n)
     return Batch(
-        input_ids,
-        attention_mask,
-        targets,
+        torch.from_numpy(input_ids),
+        torch.from_numpy(targets),
+        None if packed else torch.from_numpy(real),
+        None if positions is None else torch.from_numpy(positions),
         num_targets=int((targets != IGNORE_INDEX).sum()),
-        num_tokens=int(attention_mask.sum()),
+        num_tokens=int(real.sum()),
     )

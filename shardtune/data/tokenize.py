@@ -1,14 +1,23 @@
-"""Prompt/response text -> token ids and next-token targets with the prompt masked out."""
+"""Rendered segments -> token ids and next-token targets, with untrained segments masked out."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from transformers import PreTrainedTokenizerBase
 
+from shardtune.data.formats import Rendered
 from shardtune.errors import DataError
 
 IGNORE_INDEX = -100
+
+
+class Outcome(str, Enum):
+    KEPT = "kept"
+    TRUNCATED = "truncated"  # kept, cut to max_length
+    TOO_LONG = "too_long"  # dropped: over max_length with data.truncation: drop
+    NO_TARGET_TOKENS = "no_target_tokens"  # dropped: nothing left to train on
 
 
 @dataclass(frozen=True)
@@ -16,7 +25,8 @@ class TokenizedExample:
     """``targets[i]`` is the token the model must predict after reading ``input_ids[: i + 1]``.
 
     Targets are shifted here, once, per example, rather than inside the loss: a position never
-    predicts a token of another example, and the loss is a plain cross entropy over aligned tensors.
+    predicts a token of another example when examples are packed together, and the loss is a plain
+    cross entropy over aligned tensors.
     """
 
     input_ids: list[int]
@@ -28,36 +38,50 @@ class TokenizedExample:
 
 
 class ExampleTokenizer:
-    """Tokenizes prompt and response separately so the mask boundary is exact.
+    """Tokenizes each segment separately, so the boundary between masked and trained text is exact.
 
     Tokenizing the joined text and guessing where the prompt ends can shift the boundary by a token
-    when a merge spans it; separate encoding cannot. Special tokens follow the tokenizer's own habit
-    (e.g. Llama prepends BOS, Qwen does not); EOS always ends the response so the model learns to stop.
+    when a merge spans it; separate encoding cannot. Segments are encoded in one batched call per
+    chunk of rows, which lets the Rust tokenizer use every core.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str = "truncate"):
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos_token; set one in its tokenizer_config.json")
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.truncation = truncation
         self.prefix = _special_prefix(tokenizer)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.prefix + self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def __call__(self, prompt: str, response: str) -> tuple[TokenizedExample | None, bool]:
-        """Return (example or None when no target token survives truncation, whether it was truncated)."""
-        prompt_ids = self.encode_prompt(prompt)
-        response_ids = self.tokenizer.encode(response, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        sequence = prompt_ids + response_ids
-        truncated = len(sequence) > self.max_length
-        sequence = sequence[: self.max_length]
-        targets = [IGNORE_INDEX] * len(sequence)
-        # Position i predicts sequence[i + 1]; only predictions of response tokens carry a target.
-        for i in range(max(len(prompt_ids) - 1, 0), len(sequence) - 1):
-            targets[i] = sequence[i + 1]
-        example = TokenizedExample(sequence, targets)
-        return (example if example.num_targets else None), truncated
+    def tokenize(self, rendered: list[Rendered]) -> list[tuple[TokenizedExample | None, Outcome]]:
+        texts = [segment.text for item in rendered for segment in item.segments]
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        results = []
+        eos = self.tokenizer.eos_token_id
+        for item in rendered:
+            ids = list(self.prefix) if item.add_special_prefix else []
+            trained = [False] * len(ids)
+            for segment in item.segments:
+                piece = next(encoded) + ([eos] if segment.eos else [])
+                ids += piece
+                trained += [segment.trainable] * len(piece)
+            results.append(self._finish(ids, trained))
+        return results
+
+    def _finish(self, ids: list[int], trained: list[bool]) -> tuple[TokenizedExample | None, Outcome]:
+        outcome = Outcome.KEPT
+        if len(ids) > self.max_length:
+            if self.truncation == "drop":
+                return None, Outcome.TOO_LONG
+            ids, trained, outcome = ids[: self.max_length], trained[: self.max_length], Outcome.TRUNCATED
+        # Position i predicts token i + 1, which carries a target only if it is trained on.
+        targets = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [IGNORE_INDEX]
+        if all(target == IGNORE_INDEX for target in targets):
+            return None, Outcome.NO_TARGET_TOKENS
+        return TokenizedExample(ids, targets), outcome
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:

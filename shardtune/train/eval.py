@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from shardtune.data.collate import pad_to_longest
-from shardtune.data.tokenize import TokenizedExample
+from shardtune.data.collate import collate
+from shardtune.data.store import SequenceArrays
 from shardtune.distributed.env import DistributedEnv
 from shardtune.train.loss import summed_token_loss
 
@@ -15,7 +15,7 @@ from shardtune.train.loss import summed_token_loss
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    examples: list[TokenizedExample],
+    examples: SequenceArrays,
     batch_size: int,
     pad_token_id: int,
     env: DistributedEnv,
@@ -25,11 +25,13 @@ def evaluate(
     was_training = model.training
     model.eval()
     # Each rank takes a strided share; sorting by length first keeps padding per batch small.
-    mine = sorted(examples[env.rank :: env.world_size], key=lambda e: len(e.input_ids))
+    lengths = examples.lengths()
+    mine = sorted(range(env.rank, len(examples), env.world_size), key=lambda i: (lengths[i], i))
     # Sums stay on the device and are reduced once at the end: no host sync per batch.
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
     for start in range(0, len(mine), batch_size):
-        batch = pad_to_longest(mine[start : start + batch_size], pad_token_id).to(env.device)
+        sequences = [examples.sequence(i) for i in mine[start : start + batch_size]]
+        batch = collate(sequences, pad_token_id, packed=False).to(env.device)
         totals[0] += summed_token_loss(model, batch, autocast_dtype).double()
         totals[1] += batch.num_targets
     env.all_reduce_sum(totals)

@@ -19,8 +19,8 @@ import transformers
 
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config, inactive_keys
-from shardtune.data.collate import Batch, pad_to_longest
-from shardtune.data.dataset import PreparedData, prepare_data
+from shardtune.data.collate import Batch, collate
+from shardtune.data.prepare import describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError
@@ -110,8 +110,8 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
-    data = prepare_data(config.data, training, tokenizer)
-    _log_data(data)
+    data = prepare_dataset(config, tokenizer, is_builder=True, timeout_s=config.parallel.timeout_s)
+    log.info("data: %s", describe(data.summary))
 
     model = load_model(config.model, precision.frozen_storage, env.device, training.seed)
     if training.gradient_checkpointing:
@@ -145,10 +145,11 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     sinks: list[MetricSink] = open_sinks(config, output_dir) if env.is_main else []
     progress = Progress(total_steps, config.logging.progress_bar, enabled=env.is_main)
     pad_id = tokenizer.pad_token_id
+    pad_to_length = config.data.max_length if config.data.pad_to == "max_length" and not config.data.packing else None
     eval_results: list[dict[str, float]] = []
 
     def run_eval(step: int) -> None:
-        if not data.eval:
+        if len(data.eval) == 0:
             return
         started = time.perf_counter()
         result = evaluate(
@@ -178,7 +179,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     run_started = window_started = time.perf_counter()
     for step in range(1, total_steps + 1):
         micro_batches = [
-            pad_to_longest([data.train[i] for i in indices], pad_id)
+            collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
         ]
         loss_sum, step_targets = accumulate_gradients(model, micro_batches, env, precision.autocast)
@@ -241,7 +242,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         "tokens_per_rank": tokens_per_rank,
         "tokens_per_s": sum(rates_per_rank),
         "tokens_per_s_per_rank": rates_per_rank,
-        "target_tokens": int(data.train_summary.target_tokens),
+        "target_tokens": int(data.summary["train"]["target_tokens"]),
         "peak_memory_gib_per_rank": peak_per_rank,
         "world_size": env.world_size,
         "hostnames": hostnames,
@@ -258,7 +259,8 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         "total_params": total,
         "global_batch_size": global_batch_size,
         "train_loss": last_loss,
-        "data": data.train_summary.as_dict(),
+        "data": {"store": str(data.store), **data.summary},
+        "packing": config.data.packing,
     }
     if eval_results:
         metrics.update(
@@ -279,16 +281,3 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             f", eval loss {metrics['eval_loss']:.4f}" if eval_results else "",
         )
     return TrainingResult(metrics, model)
-
-
-def _log_data(data: PreparedData) -> None:
-    summary = data.train_summary
-    log.info(
-        "data: %d train examples (%d rows read, %d truncated, dropped %s), %d eval examples, %s target tokens",
-        summary.kept,
-        summary.rows_read,
-        summary.truncated,
-        dict(summary.dropped) or "none",
-        len(data.eval),
-        f"{summary.target_tokens:,}",
-    )

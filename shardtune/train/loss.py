@@ -14,7 +14,7 @@ def summed_token_loss(model: torch.nn.Module, batch: Batch, autocast_dtype: torc
     with torch.autocast(
         batch.input_ids.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
     ):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        logits = model(**batch.model_inputs(), use_cache=False).logits
     # Softmax in fp32: bf16 logits lose the small probabilities that dominate the loss.
     return F.cross_entropy(
         logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"

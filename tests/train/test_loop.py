@@ -11,8 +11,8 @@ import torch
 from conftest import make_config
 from transformers import AutoModelForCausalLM
 
-from shardtune.data.collate import pad_to_longest
-from shardtune.data.dataset import prepare_data
+from shardtune.data.collate import collate
+from shardtune.data.prepare import prepare_dataset
 from shardtune.model.load import load_model, load_tokenizer
 from shardtune.run_dir import prepare_output_dir
 from shardtune.train.loop import accumulate_gradients, run_training
@@ -26,8 +26,9 @@ def test_one_batch_of_four_equals_four_batches_of_one(tmp_path, alpaca_file, wor
     """Sum of token losses / step target tokens: the split into micro-batches must not matter."""
     config = make_config(tmp_path, alpaca_file)
     tokenizer = load_tokenizer(config.model)
-    examples = prepare_data(config.data, config.training, tokenizer).train[:4]
-    lengths = {len(example.input_ids) for example in examples}
+    train = prepare_dataset(config, tokenizer).train
+    examples = [train.sequence(i) for i in range(4)]
+    lengths = {len(ids) for ids, _, _ in examples}
     assert len(lengths) > 1, "the check needs examples of different lengths"
     model = load_model(config.model, torch.float32, world.device, seed=0)
 
@@ -38,8 +39,8 @@ def test_one_batch_of_four_equals_four_batches_of_one(tmp_path, alpaca_file, wor
         return (loss_sum / targets).item(), grads
 
     pad = tokenizer.pad_token_id
-    loss_one, grads_one = gradients([pad_to_longest(examples, pad)])
-    loss_four, grads_four = gradients([pad_to_longest([example], pad) for example in examples])
+    loss_one, grads_one = gradients([collate(examples, pad, packed=False)])
+    loss_four, grads_four = gradients([collate([example], pad, packed=False) for example in examples])
     assert loss_one == pytest.approx(loss_four, rel=1e-6, abs=1e-6)
     for a, b in zip(grads_one, grads_four, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -47,7 +48,7 @@ def test_one_batch_of_four_equals_four_batches_of_one(tmp_path, alpaca_file, wor
     means = []
     for example in examples:
         model.zero_grad(set_to_none=True)
-        loss_sum, targets = accumulate_gradients(model, [pad_to_longest([example], pad)], world, autocast=None)
+        loss_sum, targets = accumulate_gradients(model, [collate([example], pad, packed=False)], world, autocast=None)
         means.append((loss_sum / targets).item())
     assert abs(sum(means) / 4 - loss_one) > 1e-4
 
@@ -197,12 +198,13 @@ def test_full_finetuning_exports_a_loadable_model(tmp_path, alpaca_file, world, 
 
 def test_eval_subset_is_seeded_and_fixed(tmp_path, alpaca_file, tokenizer):
     config = make_config(tmp_path, alpaca_file, data={"eval_split_ratio": 0.2}, training={"eval_subset_size": 10})
-    first = prepare_data(config.data, config.training, tokenizer)
-    second = prepare_data(config.data, config.training, tokenizer)
+    first = prepare_dataset(config, tokenizer)
     assert len(first.eval) == 10 and len(first.train) == 160
-    assert first.eval == second.eval
-    other_seed = config.training.model_copy(update={"seed": 1})
-    assert prepare_data(config.data, other_seed, tokenizer).eval != first.eval
+    first_eval = [first.eval.sequence(i)[0].tolist() for i in range(10)]
+    other = config.model_copy(update={"training": config.training.model_copy(update={"seed": 1})})
+    other_eval = prepare_dataset(other, tokenizer).eval
+    assert [other_eval.sequence(i)[0].tolist() for i in range(10)] != first_eval
+    assert first.store != prepare_dataset(other, tokenizer).store
 
 
 def test_existing_run_is_not_overwritten_silently(tmp_path):

@@ -1,0 +1,254 @@
+"""The data pipeline: sources -> rows -> rendered segments -> tokens -> packed or single sequences,
+written once to a token store keyed by everything that can change its content.
+
+Selection order (all seeded by ``training.seed``): each source's rows are read and rendered
+(bad rows stop preparation, or are skipped and counted); a held-out share of each source becomes
+eval data (``data.eval_split_ratio``) unless ``data.eval_path`` names an eval file; each source's
+training rows are repeated or sampled by its weight (2.0: every row twice, 0.5: a seeded half);
+``data.subset_size`` then samples the training rows and ``training.eval_subset_size`` the eval rows,
+so every evaluation of a run sees the same examples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from shardtune import __version__
+from shardtune.config import Config
+from shardtune.data.formats import Rendered, RowError, render_row
+from shardtune.data.packing import pack_examples, unpacked
+from shardtune.data.sources import BadRow, SourceSpec, iter_rows, source_fingerprint
+from shardtune.data.store import SequenceArrays, TokenStore, build_once, store_key
+from shardtune.data.tokenize import ExampleTokenizer, Outcome
+from shardtune.errors import DataError
+
+log = logging.getLogger("shardtune")
+
+# Bump when a change to this package changes the tokens it produces for the same inputs.
+PIPELINE_VERSION = 1
+TOKENIZE_CHUNK = 1024
+
+
+@dataclass
+class SplitSummary:
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    target_tokens: int = 0
+    sequences: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "kept": self.kept,
+            "truncated": self.truncated,
+            "dropped": dict(sorted(self.dropped.items())),
+            "tokens": self.tokens,
+            "target_tokens": self.target_tokens,
+            "sequences": self.sequences,
+        }
+
+
+@dataclass
+class PreparedData:
+    train: SequenceArrays
+    eval: SequenceArrays
+    summary: dict[str, Any]
+    store: Path
+
+
+@dataclass
+class _Example:
+    rendered: Rendered
+    where: str
+
+
+class _RowReader:
+    """Reads and renders rows, applying ``data.on_bad_row`` and counting what it skipped."""
+
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase):
+        self.data = config.data
+        self.tokenizer = tokenizer
+        self.rows_read = 0
+        self.bad_rows: Counter = Counter()
+        self.first_bad: dict[str, str] = {}
+
+    def read(self, spec: SourceSpec) -> list[_Example]:
+        examples = []
+        for row in iter_rows(spec):
+            self.rows_read += 1
+            if isinstance(row, BadRow):
+                self._bad(row.where, row.reason)
+                continue
+            try:
+                rendered = render_row(
+                    row.data, self.data.format, self.data.columns, self.tokenizer, self.data.train_on_prompt
+                )
+            except RowError as exc:
+                self._bad(row.where, str(exc))
+                continue
+            examples.append(_Example(rendered, row.where))
+        return examples
+
+    def _bad(self, where: str, reason: str) -> None:
+        if self.data.on_bad_row == "error":
+            raise DataError(f"{where}: {reason} (set data.on_bad_row: skip to skip such rows)")
+        self.bad_rows[reason] += 1
+        self.first_bad.setdefault(reason, where)
+
+
+def _sample(items: list, count: int, rng: random.Random) -> list:
+    """``count`` items in their original order, chosen by ``rng``."""
+    return [items[i] for i in sorted(rng.sample(range(len(items)), count))]
+
+
+def _weighted(items: list, weight: float, rng: random.Random) -> list:
+    whole, fraction = divmod(weight, 1.0)
+    return items * int(whole) + _sample(items, round(fraction * len(items)), rng)
+
+
+def select_rows(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[list[_Example], list[_Example], dict]:
+    data, training = config.data, config.training
+    rng = random.Random(training.seed)
+    reader = _RowReader(config, tokenizer)
+    train: list[_Example] = []
+    eval_rows: list[_Example] = []
+    sources = []
+    for path, weight in zip(data.paths, data.weights, strict=True):
+        rows = reader.read(SourceSpec(path, data.dataset_split, data.dataset_subset, weight))
+        if data.eval_split_ratio > 0 and not data.eval_path:
+            held_out = set(rng.sample(range(len(rows)), max(1, round(len(rows) * data.eval_split_ratio))))
+            eval_rows += [row for i, row in enumerate(rows) if i in held_out]
+            rows = [row for i, row in enumerate(rows) if i not in held_out]
+        sources.append({"path": path, "weight": weight, "rows": len(rows)})
+        train += _weighted(rows, weight, rng)
+    if data.eval_path:
+        eval_rows = reader.read(SourceSpec(data.eval_path))
+    if data.subset_size is not None and data.subset_size < len(train):
+        train = _sample(train, data.subset_size, rng)
+    if training.eval_subset_size is not None and training.eval_subset_size < len(eval_rows):
+        eval_rows = _sample(eval_rows, training.eval_subset_size, random.Random(training.seed + 1))
+    read = {
+        "rows_read": reader.rows_read,
+        "bad_rows": dict(reader.bad_rows),
+        "first_bad_row": reader.first_bad,
+        "sources": sources,
+    }
+    return train, eval_rows, read
+
+
+def _tokenize_split(
+    examples: list[_Example], tokenizer: ExampleTokenizer, packing: bool, max_length: int
+) -> tuple[SequenceArrays, SplitSummary]:
+    summary = SplitSummary(rows=len(examples))
+    kept = []
+    for start in range(0, len(examples), TOKENIZE_CHUNK):
+        chunk = examples[start : start + TOKENIZE_CHUNK]
+        for example, outcome in tokenizer.tokenize([item.rendered for item in chunk]):
+            if example is None:
+                summary.dropped[outcome.value] += 1
+                continue
+            summary.truncated += outcome == Outcome.TRUNCATED
+            summary.tokens += len(example.input_ids)
+            summary.target_tokens += example.num_targets
+            kept.append(example)
+    summary.kept = len(kept)
+    sequences = pack_examples(kept, max_length) if packing else [unpacked(example) for example in kept]
+    summary.sequences = len(sequences)
+    return SequenceArrays.from_sequences(sequences), summary
+
+
+def build_splits(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[dict, dict, dict]:
+    """Read, render, tokenize and pack: the arrays and summary a token store holds."""
+    started = time.perf_counter()
+    train_rows, eval_rows, read = select_rows(config, tokenizer)
+    example_tokenizer = ExampleTokenizer(tokenizer, config.data.max_length, config.data.truncation)
+    train, train_summary = _tokenize_split(train_rows, example_tokenizer, config.data.packing, config.data.max_length)
+    eval_split, eval_summary = _tokenize_split(eval_rows, example_tokenizer, False, config.data.max_length)
+    if len(train) == 0:
+        raise DataError(f"{', '.join(config.data.paths)}: no training example left (summary: {read})")
+    summary = {
+        **read,
+        "train": train_summary.as_dict(),
+        "eval": eval_summary.as_dict(),
+        "packing": config.data.packing,
+        "prepare_time_s": round(time.perf_counter() - started, 3),
+    }
+    return {"train": train, "eval": eval_split}, summary, {}
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Everything of the tokenizer that decides the ids: vocabulary, merges, normalizers, specials, template."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    digest.update(repr(sorted(tokenizer.special_tokens_map.items())).encode())
+    digest.update(str(tokenizer.chat_template or "").encode())
+    digest.update(repr(tokenizer.encode("a", add_special_tokens=True)).encode())
+    return digest.hexdigest()
+
+
+def store_inputs(config: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """Every input the store's content depends on; any change makes a new store."""
+    data, training = config.data, config.training
+    spec = SourceSpec
+    return {
+        "pipeline_version": PIPELINE_VERSION,
+        "sources": [
+            source_fingerprint(spec(path, data.dataset_split, data.dataset_subset, weight))
+            for path, weight in zip(data.paths, data.weights, strict=True)
+        ],
+        "weights": data.weights,
+        "eval_source": source_fingerprint(spec(data.eval_path)) if data.eval_path else None,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "options": data.model_dump(
+            mode="json",
+            include={"format", "columns", "train_on_prompt", "max_length", "truncation", "on_bad_row", "packing"},
+        ),
+        "selection": {
+            "seed": training.seed,
+            "subset_size": data.subset_size,
+            "eval_split_ratio": data.eval_split_ratio,
+            "eval_subset_size": training.eval_subset_size,
+        },
+    }
+
+
+def prepare_dataset(
+    config: Config, tokenizer: PreTrainedTokenizerBase, *, is_builder: bool = True, timeout_s: float = 3600.0
+) -> PreparedData:
+    """The run's token store: reused when it exists, else built (by ``is_builder``) and committed."""
+    inputs = store_inputs(config, tokenizer)
+    key = store_key(inputs)
+
+    def build() -> tuple[dict, dict, dict]:
+        splits, summary, _ = build_splits(config, tokenizer)
+        return splits, summary, {"inputs": inputs, "shardtune": __version__}
+
+    store: TokenStore = build_once(
+        config.data.resolved_cache_dir, key, build, is_builder=is_builder, timeout_s=timeout_s
+    )
+    return PreparedData(store.splits["train"], store.splits["eval"], store.summary, store.path)
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line for the log: what preparation read, kept and dropped."""
+    train, evaluation = summary["train"], summary["eval"]
+    dropped = {**train["dropped"], **{f"bad row: {k}": v for k, v in summary["bad_rows"].items()}}
+    return (
+        f"{summary['rows_read']:,} rows read; train: {train['kept']:,} examples kept "
+        f"({train['truncated']:,} truncated, dropped {dropped or 'none'}), {train['tokens']:,} tokens, "
+        f"{train['target_tokens']:,} target tokens, {train['sequences']:,} sequences"
+        f"{' (packed)' if summary['packing'] else ''}; eval: {evaluation['kept']:,} examples"
+    )

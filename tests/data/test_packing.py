@@ -1,0 +1,83 @@
+"""Packing: every example exactly once, fitting sequences, and no attention across examples."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_DATA
+
+from shardtune.config import ModelConfig
+from shardtune.data.collate import collate
+from shardtune.data.formats import render_row
+from shardtune.data.packing import pack_examples, unpacked
+from shardtune.data.tokenize import IGNORE_INDEX, ExampleTokenizer
+from shardtune.model.load import load_model
+from shardtune.train.loss import summed_token_loss
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    rows = [json.loads(line) for line in TINY_DATA.read_text().splitlines()[:40]]
+    rendered = [render_row(row, "alpaca", {}, tokenizer, False) for row in rows]
+    return [example for example, _ in ExampleTokenizer(tokenizer, 128).tokenize(rendered)]
+
+
+def test_every_example_once_in_sequences_that_fit(examples):
+    sequences = pack_examples(examples, max_length=128)
+    assert all(len(ids) <= 128 for ids, _, _ in sequences)
+    # Split every sequence back at its position-id restarts: the examples come back, each once.
+    recovered = []
+    for ids, targets, positions in sequences:
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        for a, b in zip(starts, starts[1:], strict=False):
+            assert positions[a:b] == list(range(b - a))
+            recovered.append((tuple(ids[a:b]), tuple(targets[a:b])))
+    assert sorted(recovered) == sorted((tuple(e.input_ids), tuple(e.targets)) for e in examples)
+    # Best-fit decreasing fills sequences: within one sequence of the lower bound.
+    total = sum(len(e.input_ids) for e in examples)
+    assert len(sequences) <= -(-total // 128) + 1
+    assert pack_examples(examples, max_length=128) == sequences  # deterministic
+
+
+def test_collate_packed_has_positions_and_no_mask(examples):
+    sequences = [tuple(np.array(part) for part in seq) for seq in pack_examples(examples[:6], max_length=64)]
+    batch = collate(sequences, pad_token_id=3, packed=True)
+    assert batch.attention_mask is None
+    longest = max(len(s[0]) for s in sequences)
+    short = min(range(len(sequences)), key=lambda i: len(sequences[i][0]))
+    n = len(sequences[short][0])
+    # The padding tail is its own pseudo-example: positions from 0, no targets.
+    assert batch.position_ids[short, n:].tolist() == list(range(longest - n))
+    assert (batch.targets[short, n:] == IGNORE_INDEX).all()
+    assert batch.num_tokens == sum(len(s[0]) for s in sequences)
+
+
+def test_pad_to_max_length(examples):
+    single = [tuple(np.array(p) for p in unpacked(examples[0]))]
+    batch = collate(single, pad_token_id=3, packed=False, pad_to_length=128)
+    assert batch.input_ids.shape == (1, 128) and batch.position_ids is None
+    assert batch.attention_mask.sum().item() == len(examples[0].input_ids)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_loss_equals_the_examples_run_one_by_one(examples, tiny_model_dir, attn):
+    model = load_model(
+        ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation=attn), torch.float32, torch.device("cpu"), 0
+    ).eval()
+    chosen = examples[:8]
+    as_arrays = lambda seq: tuple(np.array(part) for part in seq)  # noqa: E731
+    with torch.no_grad():
+        one_by_one = sum(
+            summed_token_loss(model, collate([as_arrays(unpacked(e))], 3, packed=False), None).item() for e in chosen
+        )
+        packed_sequences = [as_arrays(s) for s in pack_examples(chosen, max_length=128)]
+        assert len(packed_sequences) < len(chosen), "the check needs several examples per sequence"
+        packed = summed_token_loss(model, collate(packed_sequences, 3, packed=True), None).item()
+        # The same packed tokens with ordinary causal attention: examples see each other.
+        leaky = collate(packed_sequences, 3, packed=False)
+        crossed = summed_token_loss(model, leaky, None).item()
+    assert packed == pytest.approx(one_by_one, rel=1e-5)
+    assert abs(crossed - one_by_one) > 1e-2 * one_by_one

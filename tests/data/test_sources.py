@@ -1,0 +1,235 @@
+"""Dataset sources: every kind of file, exact row locations, bad rows as values, missing files and packages,
+content fingerprints, and local directories read through ``datasets``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, write_jsonl
+
+from shardtune.data.sources import BadRow, Row, SourceSpec, is_local, iter_rows, source_fingerprint
+from shardtune.errors import DataError
+
+
+def read(path: Path | str, **spec) -> list[Row | BadRow]:
+    return list(iter_rows(SourceSpec(str(path), **spec)))
+
+
+@pytest.fixture
+def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``datasets`` with its cache in the test's directory, so tests neither share nor leave prepared data."""
+    datasets = pytest.importorskip("datasets")
+    cache = tmp_path / "hf-datasets-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+def test_is_local():
+    assert is_local("data/train.jsonl") and is_local("rows.JSON") and is_local("x.parquet")  # missing, by suffix
+    assert is_local("./data") and is_local("../data") and is_local("/abs/data") and is_local("~/data")
+    assert is_local(str(REPO / "examples"))  # exists, no suffix
+    assert not is_local("tatsu-lab/alpaca") and not is_local("squad")
+
+
+def test_jsonl_rows_with_lines_blank_lines_and_bad_rows(tmp_path: Path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(
+        b'{"a": 1}\n'
+        b"\n"
+        b'{"a": \n'
+        b"[1, 2]\n"
+        b"   \n"
+        b'"text"\n'
+        b'{"a": "\xc3\xa9t\xc3\xa9"}\r\n'  # CRLF line end is whitespace to JSON
+        b"\xff\n"
+        b'{"a": 3}'  # no final newline
+    )
+    assert read(path) == [
+        Row({"a": 1}, f"{path}:1"),
+        BadRow(f"{path}:3", "not valid JSON (Expecting value at column 7)"),
+        BadRow(f"{path}:4", "expected a JSON object, got list"),
+        BadRow(f"{path}:6", "expected a JSON object, got string"),
+        Row({"a": "été"}, f"{path}:7"),
+        BadRow(f"{path}:8", "not valid UTF-8 (invalid start byte at byte 1)"),
+        Row({"a": 3}, f"{path}:9"),
+    ]
+
+
+def test_jsonl_location_uses_the_path_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "rows.jsonl", [{"a": 1}, {"a": 2}])
+    assert [row.where for row in read("rows.jsonl")] == ["rows.jsonl:1", "rows.jsonl:2"]
+
+
+def test_jsonl_byte_order_mark_is_ignored(tmp_path: Path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\n{"a": 2}\n')
+    assert read(path) == [Row({"a": 1}, f"{path}:1"), Row({"a": 2}, f"{path}:2")]
+
+
+def test_jsonl_is_read_lazily(tmp_path: Path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"a": 1}, {"a": 2}])
+    rows = iter_rows(SourceSpec(str(path)))
+    assert next(rows) == Row({"a": 1}, f"{path}:1")
+    # A line added after the first row was read is still seen: the file was not read up front.
+    with open(path, "a") as handle:
+        handle.write('{"a": 3}\n')
+    assert list(rows) == [Row({"a": 2}, f"{path}:2"), Row({"a": 3}, f"{path}:3")]
+
+
+def test_json_list(tmp_path: Path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"a": 1}, 5, {"b": "ü"}, None]), encoding="utf-8")
+    assert read(path) == [
+        Row({"a": 1}, f"{path}:row 0"),
+        BadRow(f"{path}:row 1", "expected a JSON object, got number"),
+        Row({"b": "ü"}, f"{path}:row 2"),
+        BadRow(f"{path}:row 3", "expected a JSON object, got null"),
+    ]
+
+
+def test_json_that_is_not_a_list_names_the_file(tmp_path: Path):
+    path = tmp_path / "wrapped.json"
+    path.write_text(json.dumps({"data": [{"a": 1}]}))
+    with pytest.raises(DataError) as caught:
+        read(path)
+    assert caught.value.lines == [
+        f"{path}: expected a JSON list of row objects at the top level, got an object with keys ['data']"
+    ]
+
+
+def test_json_lines_in_a_json_file_gets_a_hint(tmp_path: Path):
+    path = tmp_path / "lines.json"
+    path.write_text('{"a": 1}\n{"a": 2}\n')
+    with pytest.raises(DataError) as caught:
+        read(path)
+    assert caught.value.lines == [
+        f"{path}: not valid JSON (Extra data at line 2 column 1); one JSON object per line is JSON Lines: "
+        "name the file .jsonl"
+    ]
+
+
+def test_parquet_rows_across_record_batches(tmp_path: Path):
+    import pyarrow as pa  # a dev dependency: not skipped when missing
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    table = pa.table({"q": [f"q{i}" for i in range(5)], "n": [0, 1, None, 3, 4]})
+    pq.write_table(table, path, row_group_size=2)  # three row groups: indices must run on across them
+    rows = read(path)
+    assert [row.where for row in rows] == [f"{path}:row {i}" for i in range(5)]
+    assert rows[2] == Row({"q": "q2", "n": None}, f"{path}:row 2")
+    assert [row.data["q"] for row in rows] == ["q0", "q1", "q2", "q3", "q4"]
+
+
+def test_file_that_is_not_parquet(tmp_path: Path):
+    path = tmp_path / "fake.parquet"
+    path.write_text("not parquet")
+    with pytest.raises(DataError, match=rf"^{path}: not a readable Parquet file \("):
+        read(path)
+
+
+def test_missing_file_raises_at_the_call(tmp_path: Path):
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError) as caught:
+        iter_rows(SourceSpec(str(path)))  # not even iterated
+    assert caught.value.lines == [f"{path}: no such file"]
+    with pytest.raises(DataError, match="no such file"):
+        source_fingerprint(SourceSpec(str(path)))
+
+
+def test_unsupported_file_type(tmp_path: Path):
+    path = tmp_path / "rows.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(DataError) as caught:
+        read(path)
+    assert caught.value.lines == [f"{path}: unsupported file type (expected .jsonl, .json, .parquet)"]
+
+
+def test_split_or_subset_on_a_file_is_refused(tmp_path: Path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"a": 1}])
+    message = f"{path}: split and subset apply to hub datasets and directories, not to a file"
+    for spec in ({"split": "test"}, {"subset": "en"}):
+        with pytest.raises(DataError) as caught:
+            read(path, **spec)
+        assert caught.value.lines == [message]
+
+
+def test_file_fingerprint_follows_content_not_path(tmp_path: Path):
+    first = write_jsonl(tmp_path / "a.jsonl", [{"a": 1}])
+    same = write_jsonl(tmp_path / "b.jsonl", [{"a": 1}])
+    fingerprint = source_fingerprint(SourceSpec(str(first)))
+    assert len(fingerprint) == 64 and fingerprint == source_fingerprint(SourceSpec(str(same)))
+    write_jsonl(first, [{"a": 2}])
+    assert source_fingerprint(SourceSpec(str(first))) != fingerprint
+
+
+def test_reads_local_files_without_optional_packages_installed(tmp_path: Path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"a": 1}])
+    script = (
+        "import sys\n"
+        "sys.modules['datasets'] = sys.modules['pyarrow'] = None  # any import of them now fails\n"
+        "from shardtune.data.sources import SourceSpec, iter_rows\n"
+        "from shardtune.errors import DataError\n"
+        f"print([row.data for row in iter_rows(SourceSpec({str(path)!r}))])\n"
+        f"for source in ('org/name', {str(tmp_path)!r}, {str(path.with_suffix('.parquet'))!r}):\n"
+        "    try:\n"
+        "        iter_rows(SourceSpec(source))\n"
+        "    except DataError as exc:\n"
+        "        print(exc)\n"
+    )
+    path.with_suffix(".parquet").write_bytes(b"")  # exists: the missing package is the error, not the file
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "[{'a': 1}]",
+        "org/name: reading hub datasets and directories needs datasets: pip install datasets",
+        f"{tmp_path}: reading hub datasets and directories needs datasets: pip install datasets",
+        f"{path.with_suffix('.parquet')}: reading Parquet needs pyarrow: pip install pyarrow",
+    ]
+
+
+def test_directory_is_read_through_datasets(tmp_path: Path, datasets_cache: Path):
+    directory = tmp_path / "my_dataset"
+    directory.mkdir()
+    write_jsonl(directory / "train.jsonl", [{"q": "a", "n": 1}, {"q": "b", "n": 2}])
+    write_jsonl(directory / "test.jsonl", [{"q": "c", "n": 3}])
+    label = f"{directory}[train]"
+    assert read(directory) == [Row({"q": "a", "n": 1}, f"{label}:row 0"), Row({"q": "b", "n": 2}, f"{label}:row 1")]
+    assert read(directory, split="test") == [Row({"q": "c", "n": 3}, f"{directory}[test]:row 0")]
+    assert datasets_cache.is_dir()  # prepared where the fixture said, not in the user's cache
+
+
+def test_directory_fingerprint_follows_content_and_split(tmp_path: Path, datasets_cache: Path):
+    directory = tmp_path / "my_dataset"
+    directory.mkdir()
+    write_jsonl(directory / "train.jsonl", [{"q": "a"}])
+    write_jsonl(directory / "test.jsonl", [{"q": "a"}])
+    train = source_fingerprint(SourceSpec(str(directory)))
+    assert len(train) == 64
+    assert source_fingerprint(SourceSpec(str(directory))) == train
+    assert source_fingerprint(SourceSpec(str(directory), split="test")) != train
+    write_jsonl(directory / "train.jsonl", [{"q": "a"}, {"q": "b"}])
+    assert source_fingerprint(SourceSpec(str(directory))) != train
+
+
+def test_unknown_split_of_a_directory(tmp_path: Path, datasets_cache: Path):
+    directory = tmp_path / "my_dataset"
+    directory.mkdir()
+    write_jsonl(directory / "train.jsonl", [{"q": "a"}])
+    rows = iter_rows(SourceSpec(str(directory), split="validation"))
+    with pytest.raises(DataError) as caught:
+        next(rows)
+    assert caught.value.lines == [f"{directory}[validation]: Unknown split \"validation\". Should be one of ['train']."]
+
+
+def test_unreachable_hub_dataset_is_a_data_error(datasets_cache: Path):
+    # conftest sets HF_HUB_OFFLINE, so this never touches the network; the id is named with split and subset.
+    with pytest.raises(DataError, match=r"^no-such-org/no-such-dataset\[train, subset=en\]: "):
+        read("no-such-org/no-such-dataset", subset="en")
