@@ -8,8 +8,8 @@ one exists.
 from __future__ import annotations
 
 import difflib
-import os
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal

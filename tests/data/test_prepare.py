@@ -1,0 +1,137 @@
+"""The pipeline as a whole: bad rows in both modes, mixing, summaries, and the cached token store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from copy import deepcopy
+from pathlib import Path
+
+import pytest
+from conftest import REPO, make_config, write_jsonl
+
+from shardtune.data import prepare as prepare_module
+from shardtune.data.prepare import prepare_dataset
+from shardtune.errors import DataError
+
+GOOD = [{"instruction": f"Add {i} and 1.", "input": "", "output": f"{i} plus 1 is {i + 1}."} for i in range(12)]
+
+
+def _bad_file(tmp_path: Path) -> Path:
+    path = tmp_path / "mixed.jsonl"
+    lines = [json.dumps(row) for row in GOOD[:4]]
+    lines.insert(1, '{"instruction": "broken", ')  # line 2: bad JSON
+    lines.insert(3, json.dumps({"instruction": "no output"}))  # line 4: missing field
+    lines.insert(5, json.dumps({"instruction": "blank", "output": " "}))  # line 6: empty response
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bad_row_stops_preparation_with_file_and_line(tmp_path, tokenizer):
+    path = _bad_file(tmp_path)
+    config = make_config(tmp_path, path)
+    with pytest.raises(DataError) as error:
+        prepare_dataset(config, tokenizer)
+    assert str(error.value).startswith(f"{path}:2: not valid JSON")
+    assert "data.on_bad_row: skip" in str(error.value)
+    assert not any((tmp_path / "cache").glob("*/summary.json")), "nothing may be committed"
+
+
+def test_bad_rows_skipped_and_counted(tmp_path, tokenizer):
+    path = _bad_file(tmp_path)
+    config = make_config(tmp_path, path, data={"on_bad_row": "skip"}, training={"per_device_train_batch_size": 1})
+    data = prepare_dataset(config, tokenizer)
+    summary = data.summary
+    assert summary["rows_read"] == 7
+    assert sum(summary["bad_rows"].values()) == 3
+    assert summary["first_bad_row"]["missing field 'output' (fields: ['instruction'])"] == f"{path}:4"
+    assert summary["first_bad_row"]["empty response in 'output'"] == f"{path}:6"
+    assert summary["train"]["kept"] == len(data.train) == 4
+    stored = json.loads((data.store / "summary.json").read_text())
+    assert stored["bad_rows"] == summary["bad_rows"]
+
+
+def test_unknown_role_in_messages_names_the_line(tmp_path, tokenizer):
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    config = make_config(tmp_path, path, data={"format": "messages"})
+    with pytest.raises(DataError, match=rf"{path}:2: message 1: unknown role 'bot'"):
+        prepare_dataset(config, tokenizer)
+
+
+def test_mixing_weights_and_several_sources(tmp_path, tokenizer):
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"plain text number {i}"} for i in range(8)])
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"text": f"parquet row {i}"} for i in range(6)]), tmp_path / "c.parquet")
+    config = make_config(
+        tmp_path,
+        b,
+        data={"dataset_path": [str(b), str(tmp_path / "c.parquet")], "dataset_weights": [2.0, 0.5], "format": "text"},
+    )
+    data = prepare_dataset(config, tokenizer)
+    assert data.summary["train"]["kept"] == 8 * 2 + 3
+    assert [source["rows"] for source in data.summary["sources"]] == [8, 6]
+
+
+def test_store_is_reused_and_rebuilt_when_an_input_changes(tmp_path, tokenizer, monkeypatch):
+    path = write_jsonl(tmp_path / "train.jsonl", GOOD)
+    builds = []
+    real_build = prepare_module.build_splits
+    monkeypatch.setattr(prepare_module, "build_splits", lambda *a: builds.append(1) or real_build(*a))
+    config = make_config(tmp_path, path, training={"per_device_train_batch_size": 1})
+    first = prepare_dataset(config, tokenizer)
+    again = prepare_dataset(config, tokenizer)
+    assert len(builds) == 1 and again.store == first.store
+    assert again.train.input_ids.tolist() == first.train.input_ids.tolist()
+
+    def changed(**sections):
+        return make_config(tmp_path, path, **{"training": {"per_device_train_batch_size": 1}, **sections})
+
+    variants = {
+        "max_length": (changed(data={"max_length": 64}), tokenizer),
+        "packing": (changed(data={"packing": True}), tokenizer),
+        "train_on_prompt": (changed(data={"train_on_prompt": True}), tokenizer),
+        "truncation": (changed(data={"truncation": "drop"}), tokenizer),
+        "seed": (changed(training={"per_device_train_batch_size": 1, "seed": 7}), tokenizer),
+        "eval split": (changed(data={"eval_split_ratio": 0.25}), tokenizer),
+    }
+    other_tokenizer = deepcopy(tokenizer)
+    other_tokenizer.chat_template = "{{ messages }}"
+    variants["template"] = (config, other_tokenizer)
+    vocab_tokenizer = deepcopy(tokenizer)
+    vocab_tokenizer.add_tokens(["<extra>"])
+    variants["tokenizer"] = (config, vocab_tokenizer)
+    stores = {first.store}
+    for name, (variant, tok) in variants.items():
+        store = prepare_dataset(variant, tok).store
+        assert store not in stores, f"changing {name} must give a new store"
+        stores.add(store)
+    # The source file's content is hashed, not its name or date.
+    path.write_text(path.read_text().replace("plus", "and"))
+    assert prepare_dataset(config, tokenizer).store not in stores
+    assert len(builds) == 2 + len(variants)
+
+
+def test_two_prepare_commands_racing_build_once(tmp_path):
+    """Two processes prepare one config on one cache at once: one builds, the other waits and reuses."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "shardtune", "prepare", "examples/quickstart.yaml", f"data.cache_dir={cache}"]
+    processes = [
+        subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    logs = [err for _, err in outputs]
+    assert sum("building token store" in log for log in logs) == 1
+    assert sum("reusing token store" in log for log in logs) == 1
+    assert outputs[0][0].splitlines()[0] == outputs[1][0].splitlines()[0]  # the same store path
+    assert len([entry for entry in cache.iterdir() if entry.is_dir()]) == 1
