@@ -23,6 +23,7 @@ from shardtune.data.collate import Batch, collate
 from shardtune.data.prepare import describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
 from shardtune.metrics.memory import peak_memory_gib
 from shardtune.metrics.progress import Progress
@@ -110,7 +111,8 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
-    data = prepare_dataset(config, tokenizer, is_builder=True, timeout_s=config.parallel.timeout_s)
+    builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
+    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.parallel.timeout_s)
     log.info("data: %s", describe(data.summary))
 
     model = load_model(config.model, precision.frozen_storage, env.device, training.seed)
