@@ -22,39 +22,11 @@ from shardtune.config import Config
 from shardtune.data.prepare import prepare_dataset
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = [
-    "the",
-    "model",
-    "learns",
-    "to",
-    "follow",
-    "instructions",
-    "from",
-    "examples",
-    "written",
-    "by",
-    "people",
-    "who",
-    "care",
-    "about",
-    "clear",
-    "answers",
-    "data",
-    "quality",
-    "matters",
-    "more",
-    "than",
-    "quantity",
-    "when",
-    "fine",
-    "tuning",
-    "large",
-    "language",
-    "models",
-    "on",
-    "small",
-    "budgets",
-]
+# One string split once: a word list written out would take 30 lines.
+WORDS = str.split(
+    "the model learns to follow instructions from examples written by people who care about clear answers "
+    "data quality matters more than quantity when fine tuning large language models on small budgets"
+)
 
 
 def write_rows(path: Path, rows: int) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 from shardtune.data.tokenize import TokenizedExample
 
-Sequence = tuple[list[int], list[int], list[int]]  # input_ids, targets, position_ids
+Sequence = tuple[np.ndarray, np.ndarray, np.ndarray]  # input_ids, targets, position_ids (int32)
 
 
 def pack_examples(examples: list[TokenizedExample], max_length: int) -> list[Sequence]:
@@ -21,12 +23,12 @@ def pack_examples(examples: list[TokenizedExample], max_length: int) -> list[Seq
     Deterministic: ties are broken by the examples' order. The sampler shuffles the packed
     sequences, so their order here does not matter for training.
     """
-    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i]), i))
     bins: list[list[int]] = []
     # Free space of the open bins, kept sorted alongside their bin numbers, for a binary search.
     free: list[tuple[int, int]] = []
     for index in order:
-        length = len(examples[index].input_ids)
+        length = len(examples[index])
         slot = bisect.bisect_left(free, (length, -1))
         if slot < len(free):
             space, number = free.pop(slot)
@@ -39,15 +41,12 @@ def pack_examples(examples: list[TokenizedExample], max_length: int) -> list[Seq
 
 
 def _concatenate(examples: list[TokenizedExample]) -> Sequence:
-    input_ids: list[int] = []
-    targets: list[int] = []
-    position_ids: list[int] = []
-    for example in examples:
-        input_ids += example.input_ids
-        targets += example.targets
-        position_ids += range(len(example.input_ids))
-    return input_ids, targets, position_ids
+    return (
+        np.concatenate([example.input_ids for example in examples]),
+        np.concatenate([example.targets for example in examples]),
+        np.concatenate([np.arange(len(example), dtype=np.int32) for example in examples]),
+    )
 
 
 def unpacked(example: TokenizedExample) -> Sequence:
-    return example.input_ids, example.targets, list(range(len(example.input_ids)))
+    return example.input_ids, example.targets, np.arange(len(example), dtype=np.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.data.formats import Rendered
@@ -20,21 +21,22 @@ class Outcome(str, Enum):
     NO_TARGET_TOKENS = "no_target_tokens"  # dropped: nothing left to train on
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenizedExample:
     """``targets[i]`` is the token the model must predict after reading ``input_ids[: i + 1]``.
 
     Targets are shifted here, once, per example, rather than inside the loss: a position never
     predicts a token of another example when examples are packed together, and the loss is a plain
-    cross entropy over aligned tensors.
+    cross entropy over aligned tensors. Arrays (int32) rather than lists: the token store
+    concatenates them without a per-token Python loop.
     """
 
-    input_ids: list[int]
-    targets: list[int]
+    input_ids: np.ndarray
+    targets: np.ndarray
+    num_targets: int
 
-    @property
-    def num_targets(self) -> int:
-        return sum(1 for t in self.targets if t != IGNORE_INDEX)
+    def __len__(self) -> int:
+        return len(self.input_ids)
 
 
 class ExampleTokenizer:
@@ -85,11 +87,14 @@ class ExampleTokenizer:
             if self.truncation == "drop":
                 return None, Outcome.TOO_LONG
             ids, trained, outcome = ids[: self.max_length], trained[: self.max_length], Outcome.TRUNCATED
+        input_ids = np.array(ids, dtype=np.int32)
         # Position i predicts token i + 1, which carries a target only if it is trained on.
-        targets = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [IGNORE_INDEX]
-        if all(target == IGNORE_INDEX for target in targets):
+        targets = np.full(len(input_ids), IGNORE_INDEX, dtype=np.int32)
+        targets[:-1] = np.where(np.array(trained[1:], dtype=bool), input_ids[1:], IGNORE_INDEX)
+        num_targets = int(np.count_nonzero(targets != IGNORE_INDEX))
+        if num_targets == 0:
             return None, Outcome.NO_TARGET_TOKENS
-        return TokenizedExample(ids, targets), outcome
+        return TokenizedExample(input_ids, targets, num_targets), outcome
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -38,7 +38,7 @@ def test_alpaca_prompt_layout_and_masking(tokenizer):
         [(ids(tokenizer, prompt), False), (ids(tokenizer, "3") + [tokenizer.eos_token_id], True)]
     )
     assert outcome == Outcome.KEPT
-    assert example.input_ids == tokens and example.targets == targets
+    assert example.input_ids.tolist() == tokens and example.targets.tolist() == targets
     assert example.num_targets == len(ids(tokenizer, "3")) + 1  # the response and EOS, nothing else
 
 
@@ -49,7 +49,7 @@ def test_alpaca_without_input_and_train_on_prompt(tokenizer):
     tokens, targets = expected_targets(
         [(ids(tokenizer, prompt), True), (ids(tokenizer, "hi") + [tokenizer.eos_token_id], True)]
     )
-    assert example.input_ids == tokens and example.targets == targets
+    assert example.input_ids.tolist() == tokens and example.targets.tolist() == targets
     assert example.num_targets == len(tokens) - 1  # everything but the first token, which nothing predicts
 
 
@@ -58,14 +58,15 @@ def test_text_format_trains_on_every_token(tokenizer):
     tokens, targets = expected_targets(
         [(ids(tokenizer, "The capital of France is Paris.") + [tokenizer.eos_token_id], True)]
     )
-    assert example.input_ids == tokens and example.targets == targets
+    assert example.input_ids.tolist() == tokens and example.targets.tolist() == targets
 
 
 def test_column_mapping(tokenizer):
     row = {"question": "What color is a lemon?", "answer": "A lemon is yellow."}
     mapped, _ = tokenize(tokenizer, row, columns={"instruction": "question", "output": "answer"})
     direct, _ = tokenize(tokenizer, {"instruction": "What color is a lemon?", "output": "A lemon is yellow."})
-    assert mapped == direct
+    assert mapped.input_ids.tolist() == direct.input_ids.tolist()
+    assert mapped.targets.tolist() == direct.targets.tolist()
     with pytest.raises(RowError, match="missing column 'answer'"):
         tokenize(tokenizer, {"question": "q"}, columns={"instruction": "question", "output": "answer"})
 
@@ -90,12 +91,12 @@ def test_multi_turn_chat_template_trains_on_assistant_turns_only(tokenizer):
         (ids(tokenizer, "2 plus 2 is 4.</s>\n"), True),
     ]
     tokens, targets = expected_targets(pieces)
-    assert example.input_ids == tokens
-    assert example.targets == targets
+    assert example.input_ids.tolist() == tokens
+    assert example.targets.tolist() == targets
     assert tokens.count(eos) == 5  # "</s>" in the template text is the EOS token, not characters
-    trained_text = tokenizer.decode([t for t in targets if t != X])
+    trained_text = tokenizer.decode([t for t in example.targets.tolist() if t != X])
     assert trained_text == "1 plus 2 is 3.</s>\n2 plus 2 is 4.</s>\n"
-    assert example.input_ids == tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    assert example.input_ids.tolist() == tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
 
 
 def test_messages_without_a_chat_template_use_the_default_layout(tokenizer):
@@ -110,14 +111,14 @@ def test_messages_without_a_chat_template_use_the_default_layout(tokenizer):
         (ids(plain, "\n"), False),
     ]
     tokens, targets = expected_targets(pieces)
-    assert example.input_ids == tokens and example.targets == targets
+    assert example.input_ids.tolist() == tokens and example.targets.tolist() == targets
 
 
 def test_sharegpt_turns_are_read(tokenizer):
     sharegpt = [{"from": "human", "value": "Add 1 and 2."}, {"from": "gpt", "value": "1 plus 2 is 3."}]
     a, _ = tokenize(tokenizer, {"conversations": sharegpt}, format="messages", columns={"messages": "conversations"})
     b, _ = tokenize(tokenizer, {"messages": CONVERSATION[1:3]}, format="messages")
-    assert a == b
+    assert a.input_ids.tolist() == b.input_ids.tolist() and a.targets.tolist() == b.targets.tolist()
 
 
 @pytest.mark.parametrize(
@@ -146,7 +147,7 @@ def test_truncate_or_drop_long_examples(tokenizer):
     row = {"instruction": "Repeat.", "output": "word " * 50}
     prompt_len = len(ids(tokenizer, "### Instruction:\nRepeat.\n\n### Response:\n"))
     example, outcome = tokenize(tokenizer, row, max_length=prompt_len + 5)
-    assert outcome == Outcome.TRUNCATED and len(example.input_ids) == prompt_len + 5
+    assert outcome == Outcome.TRUNCATED and len(example) == prompt_len + 5
     assert example.num_targets == 5  # the last kept position has nothing left to predict
     assert tokenize(tokenizer, row, max_length=prompt_len + 5, truncation="drop") == (None, Outcome.TOO_LONG)
     assert tokenize(tokenizer, row, max_length=prompt_len) == (None, Outcome.NO_TARGET_TOKENS)
@@ -163,5 +164,5 @@ def test_bos_is_prepended_when_the_tokenizer_adds_it(tokenizer):
     row = {"instruction": "Hi", "output": "yo"}
     example, _ = tokenize(with_bos, row)
     plain, _ = tokenize(tokenizer, row)
-    assert example.input_ids == [tokenizer.bos_token_id] + plain.input_ids
-    assert example.targets == [X] + plain.targets
+    assert example.input_ids.tolist() == [tokenizer.bos_token_id] + plain.input_ids.tolist()
+    assert example.targets.tolist() == [X] + plain.targets.tolist()
