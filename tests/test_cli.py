@@ -96,3 +96,55 @@ def test_quickstart_halves_the_eval_loss(tmp_path: Path):
     metrics = json.loads((tmp_path / "run/metrics.json").read_text())
     assert config["training"]["eval_on_start"] is True
     assert metrics["eval_loss"] <= 0.5 * metrics["first_eval_loss"], metrics
+
+
+def test_convert_then_train_on_messages_with_packing(tmp_path: Path):
+    """convert's output is training data: messages format, chat template, packed sequences."""
+    source = tmp_path / "qa.jsonl"
+    rows = [{"question": f"Add {i} and 2.", "answer": f"{i} plus 2 is {i + 2}."} for i in range(60)]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"question": "no answer"}\n')
+    converted = tmp_path / "messages.jsonl"
+    result = shardtune(
+        "convert",
+        str(source),
+        "--out",
+        str(converted),
+        "--input-col",
+        "question",
+        "--output-col",
+        "answer",
+        "--system-prompt",
+        "Be brief.",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(f"wrote 60 rows to {converted}; skipped 1 (missing column 'answer'")
+    first = json.loads(converted.read_text().splitlines()[0])
+    assert first == {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Add 0 and 2."},
+            {"role": "assistant", "content": "0 plus 2 is 2."},
+        ]
+    }
+    out = tmp_path / "run"
+    result = shardtune(
+        "train",
+        "examples/quickstart.yaml",
+        f"data.dataset_path={converted}",
+        "data.format=messages",
+        "data.packing=true",
+        "data.max_length=256",
+        "data.eval_split_ratio=0.1",
+        "training.eval_subset_size=null",
+        "training.per_device_train_batch_size=1",
+        "training.max_steps=4",
+        "training.logging_steps=2",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"training.output_dir={out}",
+    )
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    summary = metrics["data"]
+    assert metrics["packing"] is True and summary["packing"] is True
+    assert summary["train"]["kept"] == 54 and summary["train"]["sequences"] < 54 / 4
+    assert "building token store" in result.stderr and "(packed)" in result.stderr

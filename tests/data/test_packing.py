@@ -63,7 +63,7 @@ def test_pad_to_max_length(examples):
     assert batch.attention_mask.sum().item() == len(examples[0])
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
 def test_packed_loss_equals_the_examples_run_one_by_one(examples, tiny_model_dir, attn):
     model = load_model(
         ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation=attn), torch.float32, torch.device("cpu"), 0
