@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import warnings
 
 from shardtune import __version__
 from shardtune.config import load_config
 from shardtune.convert import add_convert_parser
-from shardtune.errors import ConfigError, InputError
+from shardtune.errors import InputError
 
 EXIT_BAD_INPUT = 2
 
@@ -38,9 +37,13 @@ def _setup_logging(is_main: bool) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if world_size > 1:
-        raise ConfigError(f"WORLD_SIZE={world_size}: multi-process training is not supported by this version")
+    from shardtune.launch.local import default_nproc, launch_local_workers, running_as_worker
+
+    if not running_as_worker():
+        nproc = args.nproc if args.nproc is not None else default_nproc()
+        if nproc > 1:
+            # The config is known to be good: the workers validate it again, but cannot fail on it.
+            return launch_local_workers(nproc, ["train", args.config, *args.overrides])
     # Heavy imports only after the config is known to be good: errors above come back in a second.
     from shardtune.distributed.env import DistributedEnv
     from shardtune.run_dir import prepare_output_dir
@@ -66,7 +69,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from shardtune.data.prepare import describe, prepare_dataset
     from shardtune.model.load import load_tokenizer
 
-    data = prepare_dataset(config, load_tokenizer(config.model), timeout_s=config.parallel.timeout_s)
+    data = prepare_dataset(config, load_tokenizer(config.model), timeout_s=config.data.prepare_timeout_s)
     print(f"token store: {data.store}")
     print(describe(data.summary))
     return 0
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="fine-tune a model as a config describes")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    train.add_argument(
+        "--nproc", type=int, default=None, help="workers on this machine (default: one per GPU, 1 on CPU)"
+    )
     train.set_defaults(handler=cmd_train)
 
     prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")
@@ -108,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options (``train cfg.yaml --nproc 2 lora.r=8``): argparse leaves such
+    # trailing positionals unparsed, so they are collected here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.handler(args)
     except InputError as exc:

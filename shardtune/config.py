@@ -56,6 +56,9 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_split_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     cache_dir: str | None = Field(None, description="token store root; default $SHARDTUNE_CACHE or ~/.cache/shardtune")
+    prepare_timeout_s: float = Field(
+        4 * 3600.0, gt=0, description="how long a process waits for another to build the token store"
+    )
 
     @property
     def paths(self) -> list[str]:
@@ -110,6 +113,7 @@ class TrainingConfig(_Section):
     seed: int = 42
     bf16: bool | None = Field(None, description="bf16 autocast; null follows model.dtype")
     gradient_checkpointing: bool = False
+    gradient_checkpointing_every: int = Field(1, gt=0, description="checkpoint every k-th decoder layer")
     logging_steps: int = Field(10, gt=0)
     eval_steps: int | None = Field(None, gt=0)
     eval_on_start: bool = False
@@ -158,6 +162,7 @@ class LoraConfig(_Section):
 class ParallelConfig(_Section):
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     cpu_offload: bool = False
+    reshard_after_forward: bool = True
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
 
 
@@ -201,7 +206,6 @@ _NOT_ACTIVE_YET = {
     ("training", "save_steps"): None,
     ("training", "save_total_limit"): None,
     ("training", "checkpoint_mode"): "lite",
-    ("parallel", "cpu_offload"): False,
     ("network", "socket_ifname"): None,
     ("network", "ib"): None,
 }

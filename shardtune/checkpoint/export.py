@@ -17,13 +17,16 @@ def save_final(
     tokenizer: PreTrainedTokenizerBase,
     out_dir: Path,
     dtype: torch.dtype,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write the model and tokenizer under a temporary name, then rename: ``out_dir`` is never partial.
 
     A LoRA model saves only its adapter (``adapter_model.safetensors`` + ``adapter_config.json``).
     A fully fine-tuned model saves its weights in ``dtype`` (the model's configured dtype), not in
-    the fp32 of its master weights, so it is the size users expect.
+    the fp32 of its master weights, so it is the size users expect. ``state_dict`` is the full
+    state of a sharded model, gathered by the caller; by default the model's own.
     """
+    state_dict = state_dict if state_dict is not None else model.state_dict()
     staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
@@ -31,9 +34,9 @@ def save_final(
     use_cache, base.config.use_cache = base.config.use_cache, True
     try:
         if isinstance(model, peft.PeftModel):
-            model.save_pretrained(staging, safe_serialization=True)
+            model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         else:
-            state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
+            state = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
             model.save_pretrained(staging, state_dict=state, safe_serialization=True)
             # save_pretrained records the dtype of the fp32 master weights; record the saved one.
             config_path = staging / "config.json"

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardtune.errors import ConfigError
+
 
 @dataclass
 class DistributedEnv:
@@ -33,10 +35,24 @@ class DistributedEnv:
     @classmethod
     def from_environment(cls, timeout_s: float = 1800.0) -> DistributedEnv:
         """Join (or, alone, create) the process group described by torchrun-style variables."""
-        rank = int(os.environ.get("RANK", 0))
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        env = os.environ
+        if "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+            # One task of a multi-task srun: Slurm names the ranks; the rendezvous address comes
+            # from the job script (MASTER_ADDR / MASTER_PORT).
+            if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+                raise ConfigError("running as a task of srun: set MASTER_ADDR and MASTER_PORT in the job script")
+            env = {
+                **env,
+                "RANK": env["SLURM_PROCID"],
+                "WORLD_SIZE": env["SLURM_NTASKS"],
+                "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+                "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+            }
+            os.environ.update({key: env[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")})
+        rank = int(env.get("RANK", 0))
+        world_size = int(env.get("WORLD_SIZE", 1))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)

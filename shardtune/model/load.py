@@ -40,21 +40,26 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> PreTrainedModel:
-    """The causal LM on ``device`` with weights stored in ``dtype``."""
+def load_model(config: ModelConfig, dtype: torch.dtype, seed: int, materialize: bool = True) -> PreTrainedModel:
+    """The causal LM on the CPU with weights stored in ``dtype``.
+
+    ``materialize=False`` builds the architecture on the meta device (no memory, no disk reads): the
+    weights of such a replica come later from the rank that did load them.
+    """
     common = {
         "dtype": dtype,
         "attn_implementation": config.attn_implementation,
         "trust_remote_code": config.trust_remote_code,
     }
-    if config.init == "random":
+    if config.init == "random" or not materialize:
         model_config = AutoConfig.from_pretrained(
             config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
         )
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config, **common)
+        with torch.device("cpu" if materialize else "meta"):
+            model = AutoModelForCausalLM.from_config(model_config, **common)
     else:
         model = AutoModelForCausalLM.from_pretrained(config.name_or_path, revision=config.revision, **common)
     # Training never reuses past key/values; a cache would also break packed-sequence isolation.
     model.config.use_cache = False
-    return model.to(device)
+    return model

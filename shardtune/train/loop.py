@@ -23,6 +23,14 @@ from shardtune.data.collate import Batch, collate
 from shardtune.data.prepare import describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.parallelize import (
+    full_norm,
+    full_state_dict,
+    gradient_sync,
+    parallelize,
+    plan_parallelism,
+    unwrap,
+)
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
 from shardtune.metrics.memory import peak_memory_gib
@@ -78,16 +86,19 @@ def accumulate_gradients(
     The loss of a step is (sum of token losses over every micro-batch on every rank) divided by the
     step's total target tokens, so each token weighs the same however the examples were split into
     micro-batches or ranks. The count is known before any forward pass: one all-reduce per step.
-    Returns this rank's (summed token loss, target tokens), both on the device, for logging.
+    Data-parallel wrappers average gradients over ranks, so each rank's loss is scaled by the world
+    size to make the reduced gradient the gradient of that global sum. Gradients are reduced only on
+    the last micro-batch. Returns this rank's (summed token loss, target tokens) on the device.
     """
     local_targets = torch.tensor(
         float(sum(batch.num_targets for batch in micro_batches)), dtype=torch.float64, device=env.device
     )
     global_targets = env.all_reduce_sum(local_targets.clone()).float()
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-    for batch in micro_batches:
-        batch_loss = summed_token_loss(model, batch.to(env.device), autocast)
-        (batch_loss / global_targets).backward()
+    for index, batch in enumerate(micro_batches):
+        with gradient_sync(model, sync=index == len(micro_batches) - 1):
+            batch_loss = summed_token_loss(model, batch.to(env.device), autocast)
+            (batch_loss * (env.world_size / global_targets)).backward()
         loss_sum += batch_loss.detach().double()
     return loss_sum, local_targets
 
@@ -111,19 +122,22 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
+    # Tokenizing a large dataset can take far longer than any collective should: the wait for the
+    # builder has its own, generous timeout, and nobody waits inside a collective meanwhile.
     builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
-    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.parallel.timeout_s)
+    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
     log.info("data: %s", describe(data.summary))
 
-    model = load_model(config.model, precision.frozen_storage, env.device, training.seed)
-    if training.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) without input-grad hooks.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Only global rank 0 reads the weights; the others build an empty replica and receive them.
+    model = load_model(config.model, precision.frozen_storage, training.seed, materialize=env.is_main)
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
-    model.train()
     trainable, total = count_parameters(model)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    plan = plan_parallelism(model, config, env)
+    log.info("%s", plan.describe(env.world_size))
+    model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
+    model.train()
 
     micro_batch_size = training.per_device_train_batch_size
     global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
@@ -191,7 +205,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         window[2] += step_tokens
         rank_tokens += step_tokens
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params, max_norm)
+        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
@@ -228,8 +242,9 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     run_eval(total_steps)
     progress.close()
 
+    state = full_state_dict(model)  # a collective when the weights are sharded
     if env.is_main:
-        save_final(model, tokenizer, output_dir / "final", precision.compute)
+        save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state)
         log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
 
     tokens_per_rank = [int(t) for t in env.all_gather_floats(rank_tokens)]
@@ -256,7 +271,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         "dtype": str(precision.compute).removeprefix("torch."),
         "bf16": precision.autocast == torch.bfloat16,
         "gradient_checkpointing": training.gradient_checkpointing,
-        "strategy": "single" if env.world_size == 1 else config.parallel.strategy,
+        "strategy": plan.strategy,
         "trainable_params": trainable,
         "total_params": total,
         "global_batch_size": global_batch_size,

@@ -65,9 +65,7 @@ def test_pad_to_max_length(examples):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
 def test_packed_loss_equals_the_examples_run_one_by_one(examples, tiny_model_dir, attn):
-    model = load_model(
-        ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation=attn), torch.float32, torch.device("cpu"), 0
-    ).eval()
+    model = load_model(ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation=attn), torch.float32, 0).eval()
     chosen = examples[:8]
     as_arrays = lambda seq: tuple(np.array(part) for part in seq)  # noqa: E731
     with torch.no_grad():

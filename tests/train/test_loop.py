@@ -30,7 +30,7 @@ def test_one_batch_of_four_equals_four_batches_of_one(tmp_path, alpaca_file, wor
     examples = [train.sequence(i) for i in range(4)]
     lengths = {len(ids) for ids, _, _ in examples}
     assert len(lengths) > 1, "the check needs examples of different lengths"
-    model = load_model(config.model, torch.float32, world.device, seed=0)
+    model = load_model(config.model, torch.float32, seed=0)
 
     def gradients(micro_batches):
         model.zero_grad(set_to_none=True)

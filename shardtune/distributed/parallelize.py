@@ -1,0 +1,237 @@
+"""Make a model ready for its mesh, in one fixed order: activation checkpointing, then data parallelism
+(DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root), then weights on every rank.
+
+Weights are read from disk once per job: global rank 0 holds the loaded model, the other ranks build
+the same architecture on the meta device (no memory), and after wrapping every rank gets its part
+from rank 0 over the process group. Host memory per node stays at about one copy of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtune.config import Config
+from shardtune.distributed.env import DistributedEnv
+from shardtune.errors import ConfigError
+
+log = logging.getLogger("shardtune")
+
+ADAM_STATE_BYTES = 8  # two fp32 moments per trainable parameter
+# DDP keeps everything replicated; choose it only when that leaves most of the device for activations.
+DDP_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    strategy: str  # "single", "ddp" or "fsdp"
+    reason: str
+    param_bytes: int  # per device
+    grad_bytes: int
+    optimizer_bytes: int
+
+    def describe(self, world_size: int) -> str:
+        gib = 2**30
+        return (
+            f"parallelism: {self.strategy} over {world_size} rank(s) ({self.reason}); per device: "
+            f"parameters {self.param_bytes / gib:.2f} GiB, gradients {self.grad_bytes / gib:.2f} GiB, "
+            f"optimizer state {self.optimizer_bytes / gib:.2f} GiB"
+        )
+
+
+def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv) -> ParallelPlan:
+    """The strategy, from the config or (``auto``) from the model's size and the device's memory.
+
+    ``auto``: DDP when replicated parameters, fp32 gradients and Adam state of the trainable
+    parameters take at most half of one device's memory (the rest is for activations), FSDP
+    otherwise. On CPU, where there is no device memory to run out of, DDP.
+    """
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    grad_bytes, optimizer_bytes = trainable * 4, trainable * ADAM_STATE_BYTES
+    replicated = param_bytes + grad_bytes + optimizer_bytes
+    strategy, reason = config.parallel.strategy, "parallel.strategy"
+    if env.world_size == 1:
+        if strategy == "fsdp" and config.parallel.cpu_offload:
+            strategy, reason = "fsdp", "parallel.strategy with cpu_offload"
+        else:
+            strategy, reason = "single", "one rank"
+    elif strategy == "auto":
+        if env.device.type != "cuda":
+            strategy, reason = "ddp", "auto: CPU"
+        else:
+            memory = torch.cuda.get_device_properties(env.device).total_memory
+            share = replicated / memory
+            strategy = "ddp" if share <= DDP_MEMORY_SHARE else "fsdp"
+            reason = f"auto: replicated state is {share:.0%} of device memory"
+    if config.parallel.cpu_offload and strategy != "fsdp":
+        raise ConfigError("parallel.cpu_offload: needs parallel.strategy: fsdp")
+    if strategy == "fsdp":
+        shards = env.world_size
+        return ParallelPlan(strategy, reason, param_bytes // shards, grad_bytes // shards, optimizer_bytes // shards)
+    return ParallelPlan(strategy, reason, param_bytes, grad_bytes, optimizer_bytes)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks, found by the class names transformers marks as unsplittable."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, every: int) -> int:
+    """Recompute every ``every``-th decoder layer's activations in backward; returns how many.
+
+    Non-reentrant checkpointing: it works with frozen inputs (LoRA) and with DDP, where the
+    reentrant kind marks parameters ready twice and crashes (the seed's DDP + LoRA failure).
+    """
+    chosen = {id(layer) for index, layer in enumerate(decoder_layers(model)) if index % every == 0}
+    wrapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in chosen:
+                parent.register_module(name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+                wrapped += 1
+    return wrapped
+
+
+def parallelize(
+    model: torch.nn.Module,
+    plan: ParallelPlan,
+    config: Config,
+    env: DistributedEnv,
+    compute_dtype: torch.dtype,
+    materialized: bool,
+) -> torch.nn.Module:
+    """Checkpointing, then DDP or FSDP2, then weights from rank 0 onto every rank's device."""
+    if config.training.gradient_checkpointing:
+        count = apply_activation_checkpointing(model, config.training.gradient_checkpointing_every)
+        log.info("activation checkpointing on %d decoder layers", count)
+    if plan.strategy == "fsdp":
+        return _shard(model, config, env, compute_dtype, materialized)
+    if plan.strategy == "ddp":
+        _materialize_replica(model, env, materialized)
+        # DDP's constructor broadcasts parameters and buffers from rank 0: the other ranks' empty
+        # tensors get rank 0's weights. Gradients are averaged over ranks (the loss is scaled for it).
+        return DistributedDataParallel(
+            model, device_ids=[env.device.index] if env.device.type == "cuda" else None, init_sync=True
+        )
+    return model.to(env.device)
+
+
+def _materialize_replica(model: torch.nn.Module, env: DistributedEnv, materialized: bool) -> None:
+    if materialized:
+        model.to(env.device)
+    else:
+        _to_empty(model, env.device)
+
+
+@contextlib.contextmanager
+def _keeping_ties() -> Iterator[None]:
+    """Move tensors between devices without replacing Parameter objects, so tied weights stay tied.
+
+    A plain ``to("meta")`` or ``to_empty`` gives each module a new Parameter, so an output layer
+    tied to the input embedding becomes a separate tensor (and the ranks' parameter lists differ).
+    Swapping tensor contents in place keeps every Parameter object.
+    """
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def _to_empty(model: torch.nn.Module, device: torch.device | str) -> None:
+    with _keeping_ties():
+        model.to_empty(device=device)
+
+
+def _shard(
+    model: torch.nn.Module, config: Config, env: DistributedEnv, compute_dtype: torch.dtype, materialized: bool
+) -> torch.nn.Module:
+    full_state = model.state_dict() if materialized else {}
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()} if materialized else {}
+    if materialized:
+        with _keeping_ties():
+            model.to("meta")  # every rank shards the same empty model; rank 0's weights arrive below
+    mixed = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if compute_dtype != torch.float32 else None, reduce_dtype=torch.float32
+    )
+    options = {
+        "mp_policy": mixed,
+        "reshard_after_forward": config.parallel.reshard_after_forward,
+        **({"offload_policy": CPUOffloadPolicy()} if config.parallel.cpu_offload else {}),
+    }
+    for layer in decoder_layers(model):
+        fully_shard(_outer_wrapper(model, layer), **options)
+    fully_shard(model, **options)
+    _to_empty(model, "cpu" if config.parallel.cpu_offload else env.device)
+    set_model_state_dict(
+        model,
+        full_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    _broadcast_buffers(model, buffers, env)
+    return model
+
+
+def _outer_wrapper(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:
+    """The checkpoint wrapper around ``layer`` if there is one: FSDP must wrap outside checkpointing."""
+    for module in model.modules():
+        if getattr(module, "_checkpoint_wrapped_module", None) is layer:
+            return module
+    return layer
+
+
+def _broadcast_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], env: DistributedEnv) -> None:
+    """Buffers (e.g. rotary frequencies) are not in the state dict; send rank 0's to everyone."""
+    for name, buffer in model.named_buffers():
+        if env.rank == 0:
+            buffer.copy_(buffers[name].to(buffer.device))
+        if env.world_size > 1:
+            dist.broadcast(buffer, src=0)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Reduce gradients only on the last micro-batch of a step: the others just accumulate locally."""
+    if isinstance(model, DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_ over sharded gradients returns a DTensor of the global norm."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on rank 0's CPU (a collective for sharded models); None elsewhere."""
+    if isinstance(model, FSDPModule):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if dist.get_rank() == 0 else None
+    return None
