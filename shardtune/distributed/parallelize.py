@@ -224,6 +224,15 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
     yield
 
 
+def local_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds (its shards, for a sharded model)."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += local.numel() * local.element_size()
+    return total
+
+
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
     """clip_grad_norm_ over sharded gradients returns a DTensor of the global norm."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -233,5 +242,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The whole model's weights on rank 0's CPU (a collective for sharded models); None elsewhere."""
     if isinstance(model, FSDPModule):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if dist.get_rank() == 0 else None
+        if dist.get_rank() != 0:
+            return None
+        # Gathered copies of a tied weight no longer share storage, so save_pretrained cannot see the
+        # tie: keep each Parameter under its first name only, as an unsharded model saves it.
+        first_name: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if first_name.setdefault(id(param), name) != name:
+                state.pop(name, None)
+        return state
     return None

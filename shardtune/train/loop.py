@@ -27,6 +27,7 @@ from shardtune.distributed.parallelize import (
     full_norm,
     full_state_dict,
     gradient_sync,
+    local_parameter_bytes,
     parallelize,
     plan_parallelism,
     unwrap,
@@ -250,6 +251,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     tokens_per_rank = [int(t) for t in env.all_gather_floats(rank_tokens)]
     rates_per_rank = env.all_gather_floats(rank_tokens / train_time)
     peak_per_rank = env.all_gather_floats(peak_memory_gib(env.device))
+    parameter_bytes = [int(b) for b in env.all_gather_floats(local_parameter_bytes(model))]
     metrics: dict[str, Any] = {
         "wall_time_s": wall_time,
         "train_time_s": train_time,
@@ -261,6 +263,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         "tokens_per_s_per_rank": rates_per_rank,
         "target_tokens": int(data.summary["train"]["target_tokens"]),
         "peak_memory_gib_per_rank": peak_per_rank,
+        "parameter_bytes_per_rank": parameter_bytes,
         "world_size": env.world_size,
         "hostnames": hostnames,
         "gpu": env.device_name(),

@@ -1,0 +1,97 @@
+"""Two workers (gloo, CPU, fp32) with DDP or FSDP2 train exactly like one worker with twice the
+accumulation: same per-step losses, same exported weights, and FSDP holds half the parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from safetensors.torch import load_file
+
+STEPS = 5
+
+
+def train(tmp_path: Path, name: str, nproc: int, *overrides: str) -> dict:
+    out = tmp_path / name
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", str(nproc),
+            f"training.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", f"training.max_steps={STEPS}",
+            "training.logging_steps=1", "training.per_device_train_batch_size=2", "training.eval_on_start=false",
+            "training.eval_steps=null", "lora.lora_dropout=0", *overrides,
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [json.loads(line)["loss"] for line in (out / "logs/train_log.jsonl").read_text().splitlines()]
+    return {
+        "losses": losses,
+        "metrics": json.loads((out / "metrics.json").read_text()),
+        "out": out,
+        "log": result.stderr,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("dp")
+    one = "training.gradient_accumulation_steps=2"
+    return {
+        ("lora", "single"): train(tmp_path, "lora-1", 1, one),
+        ("lora", "ddp"): train(tmp_path, "lora-ddp", 2, "parallel.strategy=ddp"),
+        ("lora", "fsdp"): train(tmp_path, "lora-fsdp", 2, "parallel.strategy=fsdp"),
+        # The seed's crash: DDP + LoRA + gradient checkpointing.
+        ("lora", "ddp+ac"): train(
+            tmp_path, "lora-ddp-ac", 2, "parallel.strategy=ddp", "training.gradient_checkpointing=true"
+        ),
+        ("full", "single"): train(tmp_path, "full-1", 1, one, "lora.enabled=false"),
+        ("full", "ddp"): train(tmp_path, "full-ddp", 2, "parallel.strategy=ddp", "lora.enabled=false"),
+        ("full", "fsdp"): train(tmp_path, "full-fsdp", 2, "parallel.strategy=fsdp", "lora.enabled=false"),
+        ("full", "fsdp+ac"): train(
+            tmp_path, "full-fsdp-ac", 2, "parallel.strategy=fsdp", "lora.enabled=false",
+            "training.gradient_checkpointing=true", "training.gradient_checkpointing_every=2",
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ac"])
+def test_two_workers_match_one(runs, kind, strategy):
+    strategy = {"ac": {"lora": "ddp+ac", "full": "fsdp+ac"}[kind]}.get(strategy, strategy)
+    reference, run = runs[(kind, "single")], runs[(kind, strategy)]
+    assert len(reference["losses"]) == STEPS
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert run["metrics"]["world_size"] == 2 and run["metrics"]["strategy"] == strategy.split("+")[0]
+    assert run["metrics"]["tokens"] == reference["metrics"]["tokens"]
+    assert len(run["metrics"]["tokens_per_rank"]) == 2
+
+
+def test_checkpointing_is_applied(runs):
+    assert "activation checkpointing on 4 decoder layers" in runs[("lora", "ddp+ac")]["log"]
+    assert "activation checkpointing on 2 decoder layers" in runs[("full", "fsdp+ac")]["log"]
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_exported_weights_match_one_worker(runs, kind):
+    name = "adapter_model.safetensors" if kind == "lora" else "model.safetensors"
+    reference = load_file(runs[(kind, "single")]["out"] / "final" / name)
+    for strategy in ("ddp", "fsdp"):
+        weights = load_file(runs[(kind, strategy)]["out"] / "final" / name)
+        assert weights.keys() == reference.keys()
+        for key in reference:
+            torch.testing.assert_close(weights[key], reference[key], rtol=1e-4, atol=1e-5)
+
+
+def test_fsdp_holds_half_the_parameters(runs):
+    ddp = runs[("full", "ddp")]["metrics"]["parameter_bytes_per_rank"]
+    fsdp = runs[("full", "fsdp")]["metrics"]["parameter_bytes_per_rank"]
+    assert ddp[0] == ddp[1]
+    for rank_bytes in fsdp:
+        assert rank_bytes == pytest.approx(ddp[0] / 2, rel=0.02)
