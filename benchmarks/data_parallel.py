@@ -2,8 +2,8 @@
 
     python benchmarks/data_parallel.py --out results/ [--runs 1b-1gpu,1b-ddp,1b-fsdp,7b-fsdp]
 
-Each run is a plain ``shardtune train`` (full fine-tuning, bf16, sequences of 2,048 tokens) of a
-model directory this script writes: a Llama-3.2-1B-shaped or a Mistral-7B-shaped config with the
+Each run is a plain ``shardtune train`` (full fine-tuning unless the run says LoRA; bf16; sequences
+of 2,048 tokens) of a model directory this script writes: a Llama-3.2-1B-shaped or a Mistral-7B-shaped config with the
 quickstart's tokenizer (the token ids it produces are valid for any larger vocabulary), weights
 initialised at random (``model.init: random``). It reports tokens/s per GPU (mean of the logging
 windows after the first, which holds warm-up), model FLOPs utilization and peak memory per GPU.
@@ -35,12 +35,14 @@ SHAPES = {
         "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False, "rope_theta": 10000.0,
     },
 }  # fmt: skip
+# name: (shape, GPUs, strategy, sequences per GPU, activation checkpointing, LoRA)
 RUNS = {
-    "1b-1gpu": ("1b", 1, "ddp", 4, False),
-    "1b-ddp": ("1b", 2, "ddp", 4, False),
-    "1b-fsdp": ("1b", 2, "fsdp", 4, False),
-    "7b-fsdp": ("7b", 2, "fsdp", 2, True),
-    "7b-ddp": ("7b", 2, "ddp", 2, True),  # expected to run out of memory: replicated state is ~116 GB
+    "1b-1gpu": ("1b", 1, "ddp", 4, False, False),
+    "1b-ddp": ("1b", 2, "ddp", 4, False, False),
+    "1b-fsdp": ("1b", 2, "fsdp", 4, False, False),
+    "7b-fsdp": ("7b", 2, "fsdp", 2, True, False),
+    "7b-ddp": ("7b", 2, "ddp", 2, True, False),  # expected to run out of memory: replicated state is ~116 GB
+    "7b-lora-ddp": ("7b", 2, "ddp", 4, True, True),  # seed 002's job: Mistral-7B-shaped LoRA with DDP
 }
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
@@ -67,7 +69,7 @@ def write_data(path: Path, rows: int) -> None:
 
 
 def run(name: str, work: Path, out: Path) -> dict:
-    shape_name, gpus, strategy, batch, checkpointing = RUNS[name]
+    shape_name, gpus, strategy, batch, checkpointing, lora = RUNS[name]
     model_dir = work / f"model-{shape_name}"
     params = write_model(model_dir, SHAPES[shape_name])
     steps = 12
@@ -76,9 +78,10 @@ def run(name: str, work: Path, out: Path) -> dict:
         "data": {"dataset_path": str(work / "docs.jsonl"), "format": "text", "max_length": 2048,
                  "cache_dir": str(work / "cache")},
         "training": {"output_dir": str(work / name), "overwrite_output_dir": True, "max_steps": steps,
-                     "per_device_train_batch_size": batch, "learning_rate": 1e-5, "logging_steps": 2,
+                     "per_device_train_batch_size": batch, "learning_rate": 1e-4 if lora else 1e-5, "logging_steps": 2,
                      "gradient_checkpointing": checkpointing},
-        "lora": {"enabled": False},
+        "lora": {"enabled": lora, "r": 16, "lora_alpha": 32,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "parallel": {"strategy": strategy},
         "logging": {"progress_bar": False},
     }  # fmt: skip
@@ -88,7 +91,8 @@ def run(name: str, work: Path, out: Path) -> dict:
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     (out / f"{name}.log").write_text(result.stderr[-200_000:])
     record = {"run": name, "params": params, "gpus": gpus, "strategy": strategy, "batch_per_gpu": batch,
-              "seq": 2048, "activation_checkpointing": checkpointing, "command": " ".join(command[1:])}  # fmt: skip
+              "seq": 2048, "activation_checkpointing": checkpointing, "lora": lora,
+              "command": " ".join(command[1:])}  # fmt: skip
     if result.returncode != 0:
         oom = "OutOfMemoryError" in result.stderr or "CUDA out of memory" in result.stderr
         return {**record, "status": "out of memory" if oom else f"failed ({result.returncode})"}
