@@ -100,8 +100,10 @@ def run(name: str, work: Path, out: Path) -> dict:
     windows = [json.loads(line) for line in (work / name / "logs" / "train_log.jsonl").read_text().splitlines()]
     per_gpu = statistics.mean(w["tokens_per_s_per_device"] for w in windows[1:])
     layers, hidden = SHAPES[shape_name]["num_hidden_layers"], SHAPES[shape_name]["hidden_size"]
-    # 6 FLOPs per parameter per token (forward + backward) plus causal attention scores.
-    flops_per_token = 6 * params + 6 * layers * hidden * 2048
+    # Per token: 2 FLOPs per parameter forward, 2 for input gradients, 2 more for weight gradients
+    # only when the weights train (full fine-tuning; LoRA's frozen weights skip them), plus the
+    # causal attention scores. Recomputation under activation checkpointing is not counted.
+    flops_per_token = (6 if not lora else 4) * params + 6 * layers * hidden * 2048
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in metrics["gpu"]), None)
     return {
         **record,
