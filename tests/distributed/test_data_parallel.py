@@ -51,7 +51,14 @@ def runs(tmp_path_factory):
         ("lora", "ddp+ac"): train(
             tmp_path, "lora-ddp-ac", 2, "parallel.strategy=ddp", "training.gradient_checkpointing=true"
         ),
+        ("lora", "fsdp+ac"): train(
+            tmp_path, "lora-fsdp-ac", 2, "parallel.strategy=fsdp", "training.gradient_checkpointing=true"
+        ),
         ("full", "single"): train(tmp_path, "full-1", 1, one, "lora.enabled=false"),
+        ("full", "ddp+ac"): train(
+            tmp_path, "full-ddp-ac", 2, "parallel.strategy=ddp", "lora.enabled=false",
+            "training.gradient_checkpointing=true",
+        ),
         ("full", "ddp"): train(tmp_path, "full-ddp", 2, "parallel.strategy=ddp", "lora.enabled=false"),
         ("full", "fsdp"): train(tmp_path, "full-fsdp", 2, "parallel.strategy=fsdp", "lora.enabled=false"),
         ("full", "fsdp+ac"): train(
@@ -62,15 +69,53 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ac"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ddp+ac", "fsdp+ac"])
 def test_two_workers_match_one(runs, kind, strategy):
-    strategy = {"ac": {"lora": "ddp+ac", "full": "fsdp+ac"}[kind]}.get(strategy, strategy)
     reference, run = runs[(kind, "single")], runs[(kind, strategy)]
     assert len(reference["losses"]) == STEPS
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert run["metrics"]["world_size"] == 2 and run["metrics"]["strategy"] == strategy.split("+")[0]
     assert run["metrics"]["tokens"] == reference["metrics"]["tokens"]
     assert len(run["metrics"]["tokens_per_rank"]) == 2
+
+
+def _launch(tmp_path: Path, launcher_env: list[dict], command: list[str]) -> list[float]:
+    out = tmp_path / "run"
+    args = [
+        "examples/quickstart.yaml", f"training.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"training.max_steps={STEPS}", "training.logging_steps=1", "training.per_device_train_batch_size=2",
+        "training.eval_on_start=false", "training.eval_steps=null", "lora.lora_dropout=0", "parallel.strategy=ddp",
+    ]  # fmt: skip
+    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen([*command, *args], cwd=REPO, env={**base, **extra}, stderr=subprocess.PIPE, text=True)
+        for extra in launcher_env
+    ]
+    errors = [process.communicate(timeout=600)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0] * len(processes), errors[0][-3000:]
+    return [json.loads(line)["loss"] for line in (out / "logs/train_log.jsonl").read_text().splitlines()]
+
+
+def test_runs_unchanged_under_torchrun(runs, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    losses = _launch(tmp_path, [{}], [*torchrun, "-m", "shardtune", "train"])
+    assert losses == pytest.approx(runs[("lora", "single")]["losses"], rel=1e-5)
+
+
+def test_runs_as_the_tasks_of_srun(runs, tmp_path):
+    """What srun gives each task: SLURM_* variables, no RANK; the job script sets MASTER_ADDR/PORT."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tasks = [
+        {"SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for rank in range(2)
+    ]  # fmt: skip
+    losses = _launch(tmp_path, tasks, [sys.executable, "-m", "shardtune", "train"])
+    assert losses == pytest.approx(runs[("lora", "single")]["losses"], rel=1e-5)
 
 
 def test_checkpointing_is_applied(runs):
