@@ -43,7 +43,9 @@ RUNS = {
     "7b-fsdp": ("7b", 2, "fsdp", 2, True, False),
     "7b-ddp": ("7b", 2, "ddp", 2, True, False),  # expected to run out of memory: replicated state is ~116 GB
     "7b-lora-ddp": ("7b", 2, "ddp", 4, True, True),  # seed 002's job: Mistral-7B-shaped LoRA with DDP
+    "1b-fsdp-offload": ("1b", 2, "fsdp", 4, False, False),
 }
+OFFLOADED = {"1b-fsdp-offload"}  # parameters, gradients and optimizer state in host memory
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
 
@@ -82,7 +84,7 @@ def run(name: str, work: Path, out: Path) -> dict:
                      "gradient_checkpointing": checkpointing},
         "lora": {"enabled": lora, "r": 16, "lora_alpha": 32,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "parallel": {"strategy": strategy},
+        "parallel": {"strategy": strategy, "cpu_offload": name in OFFLOADED},
         "logging": {"progress_bar": False},
     }  # fmt: skip
     config_path = work / f"{name}.yaml"
