@@ -26,6 +26,9 @@ def launch_local_workers(nproc: int, command: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # torchrun pins every worker to one CPU thread unless told otherwise; CPU-side work (data
+    # collation, and the optimizer step under FSDP CPU offload) then crawls. Share the cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     arguments = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "--module", "shardtune", *command]
     )
