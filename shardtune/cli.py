@@ -55,7 +55,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if env.is_main:
             from pathlib import Path
 
-            prepare_output_dir(Path(config.training.output_dir), config.training.overwrite_output_dir)
+            if not config.training.resume_from_checkpoint:
+                prepare_output_dir(Path(config.training.output_dir), config.training.overwrite_output_dir)
+            else:
+                Path(config.training.output_dir).mkdir(parents=True, exist_ok=True)
         run_training(config, env, sys.argv)
     finally:
         env.close()

@@ -122,7 +122,7 @@ class TrainingConfig(_Section):
     save_steps: int | None = Field(None, gt=0)
     save_total_limit: int | None = Field(None, gt=0)
     checkpoint_mode: Literal["lite", "full"] = "lite"
-    resume_from_checkpoint: str | None = None
+    resume_from_checkpoint: str | None = Field(None, description="auto, a checkpoint directory, or null")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
@@ -134,10 +134,6 @@ class TrainingConfig(_Section):
             raise ValueError("eval_subset_size: required when eval_dataset_type is subset")
         if self.eval_dataset_type == "full" and self.eval_subset_size is not None:
             raise ValueError("eval_subset_size: set, but eval_dataset_type is full; drop one of them")
-        if self.resume_from_checkpoint:
-            # Resuming changes the result of a run; accepting it and starting from scratch would be a
-            # silent lie, so it is refused until checkpoints can be loaded.
-            raise ValueError("resume_from_checkpoint: not supported by this version of shardtune")
         return self
 
     @property
@@ -203,9 +199,6 @@ class Config(_Section):
 # (they only affect saving, memory placement or networking). They are accepted so existing configs
 # load, and named in the log so nobody believes they took effect.
 _NOT_ACTIVE_YET = {
-    ("training", "save_steps"): None,
-    ("training", "save_total_limit"): None,
-    ("training", "checkpoint_mode"): "lite",
     ("network", "socket_ifname"): None,
     ("network", "ib"): None,
 }

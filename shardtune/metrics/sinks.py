@@ -21,8 +21,15 @@ class MetricSink(Protocol):
 class JsonlSink:
     """``logs/train_log.jsonl`` and ``logs/eval_log.jsonl``: one JSON object per line, flushed at once."""
 
-    def __init__(self, logs_dir: Path):
+    def __init__(self, logs_dir: Path, resume_step: int = 0):
         logs_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step:
+            # Records past the checkpoint belong to a run that did not get further: they are redone.
+            for kind in ("train", "eval"):
+                path = logs_dir / f"{kind}_log.jsonl"
+                if path.is_file():
+                    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+                    path.write_text("".join(line + "\n" for line in kept))
         # Open for the whole run (closed by close()), so every record is appended without reopening.
         self.files = {
             kind: open(logs_dir / f"{kind}_log.jsonl", "a", encoding="utf-8")  # noqa: SIM115
@@ -83,9 +90,9 @@ class WandbSink:
         self.run.finish()
 
 
-def open_sinks(config: Config, output_dir: Path) -> list[MetricSink]:
+def open_sinks(config: Config, output_dir: Path, resume_step: int = 0) -> list[MetricSink]:
     """The sinks of global rank 0 (the only rank that writes shared files)."""
-    sinks: list[MetricSink] = [JsonlSink(output_dir / "logs")]
+    sinks: list[MetricSink] = [JsonlSink(output_dir / "logs", resume_step)]
     if config.logging.tensorboard:
         sinks.append(TensorBoardSink(output_dir / "tensorboard"))
     if config.logging.wandb.enabled:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import transformers
 
+from shardtune.checkpoint.checkpointer import Checkpointer, resolve_resume
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config, inactive_keys
 from shardtune.data.collate import Batch, collate
@@ -159,7 +160,12 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         warmup,
     )
 
-    sinks: list[MetricSink] = open_sinks(config, output_dir) if env.is_main else []
+    checkpointer = Checkpointer(config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy)
+    checkpointer.remove_partial()
+    resume_path = resolve_resume(config)
+    start_step = checkpointer.load(resume_path) if resume_path else 0
+
+    sinks: list[MetricSink] = open_sinks(config, output_dir, start_step) if env.is_main else []
     progress = Progress(total_steps, config.logging.progress_bar, enabled=env.is_main)
     pad_id = tokenizer.pad_token_id
     pad_to_length = config.data.max_length if config.data.pad_to == "max_length" and not config.data.packing else None
@@ -185,7 +191,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             f"eval at step {step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.2f}"
         )
 
-    if training.eval_on_start:
+    if training.eval_on_start and start_step == 0:
         run_eval(0)
 
     # Running sums for the logging window stay on the device: adding to them forces no host sync.
@@ -194,7 +200,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     train_time = 0.0
     last_loss = float("nan")
     run_started = window_started = time.perf_counter()
-    for step in range(1, total_steps + 1):
+    for step in range(start_step + 1, total_steps + 1):
         micro_batches = [
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
@@ -238,6 +244,9 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
             run_eval(step)
             window_started = time.perf_counter()
+        if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
+            checkpointer.save(step)
+            window_started = time.perf_counter()
 
     wall_time = time.perf_counter() - run_started
     run_eval(total_steps)
@@ -249,7 +258,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
 
     tokens_per_rank = [int(t) for t in env.all_gather_floats(rank_tokens)]
-    rates_per_rank = env.all_gather_floats(rank_tokens / train_time)
+    rates_per_rank = env.all_gather_floats(rank_tokens / max(train_time, 1e-9))
     peak_per_rank = env.all_gather_floats(peak_memory_gib(env.device))
     parameter_bytes = [int(b) for b in env.all_gather_floats(local_parameter_bytes(model))]
     metrics: dict[str, Any] = {
