@@ -280,6 +280,9 @@ def _check_paths(config: Config) -> list[str]:
     for key, value in locals_:
         if not Path(value).expanduser().exists():
             problems.append(f"{key}: file not found: {value}")
+    resume = config.training.resume_from_checkpoint
+    if resume not in (None, "auto") and not (Path(resume) / "manifest.json").is_file():
+        problems.append(f"training.resume_from_checkpoint: {resume} is not a complete checkpoint (no manifest.json)")
     if _looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
         problems.append(f"model.name_or_path: directory not found: {config.model.name_or_path}")
     return problems

@@ -27,8 +27,9 @@ def test_seed_config_loads_as_written(seed_config: Path):
     assert config.training.gradient_accumulation_steps == 2
     assert config.training.eval_dataset_type == "subset" and config.training.eval_subset_size == 200
     assert config.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    # Saving settings are accepted and reported as not active, since they cannot change results.
-    assert inactive_keys(config) == ["training.save_steps=100", "training.save_total_limit=10"]
+    assert config.training.checkpoint_mode == "lite" and config.training.save_steps == 100
+    assert config.training.save_total_limit == 10
+    assert inactive_keys(config) == []
 
 
 def test_dump_round_trips(seed_config: Path, tmp_path: Path):
@@ -64,7 +65,10 @@ def test_overrides_are_typed(seed_config: Path):
         ("data.truncation=cut", "data.truncation: Input should be 'truncate' or 'drop'"),
         ("data.columns={instruction: q, answer: a}", "data.columns: answer is not a field of format alpaca"),
         ("data.dataset_weights=[1, 2]", "data.dataset_weights: 2 weights for 1 dataset paths"),
-        ("training.resume_from_checkpoint=ckpt", "training.resume_from_checkpoint: not supported"),
+        (
+            "training.resume_from_checkpoint=ckpt",
+            "training.resume_from_checkpoint: ckpt is not a complete checkpoint (no manifest.json)",
+        ),
         ("training.eval_subset_size=null", "training.eval_subset_size: required when eval_dataset_type is subset"),
     ],
 )
