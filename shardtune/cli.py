@@ -78,6 +78,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardtune.checkpoint.export_checkpoint import export_checkpoint
+
+    _setup_logging(True)
+    print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge)}")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.generate import generate_response
 
@@ -105,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=cmd_prepare)
 
     add_convert_parser(commands)
+
+    export = commands.add_parser("export", help="a checkpoint -> PEFT adapter, merged model, or HF model")
+    export.add_argument("checkpoint", help="a checkpoint-<step> directory")
+    export.add_argument("--out", required=True, help="directory to write")
+    export.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
+    export.set_defaults(handler=cmd_export)
 
     generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")
     generate.add_argument("model_dir", help="a final/ directory: PEFT adapter or full model, with tokenizer")

@@ -37,7 +37,8 @@ def save_final(
             model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         else:
             state = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-            model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+            # Large models are split into safetensors shards with an index, as the hub does.
+            model.save_pretrained(staging, state_dict=state, safe_serialization=True, max_shard_size="5GB")
             # save_pretrained records the dtype of the fp32 master weights; record the saved one.
             config_path = staging / "config.json"
             saved_config = json.loads(config_path.read_text())

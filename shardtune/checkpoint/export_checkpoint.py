@@ -1,0 +1,51 @@
+"""``shardtune export``: a checkpoint's shards -> a PEFT adapter directory, or a merged HF model.
+
+Runs in one process on the CPU whatever world size wrote the checkpoint: DCP reads the shards of
+every rank into whole tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from shardtune.checkpoint.checkpointer import SET_TRAINABLE, TRAINABLE_ONLY
+from shardtune.checkpoint.export import save_final
+from shardtune.config import load_config
+from shardtune.errors import InputError
+from shardtune.model.load import load_model, load_tokenizer
+from shardtune.model.lora import apply_lora
+
+log = logging.getLogger("shardtune")
+
+
+def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False) -> str:
+    """Write ``out`` from ``checkpoint``; returns what was written, for the user."""
+    if not (checkpoint / "manifest.json").is_file():
+        raise InputError(f"{checkpoint}: not a complete checkpoint (no manifest.json)")
+    config = load_config(checkpoint / "config.yaml", check_paths=False)
+    tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
+    # The base weights in the dtype they are stored in; the checkpoint supplies the trained ones.
+    base_dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else torch.float32
+    model = load_model(config.model, base_dtype, config.training.seed)
+    if config.lora.enabled:
+        model = apply_lora(model, config.lora)
+    state = get_model_state_dict(model, options=TRAINABLE_ONLY)
+    with warnings.catch_warnings():
+        # DCP warns that no process group exists; reading every rank's shards in one process is the point.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint / "model")
+    set_model_state_dict(model, state, options=SET_TRAINABLE)
+    if config.lora.enabled and merge:
+        merged = model.merge_and_unload()
+        save_final(merged, tokenizer, out, base_dtype)
+        return f"merged model (base {config.model.name_or_path} + LoRA adapter) in {out}"
+    save_final(model, tokenizer, out, base_dtype)
+    if config.lora.enabled:
+        return f"PEFT adapter for {config.model.name_or_path} in {out}"
+    return f"model in {out}"
