@@ -1,0 +1,81 @@
+"""Time lite and full checkpoint saves of a Mistral-7B-shaped LoRA model (r=16, all linear layers).
+
+    python benchmarks/checkpoint_save.py --out results/ [--runs lite-2gpu,full-2gpu] [--gpus-note ...]
+
+Each run trains 6 steps with FSDP, saving every 2 steps; saves are synchronous, so the time a save
+takes is the training stall it causes. Reports the mean save time and the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from data_parallel import SHAPES, write_data, write_model
+
+RUNS = {"lite-1gpu": (1, "lite"), "full-1gpu": (1, "full"), "lite-2gpu": (2, "lite"), "full-2gpu": (2, "full")}
+SAVED = re.compile(r"saved (lite|full) checkpoint (\S+) in ([0-9.]+) s")
+
+
+def run(name: str, work: Path, out: Path) -> dict:
+    gpus, mode = RUNS[name]
+    model_dir = work / "model-7b"
+    write_model(model_dir, SHAPES["7b"])
+    config = {
+        "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "bfloat16"},
+        "data": {"dataset_path": str(work / "docs.jsonl"), "format": "text", "max_length": 2048,
+                 "cache_dir": str(work / "cache")},
+        "training": {"output_dir": str(work / name), "overwrite_output_dir": True, "max_steps": 6,
+                     "per_device_train_batch_size": 2, "learning_rate": 1e-4, "logging_steps": 2,
+                     "gradient_checkpointing": True, "save_steps": 2, "checkpoint_mode": mode},
+        "lora": {"enabled": True, "r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "parallel": {"strategy": "fsdp"},
+        "logging": {"progress_bar": False},
+    }  # fmt: skip
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "shardtune", "train", str(path), "--nproc", str(gpus)]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    (out / f"{name}.log").write_text(result.stderr[-200_000:])
+    if result.returncode != 0:
+        return {"run": name, "status": f"failed ({result.returncode})"}
+    saves = [(Path(m.group(2)), float(m.group(3))) for m in SAVED.finditer(result.stderr)]
+    size = sum(f.stat().st_size for f in saves[-1][0].rglob("*") if f.is_file())
+    return {
+        "run": name,
+        "gpus": gpus,
+        "mode": mode,
+        "status": "ok",
+        "saves": len(saves),
+        "save_s_mean": round(statistics.mean(t for _, t in saves), 3),
+        "save_s_max": round(max(t for _, t in saves), 3),
+        "checkpoint_mib": round(size / 2**20, 1),
+        "command": " ".join(command[1:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", default="lite-2gpu,full-2gpu")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/shardtune-ckpt-bench"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    write_data(args.work / "docs.jsonl", 64)
+    results = []
+    for name in args.runs.split(","):
+        results.append(run(name, args.work, args.out))
+        print(json.dumps(results[-1]), flush=True)
+        (args.out / "checkpoint_save.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
