@@ -8,17 +8,11 @@ takes is the training stall it causes. Reports the mean save time and the checkp
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
-from data_parallel import SHAPES, write_data, write_model
+from data_parallel import SHAPES, launch, run_benchmarks, write_model
 
 RUNS = {"lite-1gpu": (1, "lite"), "full-1gpu": (1, "full"), "lite-2gpu": (2, "lite"), "full-2gpu": (2, "full")}
 SAVED = re.compile(r"saved (lite|full) checkpoint (\S+) in ([0-9.]+) s")
@@ -39,11 +33,7 @@ def run(name: str, work: Path, out: Path) -> dict:
         "parallel": {"strategy": "fsdp"},
         "logging": {"progress_bar": False},
     }  # fmt: skip
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "shardtune", "train", str(path), "--nproc", str(gpus)]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    (out / f"{name}.log").write_text(result.stderr[-200_000:])
+    result, command = launch(name, config, gpus, work, out)
     if result.returncode != 0:
         return {"run": name, "status": f"failed ({result.returncode})"}
     saves = [(Path(m.group(2)), float(m.group(3))) for m in SAVED.finditer(result.stderr)]
@@ -62,19 +52,9 @@ def run(name: str, work: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--runs", default="lite-2gpu,full-2gpu")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/shardtune-ckpt-bench"))
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
-    write_data(args.work / "docs.jsonl", 64)
-    results = []
-    for name in args.runs.split(","):
-        results.append(run(name, args.work, args.out))
-        print(json.dumps(results[-1]), flush=True)
-        (args.out / "checkpoint_save.json").write_text(json.dumps(results, indent=2))
+    run_benchmarks(
+        run, __doc__.splitlines()[0], "lite-2gpu,full-2gpu", "/tmp/shardtune-ckpt-bench", 64, "checkpoint_save.json"
+    )
 
 
 if __name__ == "__main__":

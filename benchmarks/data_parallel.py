@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -87,11 +88,7 @@ def run(name: str, work: Path, out: Path) -> dict:
         "parallel": {"strategy": strategy, "cpu_offload": name in OFFLOADED},
         "logging": {"progress_bar": False},
     }  # fmt: skip
-    config_path = work / f"{name}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "shardtune", "train", str(config_path), "--nproc", str(gpus)]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    (out / f"{name}.log").write_text(result.stderr[-200_000:])
+    result, command = launch(name, config, gpus, work, out)
     record = {"run": name, "params": params, "gpus": gpus, "strategy": strategy, "batch_per_gpu": batch,
               "seq": 2048, "activation_checkpointing": checkpointing, "lora": lora,
               "command": " ".join(command[1:])}  # fmt: skip
@@ -118,20 +115,40 @@ def run(name: str, work: Path, out: Path) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def launch(name: str, config: dict, gpus: int, work: Path, out: Path) -> tuple[subprocess.CompletedProcess, list]:
+    """Write ``config`` and run ``shardtune train`` on it with ``gpus`` workers; its log goes to ``out``."""
+    config_path = work / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "shardtune", "train", str(config_path), "--nproc", str(gpus)]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    (out / f"{name}.log").write_text(result.stderr[-200_000:])
+    return result, command
+
+
+def run_benchmarks(
+    run: Callable[[str, Path, Path], dict], description: str, default_runs: str, default_work: str, rows: int,
+    results_name: str,
+) -> None:  # fmt: skip
+    """The command line shared by the GPU benchmarks: run the named runs, print and save each result."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--runs", default="1b-1gpu,1b-ddp,1b-fsdp,7b-fsdp")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/shardtune-bench"))
+    parser.add_argument("--runs", default=default_runs)
+    parser.add_argument("--work", type=Path, default=Path(default_work))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    write_data(args.work / "docs.jsonl", 256)
+    write_data(args.work / "docs.jsonl", rows)
     results = []
     for name in args.runs.split(","):
         results.append(run(name, args.work, args.out))
         print(json.dumps(results[-1]), flush=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+        (args.out / results_name).write_text(json.dumps(results, indent=2))
+
+
+def main() -> None:
+    run_benchmarks(
+        run, __doc__.splitlines()[0], "1b-1gpu,1b-ddp,1b-fsdp,7b-fsdp", "/tmp/shardtune-bench", 256, "results.json"
+    )
 
 
 if __name__ == "__main__":
