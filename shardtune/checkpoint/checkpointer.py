@@ -119,10 +119,10 @@ class Checkpointer:
             dcp.save(optimizer_state, checkpoint_id=staging / "optimizer")
             (staging / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), staging / "rng" / f"rank-{self.env.rank}.pt")
-        files = self._files_written(staging)
-        self.env.barrier()  # every rank's shards are on disk before the checkpoint may be committed
+        # Each rank lists its files only after writing them, so once rank 0 holds every list, every
+        # rank's shards are on disk and the checkpoint may be committed: the gather is the barrier.
         gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, files)
+        dist.all_gather_object(gathered, self._files_written(staging))
         if self.env.is_main:
             self._write_trainer_state(staging, step)
             self.tokenizer.save_pretrained(staging)

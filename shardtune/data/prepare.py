@@ -202,15 +202,14 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 def store_inputs(config: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """Every input the store's content depends on; any change makes a new store."""
     data, training = config.data, config.training
-    spec = SourceSpec
     return {
         "pipeline_version": PIPELINE_VERSION,
         "sources": [
-            source_fingerprint(spec(path, data.dataset_split, data.dataset_subset, weight))
+            source_fingerprint(SourceSpec(path, data.dataset_split, data.dataset_subset, weight))
             for path, weight in zip(data.paths, data.weights, strict=True)
         ],
         "weights": data.weights,
-        "eval_source": source_fingerprint(spec(data.eval_path)) if data.eval_path else None,
+        "eval_source": source_fingerprint(SourceSpec(data.eval_path)) if data.eval_path else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "options": data.model_dump(
             mode="json",
