@@ -3,13 +3,18 @@ parallel, with no gather to rank 0; a checkpoint gets its final name only once i
 
 Layout of ``checkpoint-<step>/``:
 - ``model/``: DCP shards of the trainable parameters (LoRA adapters, or every weight), keyed by
-  parameter name, so any world size and strategy can load them (DCP reshards on load).
+  parameter name, so any world size and strategy can load them (DCP reshards on load). On node-local
+  storage, one DCP checkpoint per node in ``model/node-<k>/`` (see ``shards.py``).
 - ``optimizer/`` (``full`` mode): DCP shards of the optimizer state, keyed the same way.
 - ``rng/rank-<r>.pt`` (``full`` mode): each rank's random generator states.
 - ``trainer.json``: step, sampler cursor, scheduler state.
-- ``manifest.json``: step, mode, world size, strategy, config hash, hosts, and every file with its size
-  and the rank (and host) that wrote it; written last, just before the rename that commits.
+- ``manifest.json``: step, mode, world size, strategy, config hash, storage (shared or node-local,
+  with each node's host and ranks), and every file with its size and the rank and host that wrote
+  it; written last, just before the rename that commits.
 - ``config.yaml`` and the tokenizer files.
+
+On node-local storage every node commits its own copy of the small files and its own shards; a
+resume uses the newest checkpoint that every node committed.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shardtune.checkpoint.shards import METADATA_FILE, NodeSavePlanner, ShardsReader, missing_shards
 from shardtune.config import Config, dump_config
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.storage import storage_domains
 from shardtune.errors import ConfigError
 
 log = logging.getLogger("shardtune")
@@ -65,24 +72,6 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def resolve_resume(config: Config) -> Path | None:
-    """``resume_from_checkpoint``: ``auto`` (newest complete in output_dir, if any), a path, or none."""
-    setting = config.training.resume_from_checkpoint
-    if setting is None:
-        return None
-    output_dir = Path(config.training.output_dir)
-    if setting == "auto":
-        found = complete_checkpoints(output_dir) if output_dir.is_dir() else []
-        if not found:
-            log.info("resume_from_checkpoint: auto found no complete checkpoint in %s; starting fresh", output_dir)
-            return None
-        return found[-1]
-    path = Path(setting)
-    if not (path / "manifest.json").is_file():
-        raise ConfigError(f"training.resume_from_checkpoint: {path} is not a complete checkpoint (no manifest.json)")
-    return path
-
-
 class Checkpointer:
     """Saves and loads every stateful piece of a run; built once with all of them."""
 
@@ -102,40 +91,89 @@ class Checkpointer:
         self.tokenizer, self.strategy = tokenizer, strategy
         self.output_dir = Path(config.training.output_dir)
         self.mode = config.training.checkpoint_mode
+        self.domains = storage_domains(env, self.output_dir, config.parallel.timeout_s, purpose="checkpoint")
+        self.node_local = self.domains.count > 1
+        # On node-local storage each node's ranks save as a group of their own. Every rank creates
+        # every group, in the same order, as torch.distributed requires.
+        self.domain_group = None
+        if self.node_local:
+            for domain in range(self.domains.count):
+                group = dist.new_group(self.domains.ranks(domain))
+                if domain == self.domains.mine:
+                    self.domain_group = group
+
+    def _shards(self, checkpoint: Path, kind: str) -> Path:
+        """Where this rank's ``model`` or ``optimizer`` shards go."""
+        return checkpoint / kind / f"node-{self.domains.mine}" if self.node_local else checkpoint / kind
+
+    def _save_shards(self, state: dict[str, Any], directory: Path) -> None:
+        planner = NodeSavePlanner() if self.node_local else None
+        dcp.save(state, checkpoint_id=directory, process_group=self.domain_group, planner=planner)
+
+    # -- choosing what to resume -------------------------------------------------------------------
+    def resume_path(self) -> Path | None:
+        """``resume_from_checkpoint``: ``auto`` (the newest checkpoint complete on every node, if
+        any), a path, or none. A collective: every rank gets the same answer."""
+        setting = self.config.training.resume_from_checkpoint
+        if setting is None:
+            return None
+        if setting != "auto":
+            path = Path(setting)
+            present: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(present, (socket.gethostname(), (path / "manifest.json").is_file()))
+            lacking = sorted({host for host, found in present if not found})
+            if lacking:
+                raise ConfigError(
+                    f"training.resume_from_checkpoint: {path} is not a complete checkpoint (no manifest.json) "
+                    f"on {', '.join(lacking)}"
+                )
+            return path
+        local = [int(CHECKPOINT_PATTERN.match(p.name).group(1)) for p in complete_checkpoints(self.output_dir)]
+        everywhere: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(everywhere, local)
+        common = set(everywhere[0]).intersection(*everywhere[1:])
+        if not common:
+            log.info(
+                "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; starting fresh",
+                self.output_dir,
+            )
+            return None
+        newest_anywhere = max(max(steps, default=0) for steps in everywhere)
+        if newest_anywhere > max(common):
+            log.warning(
+                "resume_from_checkpoint: checkpoint-%d is not complete on every node; using checkpoint-%d",
+                newest_anywhere, max(common),
+            )  # fmt: skip
+        return self.output_dir / f"checkpoint-{max(common)}"
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
         started = time.perf_counter()
         final = self.output_dir / f"checkpoint-{step}"
         staging = self.output_dir / f".checkpoint-{step}.tmp"
-        if self.env.is_main:
+        if self.domains.is_leader:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.env.barrier()
         # Each rank writes the shards it owns; DCP exchanges only the (small) save plan.
-        dcp.save(get_model_state_dict(self.model, options=TRAINABLE_ONLY), checkpoint_id=staging / "model")
+        self._save_shards(get_model_state_dict(self.model, options=TRAINABLE_ONLY), self._shards(staging, "model"))
         if self.mode == "full":
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
-            dcp.save(optimizer_state, checkpoint_id=staging / "optimizer")
+            self._save_shards(optimizer_state, self._shards(staging, "optimizer"))
             (staging / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), staging / "rng" / f"rank-{self.env.rank}.pt")
         # Each rank lists its files only after writing them, so once rank 0 holds every list, every
         # rank's shards are on disk and the checkpoint may be committed: the gather is the barrier.
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, self._files_written(staging))
-        if self.env.is_main:
-            self._write_trainer_state(staging, step)
+        # Rank 0 composes the small files; every node's leader writes them on its own storage.
+        small_files: list[Any] = [self._small_files(step, gathered) if self.env.is_main else None]
+        if self.node_local:
+            dist.broadcast_object_list(small_files, src=0)
+        if self.domains.is_leader:
+            for name, text in small_files[0].items():
+                _write_synced(staging / name, text)
             self.tokenizer.save_pretrained(staging)
-            (staging / "config.yaml").write_text(dump_config(self.config))
-            manifest = {
-                "step": step,
-                "mode": self.mode,
-                "world_size": self.env.world_size,
-                "strategy": self.strategy,
-                "config_hash": config_hash(self.config),
-                "files": {str(rank): entries for rank, entries in enumerate(gathered)},
-            }
-            _write_synced(staging / "manifest.json", json.dumps(manifest, indent=2) + "\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(staging, final)  # the commit
@@ -145,20 +183,45 @@ class Checkpointer:
         return final
 
     def _files_written(self, staging: Path) -> list[dict[str, Any]]:
-        """The files under ``staging`` this rank wrote (DCP names shard files by rank)."""
+        """The files under ``staging`` this rank wrote (DCP names shard files by rank in the saving group)."""
         host = socket.gethostname()
-        rank = self.env.rank
-        entries = []
-        for path in sorted(staging.rglob("*")):
-            name = path.name
-            mine = f"__{rank}_" in name or name == f"rank-{rank}.pt" or (rank == 0 and name == ".metadata")
-            if path.is_file() and mine:
-                entries.append({"path": str(path.relative_to(staging)), "bytes": path.stat().st_size, "host": host})
-        return entries
+        group_rank = self.domains.ranks(self.domains.mine).index(self.env.rank) if self.node_local else self.env.rank
+        mine = {f"rng/rank-{self.env.rank}.pt"}
+        for kind in ("model", "optimizer"):
+            shards = self._shards(staging, kind)
+            if shards.is_dir():
+                mine |= {str(p.relative_to(staging)) for p in shards.glob(f"__{group_rank}_*")}
+                if group_rank == 0:
+                    mine.add(str((shards / METADATA_FILE).relative_to(staging)))
+        return [
+            {"path": name, "bytes": (staging / name).stat().st_size, "host": host}
+            for name in sorted(mine)
+            if (staging / name).is_file()
+        ]
 
-    def _write_trainer_state(self, staging: Path, step: int) -> None:
-        state = {"step": step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
-        _write_synced(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
+    def _small_files(self, step: int, files: list[Any]) -> dict[str, str]:
+        trainer = {"step": step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+        hosts = [entries[0]["host"] if entries else "?" for entries in files]
+        nodes = [
+            {"name": f"node-{domain}", "host": hosts[ranks[0]], "ranks": ranks}
+            for domain in range(self.domains.count)
+            for ranks in [self.domains.ranks(domain)]
+        ]
+        manifest = {
+            "step": step,
+            "mode": self.mode,
+            "world_size": self.env.world_size,
+            "strategy": self.strategy,
+            "config_hash": config_hash(self.config),
+            "storage": {"kind": "node-local" if self.node_local else "shared", "nodes": nodes},
+            "files": {str(rank): entries for rank, entries in enumerate(files)},
+        }
+        # The manifest is written last: its presence is what marks a staged directory complete.
+        return {
+            "trainer.json": json.dumps(trainer, indent=2) + "\n",
+            "config.yaml": dump_config(self.config),
+            "manifest.json": json.dumps(manifest, indent=2) + "\n",
+        }
 
     def _rotate(self) -> None:
         limit = self.config.training.save_total_limit
@@ -172,7 +235,7 @@ class Checkpointer:
 
     def remove_partial(self) -> None:
         """Checkpoints a crash left half-written are never loaded; clear them at start."""
-        if self.env.is_main and self.output_dir.is_dir():
+        if self.domains.is_leader and self.output_dir.is_dir():
             for partial in self.output_dir.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(partial, ignore_errors=True)
                 log.info("removed %s, left by an interrupted save", partial)
@@ -181,16 +244,34 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Restore what ``path`` holds; returns the step to continue after."""
         manifest = json.loads((path / "manifest.json").read_text())
-        self._check_files(path, manifest)
         model_state = get_model_state_dict(self.model, options=TRAINABLE_ONLY)
-        dcp.load(model_state, checkpoint_id=path / "model")
+        optimizer_state = None
+        if manifest["mode"] == "full":
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
+        wanted = {"model": model_state, "optimizer": optimizer_state}
+        readers = {kind: ShardsReader(path / kind) for kind, state in wanted.items() if state is not None}
+        problems = [
+            problem
+            for kind, reader in readers.items()
+            for problem in describe_missing(path, kind, wanted[kind], reader, manifest)
+        ]
+        # Every rank learns of every rank's problems, so all stop together instead of some waiting
+        # in dcp.load for ranks that gave up.
+        everyone: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(everyone, problems)
+        lacking = [f"rank {rank}: {problem}" for rank, found in enumerate(everyone) for problem in found]
+        if lacking:
+            raise ConfigError(
+                f"training.resume_from_checkpoint: {path} cannot be loaded here: " + "; ".join(lacking[:4])
+                + (f" (and {len(lacking) - 4} more)" if len(lacking) > 4 else "")
+            )  # fmt: skip
+        dcp.load(model_state, storage_reader=readers["model"])
         set_model_state_dict(self.model, model_state, options=SET_TRAINABLE)
         trainer = json.loads((path / "trainer.json").read_text())
         self.sampler.load_state_dict(trainer["sampler"])
         self.scheduler.load_state_dict(trainer["scheduler"])
-        if manifest["mode"] == "full":
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
-            dcp.load(optimizer_state, checkpoint_id=path / "optimizer")
+        if optimizer_state is not None:
+            dcp.load(optimizer_state, storage_reader=readers["optimizer"])
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=TRAINABLE_ONLY)
             rng_file = path / "rng" / f"rank-{self.env.rank}.pt"
             if manifest["world_size"] == self.env.world_size and rng_file.is_file():
@@ -203,18 +284,36 @@ class Checkpointer:
         )  # fmt: skip
         return int(manifest["step"])
 
-    def _check_files(self, path: Path, manifest: dict[str, Any]) -> None:
-        missing = [
-            f"{entry['path']} (written by rank {rank} on {entry['host']})"
-            for rank, entries in manifest["files"].items()
-            for entry in entries
-            if not (path / entry["path"]).is_file()
+
+def describe_missing(
+    path: Path, kind: str, state: dict[str, Any], reader: ShardsReader, manifest: dict[str, Any]
+) -> list[str]:
+    """Why ``state`` cannot be read from ``path/kind`` here, naming the files and where they were written."""
+    writers = {
+        entry["path"]: f"rank {rank} on {entry['host']}"
+        for rank, entries in manifest["files"].items()
+        for entry in entries
+    }
+    try:
+        uncovered, absent = missing_shards(state, reader)
+    except FileNotFoundError as exc:
+        return [str(exc)]
+    problems = [
+        f"{kind}/{name} (written by {writers.get(f'{kind}/{name}', 'an unknown rank')}) is missing" for name in absent
+    ]
+    if uncovered:
+        elsewhere = [
+            f"{name} (written by {writer})"
+            for name, writer in writers.items()
+            if name.startswith(f"{kind}/") and not (path / name).is_file()
         ]
-        if missing:
-            raise ConfigError(
-                f"training.resume_from_checkpoint: {path} lacks {len(missing)} file(s) here: {', '.join(missing[:5])}"
-                + (" ..." if len(missing) > 5 else "")
-            )
+        problems.append(
+            f"{len(uncovered)} {kind} tensor(s) (e.g. {uncovered[0]}) have shards that are not here; "
+            "files absent here: "
+            + (", ".join(elsewhere[:6]) + (" ..." if len(elsewhere) > 6 else "") if elsewhere else "none listed")
+            + ". Resume on the nodes that wrote it, or copy every node's copy of the checkpoint into one directory"
+        )
+    return problems
 
 
 def _write_synced(path: Path, text: str) -> None:

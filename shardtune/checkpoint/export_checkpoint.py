@@ -1,11 +1,13 @@
 """``shardtune export``: a checkpoint's shards -> a PEFT adapter directory, or a merged HF model.
 
 Runs in one process on the CPU whatever world size wrote the checkpoint: DCP reads the shards of
-every rank into whole tensors.
+every rank into whole tensors. A node-local checkpoint exports once every node's copy has been
+gathered into one directory (the error names the files still missing).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -14,8 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from shardtune.checkpoint.checkpointer import SET_TRAINABLE, TRAINABLE_ONLY
+from shardtune.checkpoint.checkpointer import SET_TRAINABLE, TRAINABLE_ONLY, describe_missing
 from shardtune.checkpoint.export import save_final
+from shardtune.checkpoint.shards import ShardsReader
 from shardtune.config import load_config
 from shardtune.errors import InputError
 from shardtune.model.load import load_model, load_tokenizer
@@ -36,10 +39,15 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False) -> str:
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
     state = get_model_state_dict(model, options=TRAINABLE_ONLY)
+    reader = ShardsReader(checkpoint / "model")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    problems = describe_missing(checkpoint, "model", state, reader, manifest)
+    if problems:
+        raise InputError(f"{checkpoint}: cannot export: {'; '.join(problems)}")
     with warnings.catch_warnings():
         # DCP warns that no process group exists; reading every rank's shards in one process is the point.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=checkpoint / "model")
+        dcp.load(state, storage_reader=reader)
     set_model_state_dict(model, state, options=SET_TRAINABLE)
     if config.lora.enabled and merge:
         merged = model.merge_and_unload()

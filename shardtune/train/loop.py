@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import transformers
 
-from shardtune.checkpoint.checkpointer import Checkpointer, resolve_resume
+from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config, inactive_keys
 from shardtune.data.collate import Batch, collate
@@ -162,7 +162,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
 
     checkpointer = Checkpointer(config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy)
     checkpointer.remove_partial()
-    resume_path = resolve_resume(config)
+    resume_path = checkpointer.resume_path()
     start_step = checkpointer.load(resume_path) if resume_path else 0
 
     sinks: list[MetricSink] = open_sinks(config, output_dir, start_step) if env.is_main else []

@@ -1,0 +1,112 @@
+"""Reading and writing a checkpoint's DCP shards on shared or node-local storage.
+
+On storage every rank sees, ``model/`` (and ``optimizer/``) is one DCP checkpoint. On node-local
+storage each node can only hold what its own ranks wrote, so each node saves its own DCP checkpoint,
+coordinated among its ranks only, under ``model/node-<k>/``: its ranks' shards of sharded tensors, and
+a full copy of every replicated tensor (so a node can reload its own ranks without the others). The
+reader merges whichever ``node-*`` parts are present, so the same code loads a checkpoint from its
+nodes, or from one directory where every node's copy was gathered; and before anything is read, each
+rank checks that the shards it needs are here, and names the ones that are not and where they were
+written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from collections import ChainMap
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, SavePlan
+from torch.distributed.tensor import DTensor
+
+METADATA_FILE = ".metadata"
+
+
+class NodeSavePlanner(DefaultSavePlanner):
+    """The default planner, for a save coordinated among one node's ranks.
+
+    Its global plan covers only that node's shards of a sharded tensor, by design; DCP's check that
+    the chunks of every tensor cover it whole would reject that, so it is left out here. Whether a
+    resume has every chunk it needs is checked at load time (``missing_shards``).
+    """
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(all_plans))
+        if self.flatten_state_dict:
+            mappings = dict(ChainMap(*[plan.planner_data for plan in global_plan]))
+            metadata = dataclasses.replace(metadata, planner_data=mappings)
+        return global_plan, metadata
+
+
+class ShardsReader(FileSystemReader):
+    """Reads one DCP checkpoint, or the merge of the per-node checkpoints present under ``path``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        root = Path(self.path)
+        if (root / METADATA_FILE).is_file():
+            return super().read_metadata(*args, **kwargs)
+        parts = sorted(part for part in root.glob("node-*") if (part / METADATA_FILE).is_file())
+        if not parts:
+            raise FileNotFoundError(f"{root}: no {METADATA_FILE}, and no node-*/{METADATA_FILE} of a node-local save")
+        merged: Metadata | None = None
+        for part in parts:
+            with open(part / METADATA_FILE, "rb") as handle:
+                metadata: Metadata = pickle.load(handle)
+            storage = {
+                index: dataclasses.replace(info, relative_path=f"{part.name}/{info.relative_path}")
+                for index, info in metadata.storage_data.items()
+            }
+            metadata = dataclasses.replace(metadata, storage_data=storage)
+            merged = metadata if merged is None else _merge(merged, metadata)
+        assert merged is not None
+        return merged
+
+
+def _merge(into: Metadata, other: Metadata) -> Metadata:
+    """Union of two nodes' metadata; a replicated tensor's copy is taken from the first node."""
+    tensors = dict(into.state_dict_metadata)
+    for fqn, entry in other.state_dict_metadata.items():
+        known = tensors.get(fqn)
+        if known is None:
+            tensors[fqn] = entry
+        elif isinstance(known, TensorStorageMetadata) and isinstance(entry, TensorStorageMetadata):
+            seen = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in known.chunks}
+            extra = [chunk for chunk in entry.chunks if (tuple(chunk.offsets), tuple(chunk.sizes)) not in seen]
+            tensors[fqn] = dataclasses.replace(known, chunks=[*known.chunks, *extra])
+    storage = {**other.storage_data, **into.storage_data}
+    planner_data = {**(other.planner_data or {}), **(into.planner_data or {})}
+    return dataclasses.replace(into, state_dict_metadata=tensors, storage_data=storage, planner_data=planner_data)
+
+
+def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[list[str], list[str]]:
+    """What this rank cannot load from here: (tensors with chunks no present shard holds, shard files
+    the metadata names that do not exist), both empty when the load can go ahead."""
+    metadata = reader.read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, metadata, is_coordinator=False)
+    plan = planner.create_local_plan()
+    read: dict[str, int] = {}
+    needed_files: set[str] = set()
+    for item in plan.items:
+        volume = math.prod(item.lengths) if item.type != LoadItemType.BYTE_IO else 0
+        read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + volume
+        needed_files.add(metadata.storage_data[item.storage_index].relative_path)
+    uncovered = []
+    for fqn, value in planner.state_dict.items():
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if read.get(fqn, 0) < local.numel():
+                uncovered.append(fqn)
+    absent = sorted(name for name in needed_files if not (Path(reader.path) / name).is_file())
+    return uncovered, absent

@@ -1,0 +1,145 @@
+"""Checkpoints on node-local storage: two "nodes", each a process in its own mount and UTS namespace,
+so the same output path is a different disk on each, and each has its own host name."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from test_checkpoints import ENV, adapter, command, interrupt_after, losses, train
+
+HOSTS = ["node-a", "node-b"]
+
+
+def _namespaces_available() -> bool:
+    script = "hostname x && mount -t tmpfs none /mnt"
+    probe = ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    not _namespaces_available(), reason="needs unshare with mount and UTS namespaces (root) to give each rank a disk"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_on_two_nodes(tmp_path: Path, *overrides: str) -> list[subprocess.CompletedProcess]:
+    """One rank per node; each node sees its own disk (tmp_path/node-a or node-b) at tmp_path/run."""
+    mount_point = tmp_path / "run"
+    mount_point.mkdir(exist_ok=True)
+    port = _free_port()
+    processes = []
+    for rank, host in enumerate(HOSTS):
+        disk = tmp_path / host
+        disk.mkdir(exist_ok=True)
+        train_command = command(tmp_path, mount_point, 1, f"data.cache_dir={mount_point / 'cache'}", *overrides)
+        train_command.remove("--nproc")
+        train_command.remove("1")
+        script = f"hostname {host} && mount --bind {disk} {mount_point} && exec {shlex.join(train_command)}"
+        env = {
+            **ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        }  # fmt: skip
+        unshare = ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
+        processes.append(
+            subprocess.Popen(unshare, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+def succeeded(results: list[subprocess.CompletedProcess]) -> str:
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return results[0].stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_each_node_commits_its_own_shards_and_resumes(tmp_path, strategy):
+    common = [f"parallel.strategy={strategy}", "lora.lora_dropout=0", "training.save_steps=2"]
+    straight = tmp_path / "straight"
+    train(tmp_path, straight, 2, *common, "training.max_steps=4")
+
+    succeeded(train_on_two_nodes(tmp_path, *common, "training.max_steps=4"))
+    for host in HOSTS:
+        interrupt_after(tmp_path / host, 2)
+    node_a, node_b = (tmp_path / host / "checkpoint-2" for host in HOSTS)
+    for node, index in ((node_a, 0), (node_b, 1)):
+        # Each node committed its own copy: manifest, trainer state, config, tokenizer and its shards.
+        assert {"manifest.json", "trainer.json", "config.yaml", "tokenizer.json"} <= {p.name for p in node.iterdir()}
+        assert [p.name for p in (node / "model").iterdir()] == [f"node-{index}"]
+        assert (node / f"model/node-{index}/.metadata").is_file()
+    manifest = json.loads((node_a / "manifest.json").read_text())
+    assert manifest == json.loads((node_b / "manifest.json").read_text())
+    assert manifest["storage"] == {
+        "kind": "node-local",
+        "nodes": [
+            {"name": "node-0", "host": "node-a", "ranks": [0]},
+            {"name": "node-1", "host": "node-b", "ranks": [1]},
+        ],
+    }
+    for rank, node in ((0, node_a), (1, node_b)):
+        for entry in manifest["files"][str(rank)]:
+            assert entry["host"] == HOSTS[rank]
+            assert (node / entry["path"]).stat().st_size == entry["bytes"]
+
+    # The same two nodes resume from their own disks and continue exactly.
+    log = succeeded(
+        train_on_two_nodes(tmp_path, *common, "training.max_steps=4", "training.resume_from_checkpoint=auto")
+    )
+    assert "checkpoint-2 (step 2, saved by 2 rank(s)" in log
+    resumed = losses(tmp_path / "node-a")
+    assert resumed[2:] == pytest.approx(losses(straight)[2:], rel=1e-5)
+
+
+def test_a_resume_lacking_another_nodes_shards_names_them_and_where(tmp_path):
+    common = ["parallel.strategy=fsdp", "lora.lora_dropout=0", "training.save_steps=2", "training.max_steps=2"]
+    succeeded(train_on_two_nodes(tmp_path, *common))
+    only_a = tmp_path / "node-a" / "checkpoint-2"
+    result = train(
+        tmp_path, tmp_path / "alone", 1, *common, "training.max_steps=3", f"training.resume_from_checkpoint={only_a}",
+        expect=2,
+    )  # fmt: skip
+    assert "have shards that are not here" in result.stderr
+    assert "model/node-1/__0_0.distcp (written by rank 1 on node-b)" in result.stderr
+    assert "optimizer/node-1/" in result.stderr
+
+    # Gathering node-b's copy next to node-a's makes the checkpoint whole: one process resumes from it.
+    shutil.copytree(tmp_path / "node-b" / "checkpoint-2", only_a, dirs_exist_ok=True)
+    log = train(
+        tmp_path, tmp_path / "alone", 1, *common, "training.max_steps=3", f"training.resume_from_checkpoint={only_a}",
+        "training.gradient_accumulation_steps=2",
+    ).stderr  # fmt: skip
+    assert "resumed from" in log
+    assert adapter(tmp_path / "alone").keys()
+
+
+def test_replicated_lora_resumes_from_one_node_alone(tmp_path):
+    """DDP keeps a whole copy of the adapter on every node, so one node's disk is enough for one process."""
+    common = ["parallel.strategy=ddp", "lora.lora_dropout=0", "training.save_steps=2"]
+    straight = tmp_path / "straight"
+    train(tmp_path, straight, 2, *common, "training.max_steps=4")
+    succeeded(train_on_two_nodes(tmp_path, *common, "training.max_steps=4"))
+    only_a = tmp_path / "node-a" / "checkpoint-2"
+    train(
+        tmp_path, tmp_path / "alone", 1, *common, "training.max_steps=4", f"training.resume_from_checkpoint={only_a}",
+        "training.gradient_accumulation_steps=2",
+    )  # fmt: skip
+    assert losses(tmp_path / "alone") == pytest.approx(losses(straight)[2:], rel=1e-5)
