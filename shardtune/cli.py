@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 import warnings
 
 from shardtune import __version__
-from shardtune.config import load_config
+from shardtune.config import Config, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.errors import InputError
+from shardtune.launch.elastic import add_node_arguments
 
 EXIT_BAD_INPUT = 2
 
@@ -37,29 +40,67 @@ def _setup_logging(is_main: bool) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    from shardtune.launch.local import default_nproc, launch_local_workers, running_as_worker
+    from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
+    from shardtune.launch.local import running_as_worker
+    from shardtune.launch.network import network_environment
 
     if not running_as_worker():
         nproc = args.nproc if args.nproc is not None else default_nproc()
         if nproc > 1:
             # The config is known to be good: the workers validate it again, but cannot fail on it.
-            return launch_local_workers(nproc, ["train", args.config, *args.overrides])
+            worker = ["train", args.config, *args.overrides]
+            return launch_node(NodeSpec(nproc_per_node=nproc), worker, network_environment(config.network))
+    return _train_here(config)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """One node's part of a multi-node run: this node's workers join the others at the rendezvous."""
+    config = load_config(args.config, args.overrides)
+    from shardtune.launch.elastic import launch_node, node_spec_from_args
+    from shardtune.launch.network import network_environment
+
+    spec = node_spec_from_args(args)
+    _setup_logging(True)
+    return launch_node(spec, ["train", args.config, *args.overrides], network_environment(config.network))
+
+
+def _train_here(config: Config) -> int:
+    """This process's part of the training: a worker, or the only process."""
     # Heavy imports only after the config is known to be good: errors above come back in a second.
+    from pathlib import Path
+
     from shardtune.distributed.env import DistributedEnv
     from shardtune.run_dir import prepare_output_dir
     from shardtune.train.loop import run_training
+    from shardtune.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
+    restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
+    if restarts and config.training.resume_from_checkpoint is None:
+        # The launcher restarted the workers after a failure: carry on from the last checkpoint.
+        training = config.training.model_copy(update={"resume_from_checkpoint": "auto"})
+        config = config.model_copy(update={"training": training})
     env = DistributedEnv.from_environment(config.parallel.timeout_s)
     _setup_logging(env.is_main)
+    if "SHARDTUNE_NNODES" in os.environ and env.local_rank == 0:
+        first = env.rank - env.local_rank
+        print(
+            f"shardtune: {socket.gethostname()}: node {os.environ.get('SHARDTUNE_NODE_RANK')} of "
+            f"{os.environ['SHARDTUNE_NNODES']}, local ranks 0-{env.local_world_size - 1} = global ranks "
+            f"{first}-{first + env.local_world_size - 1} of world size {env.world_size}, rendezvous "
+            f"{os.environ.get('SHARDTUNE_RDZV_ENDPOINT')}, restart {restarts}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         if env.is_main:
-            from pathlib import Path
-
             if not config.training.resume_from_checkpoint:
                 prepare_output_dir(Path(config.training.output_dir), config.training.overwrite_output_dir)
             else:
                 Path(config.training.output_dir).mkdir(parents=True, exist_ok=True)
         run_training(config, env, sys.argv)
+    except Preempted as stopped:
+        log.warning("%s", stopped)
+        return PREEMPTED_EXIT_CODE
     finally:
         env.close()
     return 0
@@ -108,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc", type=int, default=None, help="workers on this machine (default: one per GPU, 1 on CPU)"
     )
     train.set_defaults(handler=cmd_train)
+
+    launch = commands.add_parser("launch", help="one node's part of a multi-node run (every node runs this)")
+    launch.add_argument("config", help="YAML config file")
+    launch.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_node_arguments(launch)
+    launch.set_defaults(handler=cmd_launch)
 
     prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")
     prepare.add_argument("config", help="YAML config file")

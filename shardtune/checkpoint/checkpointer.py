@@ -147,7 +147,9 @@ class Checkpointer:
         return self.output_dir / f"checkpoint-{max(common)}"
 
     # -- saving ------------------------------------------------------------------------------------
-    def save(self, step: int) -> Path:
+    def save(self, step: int, mode: str | None = None) -> Path:
+        """Save ``step`` in ``mode`` (default: the configured ``checkpoint_mode``); a collective."""
+        mode = mode or self.mode
         started = time.perf_counter()
         final = self.output_dir / f"checkpoint-{step}"
         staging = self.output_dir / f".checkpoint-{step}.tmp"
@@ -157,7 +159,7 @@ class Checkpointer:
         self.env.barrier()
         # Each rank writes the shards it owns; DCP exchanges only the (small) save plan.
         self._save_shards(get_model_state_dict(self.model, options=TRAINABLE_ONLY), self._shards(staging, "model"))
-        if self.mode == "full":
+        if mode == "full":
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
             self._save_shards(optimizer_state, self._shards(staging, "optimizer"))
             (staging / "rng").mkdir(exist_ok=True)
@@ -167,7 +169,7 @@ class Checkpointer:
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, self._files_written(staging))
         # Rank 0 composes the small files; every node's leader writes them on its own storage.
-        small_files: list[Any] = [self._small_files(step, gathered) if self.env.is_main else None]
+        small_files: list[Any] = [self._small_files(step, mode, gathered) if self.env.is_main else None]
         if self.node_local:
             dist.broadcast_object_list(small_files, src=0)
         if self.domains.is_leader:
@@ -179,7 +181,7 @@ class Checkpointer:
             os.replace(staging, final)  # the commit
             self._rotate()
         self.env.barrier()
-        log.info("saved %s checkpoint %s in %.2f s", self.mode, final, time.perf_counter() - started)
+        log.info("saved %s checkpoint %s in %.2f s", mode, final, time.perf_counter() - started)
         return final
 
     def _files_written(self, staging: Path) -> list[dict[str, Any]]:
@@ -199,7 +201,7 @@ class Checkpointer:
             if (staging / name).is_file()
         ]
 
-    def _small_files(self, step: int, files: list[Any]) -> dict[str, str]:
+    def _small_files(self, step: int, mode: str, files: list[Any]) -> dict[str, str]:
         trainer = {"step": step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
         hosts = [entries[0]["host"] if entries else "?" for entries in files]
         nodes = [
@@ -209,7 +211,7 @@ class Checkpointer:
         ]
         manifest = {
             "step": step,
-            "mode": self.mode,
+            "mode": mode,
             "world_size": self.env.world_size,
             "strategy": self.strategy,
             "config_hash": config_hash(self.config),

@@ -19,7 +19,7 @@ import transformers
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.export import save_final
-from shardtune.config import Config, inactive_keys
+from shardtune.config import Config
 from shardtune.data.collate import Batch, collate
 from shardtune.data.prepare import describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
@@ -44,6 +44,7 @@ from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.train.eval import evaluate
 from shardtune.train.loss import summed_token_loss
 from shardtune.train.optim import build_optimizer
+from shardtune.train.preemption import Preempted, PreemptionWatch
 from shardtune.train.schedule import build_scheduler, warmup_steps_for
 
 log = logging.getLogger("shardtune")
@@ -119,8 +120,6 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     hostnames = env.hostnames()
     if env.is_main:
         write_run_start(output_dir, config, argv, {"world_size": env.world_size, "hostnames": hostnames})
-        for key in inactive_keys(config):
-            log.warning("%s is accepted but not active in this version (it cannot change the results)", key)
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
@@ -161,6 +160,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     )
 
     checkpointer = Checkpointer(config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy)
+    preemption = PreemptionWatch(env)
     checkpointer.remove_partial()
     resume_path = checkpointer.resume_path()
     start_step = checkpointer.load(resume_path) if resume_path else 0
@@ -244,9 +244,21 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
             run_eval(step)
             window_started = time.perf_counter()
+        saved = None
         if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
-            checkpointer.save(step)
+            saved = checkpointer.save(step)
             window_started = time.perf_counter()
+        if step < total_steps and preemption.requested():
+            # Whatever checkpoint_mode says: a requeued job must continue exactly where this one stopped.
+            if saved is None or training.checkpoint_mode != "full":
+                saved = checkpointer.save(step, mode="full")
+            log.warning("%s: stopping after step %d; %s holds the run", preemption.signal_name, step, saved)
+            for sink in sinks:
+                sink.close()
+            progress.close()
+            preemption.close()
+            raise Preempted(step, str(saved))
+    preemption.close()
 
     wall_time = time.perf_counter() - run_started
     run_eval(total_steps)
