@@ -57,10 +57,12 @@ def run(name: str, work: Path, out: Path) -> dict:
         ]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(node), "PYTHONUNBUFFERED": "1"}
         commands.append(command)
-        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [process.communicate(timeout=900)[0] for process in processes]
-    for node, log in enumerate(logs):
-        (out / f"{name}-node{node}.log").write_text(log[-200_000:])
+        # Each node logs to its own file: two pipes read one after the other could fill and block.
+        with open(out / f"{name}-node{node}.log", "w") as log:
+            processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+    for process in processes:
+        process.wait(timeout=900)
+    logs = [(out / f"{name}-node{node}.log").read_text() for node in (0, 1)]
     banners = [line for log in logs for line in log.splitlines() if line.startswith("shardtune: ") and " node " in line]
     record = {"run": name, "params": params, "nodes": 2, "gpus_per_node": 1, "strategy": strategy,
               "batch_per_gpu": 4, "seq": 2048, "banners": banners,
