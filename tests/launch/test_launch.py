@@ -64,9 +64,11 @@ def losses(out: Path) -> list[float]:
 def test_two_nodes_train_like_one_process_even_when_one_starts_late(tmp_path):
     reference = single_process(tmp_path, tmp_path / "single", "training.max_steps=4")
     out, port = tmp_path / "two-nodes", free_port()
-    node1 = start_node(tmp_path, out, 1, port, "training.max_steps=4")  # node 1 first: any order works
+    # gloo over the loopback interface, as the network section asks
+    settings = ["training.max_steps=4", "network.socket_ifname=lo"]
+    node1 = start_node(tmp_path, out, 1, port, *settings)  # node 1 first: any order works
     time.sleep(20)
-    node0 = start_node(tmp_path, out, 0, port, "training.max_steps=4")
+    node0 = start_node(tmp_path, out, 0, port, *settings)
     logs = [finish(tmp_path, node0, 0, out), finish(tmp_path, node1, 1, out)]
     assert node0.returncode == 0 and node1.returncode == 0, logs[0][-3000:] + logs[1][-3000:]
     assert losses(out) == pytest.approx(reference, rel=1e-5)
