@@ -16,6 +16,7 @@ import warnings
 from shardtune import __version__
 from shardtune.config import Config, load_config
 from shardtune.convert import add_convert_parser
+from shardtune.doctor import add_doctor_parser
 from shardtune.errors import InputError
 from shardtune.launch.elastic import add_node_arguments
 
@@ -24,7 +25,7 @@ EXIT_BAD_INPUT = 2
 log = logging.getLogger("shardtune")
 
 
-def _setup_logging(is_main: bool) -> None:
+def setup_logging(is_main: bool) -> None:
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING,
         format="%(asctime)s %(levelname)s %(message)s",
@@ -60,7 +61,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from shardtune.launch.network import network_environment
 
     spec = node_spec_from_args(args)
-    _setup_logging(True)
+    setup_logging(True)
     return launch_node(spec, ["train", args.config, *args.overrides], network_environment(config.network))
 
 
@@ -80,7 +81,7 @@ def _train_here(config: Config) -> int:
         training = config.training.model_copy(update={"resume_from_checkpoint": "auto"})
         config = config.model_copy(update={"training": training})
     env = DistributedEnv.from_environment(config.parallel.timeout_s)
-    _setup_logging(env.is_main)
+    setup_logging(env.is_main)
     if "SHARDTUNE_NNODES" in os.environ and env.local_rank == 0:
         first = env.rank - env.local_rank
         print(
@@ -109,7 +110,7 @@ def _train_here(config: Config) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Build (or find) the token store of a config, on any machine, before training."""
     config = load_config(args.config, args.overrides)
-    _setup_logging(True)
+    setup_logging(True)
     from shardtune.data.prepare import describe, prepare_dataset
     from shardtune.model.load import load_tokenizer
 
@@ -124,7 +125,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from shardtune.checkpoint.export_checkpoint import export_checkpoint
 
-    _setup_logging(True)
+    setup_logging(True)
     print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge)}")
     return 0
 
@@ -132,7 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.generate import generate_response
 
-    _setup_logging(True)
+    setup_logging(True)
     print(generate_response(args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base))
     return 0
 
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     add_node_arguments(launch)
     launch.set_defaults(handler=cmd_launch)
+
+    add_doctor_parser(commands)
 
     prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")
     prepare.add_argument("config", help="YAML config file")

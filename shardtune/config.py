@@ -286,12 +286,12 @@ def _check_paths(config: Config) -> list[str]:
     resume = config.training.resume_from_checkpoint
     if resume not in (None, "auto") and not (Path(resume) / "manifest.json").is_file():
         problems.append(f"training.resume_from_checkpoint: {resume} is not a complete checkpoint (no manifest.json)")
-    if _looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
+    if looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
         problems.append(f"model.name_or_path: directory not found: {config.model.name_or_path}")
     return problems
 
 
-def _looks_local(name_or_path: str) -> bool:
+def looks_local(name_or_path: str) -> bool:
     """A hub id is ``name`` or ``org/name``; anything else (or anything that exists) is a path."""
     if Path(name_or_path).exists():
         return True
