@@ -19,6 +19,7 @@ from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
 from shardtune.errors import InputError
 from shardtune.launch.elastic import add_node_arguments
+from shardtune.launch.slurm import add_slurm_parser
 
 EXIT_BAD_INPUT = 2
 
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_arguments(launch)
     launch.set_defaults(handler=cmd_launch)
 
+    add_slurm_parser(commands)
     add_doctor_parser(commands)
 
     prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")

@@ -181,6 +181,8 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network_env: dict[str
         for attempt in range(spec.max_restarts + 1):
             os.environ["SHARDTUNE_RESTART_COUNT"] = str(attempt)
             status = _run_attempt(spec, nproc, attempt, store, worker_command)
+            if status == PREEMPTED_EXIT_CODE:
+                _ignore_further_signals()
             if status in (0, PREEMPTED_EXIT_CODE) or status >= 128 or attempt == spec.max_restarts:
                 return status
             print(
@@ -190,11 +192,20 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network_env: dict[str
                 flush=True,
             )
     except SignalException as signalled:  # between attempts, or while waiting for the other nodes
+        _ignore_further_signals()
         print(f"shardtune: {signalled.sigval.name} before the workers ran: stopping", file=sys.stderr)
         return PREEMPTED_EXIT_CODE if signalled.sigval in PREEMPTION_SIGNALS else 128 + int(signalled.sigval)
     finally:
         del store  # this node stops hosting (or using) the rendezvous store only now
     return status
+
+
+def _ignore_further_signals() -> None:
+    """The checkpoint is committed and this launcher is leaving with its status. srun's
+    --kill-on-bad-exit now sends SIGTERM to the other nodes' launchers, and Python's default action
+    would kill them before they exit 75: Slurm would then see a killed job and not requeue it."""
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command: list[str]) -> int:
