@@ -30,11 +30,15 @@ def test_defaults_leave_the_fabric_to_nccl_and_exclusions_to_nccl_only():
 
 
 def test_the_users_own_exports_win(monkeypatch):
+    network = NetworkConfig(socket_ifname="eth0", nccl_debug="WARN")
+    for key in network_environment(network):
+        # Set then removed through monkeypatch, so that whatever apply sets is undone after the test.
+        monkeypatch.setenv(key, "unset below")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
-    monkeypatch.setenv("NCCL_DEBUG", "unset below")  # so that monkeypatch restores the variable afterwards
-    monkeypatch.delenv("NCCL_DEBUG")
-    applied = apply_network_environment(NetworkConfig(socket_ifname="eth0", nccl_debug="WARN"))
+    applied = apply_network_environment(network)
     assert "NCCL_SOCKET_IFNAME" not in applied and applied["NCCL_DEBUG"] == "WARN"
+    assert applied["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
 def test_only_network_variables_are_accepted(tmp_path):
