@@ -53,6 +53,12 @@ class DistributedEnv:
         world_size = int(env.get("WORLD_SIZE", 1))
         local_rank = int(env.get("LOCAL_RANK", 0))
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+        if "SHARDTUNE_NODE_RANK" in env and "LOCAL_RANK" in env:
+            # A worker of `shardtune launch`: torch's c10d rendezvous numbers the nodes in an order of
+            # its own. Renumber by --node-rank (every node runs the same number of workers), so that
+            # global rank 0, which writes the run directory, is on node 0 as the user expects.
+            rank = int(env["SHARDTUNE_NODE_RANK"]) * local_world_size + local_rank
+            os.environ["RANK"] = str(rank)
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)

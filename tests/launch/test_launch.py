@@ -75,6 +75,8 @@ def test_two_nodes_train_like_one_process_even_when_one_starts_late(tmp_path):
     for node_rank, log in enumerate(logs):
         banner = next(line for line in log.splitlines() if line.startswith("shardtune: ") and " node " in line)
         assert f"node {node_rank} of 2" in banner and "world size 2" in banner and f"127.0.0.1:{port}" in banner
+        # Global ranks follow node ranks, whichever node reached the rendezvous first (node 1 here).
+        assert f"global ranks {node_rank}-{node_rank} of world size 2" in banner
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
