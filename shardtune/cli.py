@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from shardtune import __version__
-from shardtune.config import Config, load_config
+from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
 from shardtune.errors import InputError
@@ -145,16 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser("train", help="fine-tune a model as a config describes")
-    train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_config_arguments(train)
     train.add_argument(
         "--nproc", type=int, default=None, help="workers on this machine (default: one per GPU, 1 on CPU)"
     )
     train.set_defaults(handler=cmd_train)
 
     launch = commands.add_parser("launch", help="one node's part of a multi-node run (every node runs this)")
-    launch.add_argument("config", help="YAML config file")
-    launch.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_config_arguments(launch)
     add_node_arguments(launch)
     launch.set_defaults(handler=cmd_launch)
 
@@ -162,8 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_parser(commands)
 
     prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")
-    prepare.add_argument("config", help="YAML config file")
-    prepare.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_config_arguments(prepare)
     prepare.set_defaults(handler=cmd_prepare)
 
     add_convert_parser(commands)

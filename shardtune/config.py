@@ -7,6 +7,7 @@ one exists.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import logging
 import os
@@ -215,6 +216,12 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The CONFIG file and ``section.key=value`` overrides every config-reading command takes."""
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

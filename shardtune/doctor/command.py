@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune.config import Config, load_config
+from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.doctor.report import FAIL, OK, WARN, Check, failed, format_report, plural
 from shardtune.errors import InputError
 from shardtune.launch.elastic import NodeSpec, add_node_arguments
@@ -206,8 +206,7 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> argparse.Argument
         "ranks: all-reduce bandwidth. Prints a table; exits with 1 when any check failed. Run it as you would "
         "run the training: alone, with --nproc, or on every node with the launch options.",
     )
-    doctor.add_argument("config", help="YAML config file")
-    doctor.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_config_arguments(doctor)
     doctor.add_argument(
         "--nproc", dest="nproc_per_node", type=int, default=argparse.SUPPRESS, metavar="N", help="as --nproc-per-node"
     )

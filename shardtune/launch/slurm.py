@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.config import Config, dump_config, load_config
+from shardtune.config import Config, add_config_arguments, dump_config, load_config
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
 from shardtune.run_dir import RUN_ARTIFACTS
@@ -341,8 +341,7 @@ def add_slurm_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "The job runs one `shardtune launch` per node, and requeues itself after a preemption checkpoint "
         "(SIGUSR1 before the time limit, or scancel --signal=USR1).",
     )
-    slurm.add_argument("config", help="YAML config file")
-    slurm.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_config_arguments(slurm)
     slurm.add_argument("--nodes", type=int, required=True, help="nodes to run on")
     slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one worker each (0: CPU-only)")
     slurm.add_argument(
