@@ -44,14 +44,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
     from shardtune.launch.local import running_as_worker
-    from shardtune.launch.network import network_environment
 
     if not running_as_worker():
         nproc = args.nproc if args.nproc is not None else default_nproc()
         if nproc > 1:
             # The config is known to be good: the workers validate it again, but cannot fail on it.
             worker = ["train", args.config, *args.overrides]
-            return launch_node(NodeSpec(nproc_per_node=nproc), worker, network_environment(config.network))
+            return launch_node(NodeSpec(nproc_per_node=nproc), worker, config.network)
     return _train_here(config)
 
 
@@ -59,11 +58,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """One node's part of a multi-node run: this node's workers join the others at the rendezvous."""
     config = load_config(args.config, args.overrides)
     from shardtune.launch.elastic import launch_node, node_spec_from_args
-    from shardtune.launch.network import network_environment
 
     spec = node_spec_from_args(args)
     setup_logging(True)
-    return launch_node(spec, ["train", args.config, *args.overrides], network_environment(config.network))
+    return launch_node(spec, ["train", args.config, *args.overrides], config.network)
 
 
 def _train_here(config: Config) -> int:

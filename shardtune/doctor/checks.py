@@ -74,27 +74,6 @@ def port_check(port: int, required: bool) -> Check:
     )
 
 
-def endpoint_addresses(host: str) -> list[str]:
-    """The addresses ``host`` resolves to here (empty when it does not resolve)."""
-    try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
-    except OSError:
-        return []
-
-
-def is_this_host(addresses: list[str]) -> bool:
-    """Whether one of ``addresses`` belongs to this machine (it can be bound here)."""
-    for address in addresses:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((address, 0))
-                return True
-            except OSError:
-                continue
-    return False
-
-
 def endpoint_check(host: str, port: int, addresses: list[str]) -> Check:
     if addresses:
         return Check("rendezvous endpoint", OK, f"{host}:{port} resolves to {', '.join(addresses)}")

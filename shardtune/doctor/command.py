@@ -113,7 +113,8 @@ def run_checks(config: Config, timeout_s: float, front: list[Check]) -> int:
 
 def rendezvous_checks(spec: NodeSpec, port: int, named: bool) -> list[Check]:
     """Checks of this node that must pass before its workers can meet the others."""
-    from shardtune.doctor.checks import endpoint_addresses, endpoint_check, is_this_host, port_check
+    from shardtune.doctor.checks import endpoint_check, port_check
+    from shardtune.launch.elastic import endpoint_addresses, is_this_host
 
     rows = []
     hosts_store = spec.node_rank == 0
@@ -143,7 +144,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, check_paths=False)
     from shardtune.doctor.checks import preflight_checks, workers_check
     from shardtune.launch.elastic import default_nproc, launch_node, node_spec_from_args
-    from shardtune.launch.network import network_environment
 
     if _is_worker(args):
         state = Path(args.worker_state) if args.worker_state else None
@@ -185,7 +185,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shardtune-doctor-") as state:
         Path(state, FRONT_CHECKS).write_text(json.dumps([asdict(check) for check in front]))
         worker = ["doctor", args.config, *args.overrides, "--timeout", str(args.timeout), "--worker-state", state]
-        status = launch_node(replace(spec, nproc_per_node=nproc), worker, network_environment(config.network))
+        status = launch_node(replace(spec, nproc_per_node=nproc), worker, config.network)
         verdict = Path(state, VERDICT)
         if verdict.is_file():
             return int(verdict.read_text())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import ipaddress
 import logging
 import os
 import signal
@@ -26,12 +25,17 @@ import sys
 import time
 from dataclasses import dataclass
 
+from shardtune.config import NetworkConfig
 from shardtune.errors import InputError
+from shardtune.launch.network import apply_network_environment
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
 log = logging.getLogger("shardtune")
 
-__all__ = ["PREEMPTED_EXIT_CODE", "NodeSpec", "add_node_arguments", "launch_node", "node_spec_from_args"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE", "NodeSpec", "add_node_arguments", "endpoint_addresses", "is_this_host", "launch_node",
+    "node_spec_from_args",
+]  # fmt: skip
 
 
 class LaunchError(InputError):
@@ -142,13 +146,12 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def launch_node(spec: NodeSpec, worker_command: list[str], network_env: dict[str, str] | None = None) -> int:
+def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfig) -> int:
     """Run ``python -m shardtune WORKER_COMMAND...`` as this node's workers; returns the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     nproc = spec.nproc_per_node or default_nproc()
-    for key, value in (network_env or {}).items():
-        os.environ.setdefault(key, value)  # inherited by the workers; the user's own exports win
+    apply_network_environment(network)  # inherited by the workers
     # torchrun pins every worker to one CPU thread unless told otherwise; CPU-side work (data
     # collation, and the optimizer step under FSDP CPU offload) then crawls. Share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -254,20 +257,26 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
     return 0
 
 
-def _is_this_machine(host: str) -> bool:
-    if host in {"localhost", socket.gethostname(), socket.getfqdn()}:
-        return True
+def endpoint_addresses(host: str) -> list[str]:
+    """The addresses ``host`` resolves to here (empty when it does not resolve)."""
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-        local = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
     except OSError:
-        return False
-    return bool(addresses & local) or any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+        return []
+
+
+def is_this_host(addresses: list[str]) -> bool:
+    """Whether one of ``addresses`` belongs to this machine (it can be bound here). Used both to decide
+    which launcher hosts the rendezvous store and by ``shardtune doctor`` to check that port."""
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address, 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def _host_or_join_store(spec: NodeSpec):
@@ -278,7 +287,7 @@ def _host_or_join_store(spec: NodeSpec):
     host, port = spec.host_port()
     timeout = datetime.timedelta(seconds=spec.join_timeout_s)
     store = None
-    if _is_this_machine(host):
+    if is_this_host(endpoint_addresses(host)):
         try:
             store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
         except (RuntimeError, OSError):

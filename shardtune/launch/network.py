@@ -40,7 +40,8 @@ def network_environment(network: NetworkConfig) -> dict[str, str]:
 
 
 def apply_network_environment(network: NetworkConfig) -> dict[str, str]:
-    """Set the variables in this process (inherited by the workers it starts); returns those set."""
+    """Set the variables in this process (inherited by the workers it starts), except those the user
+    exported already; returns those set."""
     applied = {}
     for key, value in network_environment(network).items():
         if key not in os.environ:
