@@ -43,7 +43,7 @@ def setup_logging(is_main: bool) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
-    from shardtune.launch.local import running_as_worker
+    from shardtune.launch.local import exit_worker, running_as_worker
 
     if not running_as_worker():
         nproc = args.nproc if args.nproc is not None else default_nproc()
@@ -51,7 +51,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             # The config is known to be good: the workers validate it again, but cannot fail on it.
             worker = ["train", args.config, *args.overrides]
             return launch_node(NodeSpec(nproc_per_node=nproc), worker, config.network)
-    return _train_here(config)
+        return _train_here(config)
+    exit_worker(_train_here(config))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -157,13 +157,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 if local_rank == "0":
                     print(f"{format_report(front)}\n{STOPPED}", flush=True)
                 return 1
+        from shardtune.launch.local import exit_worker
+
         status = run_checks(config, args.timeout, front)
         if state is None:
-            return status
+            exit_worker(status)
         if os.environ.get("LOCAL_RANK") == "0":
             (state / VERDICT).write_text(str(status))
         # The verdict travels by file: a worker exiting non-zero would read as a crash to the launcher.
-        return 0
+        exit_worker(0)
 
     if args.timeout <= 0:
         raise InputError(f"--timeout: must be positive, got {args.timeout}")
