@@ -20,6 +20,7 @@ from shardtune.doctor import add_doctor_parser
 from shardtune.errors import InputError
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.slurm import add_slurm_parser
+from shardtune.metrics.expert_heatmap import add_expert_usage_parser
 
 EXIT_BAD_INPUT = 2
 
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=cmd_prepare)
 
     add_convert_parser(commands)
+    add_expert_usage_parser(commands)
 
     export = commands.add_parser("export", help="a checkpoint -> PEFT adapter, merged model, or HF model")
     export.add_argument("checkpoint", help="a checkpoint-<step> directory")

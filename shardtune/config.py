@@ -35,6 +35,9 @@ class ModelConfig(_Section):
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = "pretrained"
     revision: str | None = None
+    experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = Field(
+        None, description="MoE expert computation; null: transformers' default (grouped_mm where it runs)"
+    )
 
 
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("messages",), "text": ("text",)}
@@ -123,6 +126,9 @@ class TrainingConfig(_Section):
     save_steps: int | None = Field(None, gt=0)
     save_total_limit: int | None = Field(None, gt=0)
     checkpoint_mode: Literal["lite", "full"] = "lite"
+    moe_aux_loss_coef: float = Field(
+        0.0, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the LM loss"
+    )
     resume_from_checkpoint: str | None = Field(None, description="auto, a checkpoint directory, or null")
 
     @model_validator(mode="after")
@@ -142,17 +148,29 @@ class TrainingConfig(_Section):
         return self.eval_subset_size is not None
 
 
+MOE_LORA_TARGETS = ("attention", "dense_mlp", "shared_experts", "routed_experts", "router")
+
+
 class LoraConfig(_Section):
     enabled: bool = True
     r: int = Field(16, gt=0)
     lora_alpha: float = Field(32.0, gt=0)
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None, description="module names (PEFT); null: all-linear for dense models, lora.moe_targets for MoE models"
+    )
+    moe_targets: list[Literal[MOE_LORA_TARGETS]] = Field(  # type: ignore[valid-type]
+        ["attention"], description=f"MoE models, when target_modules is null: any of {', '.join(MOE_LORA_TARGETS)}"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LoraConfig:
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError('target_modules: must name at least one module, or be "all-linear"')
+        if not self.moe_targets:
+            raise ValueError(f"moe_targets: name at least one of {', '.join(MOE_LORA_TARGETS)}")
+        if self.target_modules is not None and "moe_targets" in self.model_fields_set:
+            raise ValueError("moe_targets: set either target_modules or moe_targets, not both")
         return self
 
 

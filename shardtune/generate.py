@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,8 +21,16 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
     if adapter_config.is_file():
         from peft import PeftModel
 
-        base = base or json.loads(adapter_config.read_text())["base_model_name_or_path"]
-        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), model_dir)
+        from shardtune.model.lora import targets_as_given
+
+        settings = json.loads(adapter_config.read_text())
+        base = base or settings["base_model_name_or_path"]
+        # Paths like mlp.shared_experts.gate_proj are shardtune's MoE targets, taken from a transformers-5
+        # model: PEFT must not convert them as if written for transformers 4.
+        targets = settings.get("target_modules") or []
+        ours = isinstance(targets, list) and any("." in target for target in targets)
+        with targets_as_given() if ours else contextlib.nullcontext():
+            return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), model_dir)
     if (model_dir / "config.json").is_file():
         return AutoModelForCausalLM.from_pretrained(model_dir)
     raise InputError(f"{model_dir}: neither a PEFT adapter (adapter_config.json) nor a model (config.json)")

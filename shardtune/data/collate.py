@@ -20,6 +20,7 @@ class Batch:
     position_ids: torch.Tensor | None  # packed sequences: restart at 0 for every example
     num_targets: int
     num_tokens: int  # real (non-padding) tokens
+    real_tokens: torch.Tensor  # bool (batch, seq): which positions hold a token, not padding
 
     def to(self, device: torch.device) -> Batch:
         def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -32,6 +33,7 @@ class Batch:
             move(self.position_ids),
             self.num_targets,
             self.num_tokens,
+            self.real_tokens.to(device, non_blocking=True),
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
@@ -72,4 +74,5 @@ def collate(sequences: list[SequenceView], pad_token_id: int, packed: bool, pad_
         None if positions is None else torch.from_numpy(positions),
         num_targets=int((targets != IGNORE_INDEX).sum()),
         num_tokens=int(real.sum()),
+        real_tokens=torch.from_numpy(real.astype(bool)),
     )

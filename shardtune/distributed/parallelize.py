@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardtune.config import Config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError
+from shardtune.model.moe import find_moe_blocks
 
 log = logging.getLogger("shardtune")
 
@@ -178,7 +179,13 @@ def _shard(
         "reshard_after_forward": config.parallel.reshard_after_forward,
         **({"offload_policy": CPUOffloadPolicy()} if config.parallel.cpu_offload else {}),
     }
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for block in find_moe_blocks(model, layers):
+        # The routed experts are most of an MoE layer's weights: as a unit of their own they are
+        # gathered just before they run and freed (and their gradients reduced) as soon as they are
+        # done, instead of living as long as the attention of the same layer.
+        fully_shard(block.block.get_submodule("experts"), **options)
+    for layer in layers:
         fully_shard(_outer_wrapper(model, layer), **options)
     fully_shard(model, **options)
     _to_empty(model, "cpu" if config.parallel.cpu_offload else env.device)

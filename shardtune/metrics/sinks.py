@@ -18,26 +18,30 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
+JSONL_FILES = {"train": "train_log.jsonl", "eval": "eval_log.jsonl", "expert_usage": "expert_usage.jsonl"}
+
+
 class JsonlSink:
-    """``logs/train_log.jsonl`` and ``logs/eval_log.jsonl``: one JSON object per line, flushed at once."""
+    """``logs/train_log.jsonl``, ``logs/eval_log.jsonl`` and (MoE models) ``logs/expert_usage.jsonl``: one
+    JSON object per line, flushed at once."""
 
     def __init__(self, logs_dir: Path, resume_step: int = 0):
         logs_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir = logs_dir
         if resume_step:
             # Records past the checkpoint belong to a run that did not get further: they are redone.
-            for kind in ("train", "eval"):
-                path = logs_dir / f"{kind}_log.jsonl"
+            for name in JSONL_FILES.values():
+                path = logs_dir / name
                 if path.is_file():
                     kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
                     path.write_text("".join(line + "\n" for line in kept))
-        # Open for the whole run (closed by close()), so every record is appended without reopening.
-        self.files = {
-            kind: open(logs_dir / f"{kind}_log.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-            for kind in ("train", "eval")
-        }
+        # Each file stays open for the whole run (closed by close()) once it has a first record.
+        self.files: dict[str, Any] = {}
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        handle = self.files[kind]
+        handle = self.files.get(kind)
+        if handle is None:
+            handle = self.files[kind] = open(self.logs_dir / JSONL_FILES[kind], "a", encoding="utf-8")  # noqa: SIM115
         handle.write(json.dumps({"step": step, **values}) + "\n")
         handle.flush()
 

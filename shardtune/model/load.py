@@ -50,6 +50,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, seed: int, materialize: 
         "dtype": dtype,
         "attn_implementation": config.attn_implementation,
         "trust_remote_code": config.trust_remote_code,
+        **({"experts_implementation": config.experts_implementation} if config.experts_implementation else {}),
     }
     if config.init == "random" or not materialize:
         model_config = AutoConfig.from_pretrained(

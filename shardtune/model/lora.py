@@ -1,6 +1,17 @@
-"""LoRA adapters through PEFT, so saved adapters load with ``PeftModel.from_pretrained`` anywhere."""
+"""LoRA adapters through PEFT, so saved adapters load with ``PeftModel.from_pretrained`` anywhere.
+
+Dense models default to every linear layer. MoE models default to the attention projections only (as
+seed 000 trained GLM-4.5-Air); ``lora.moe_targets`` adds the dense MLPs of the first layers, the shared
+experts, the routed experts and the router. Routed experts are fused 3-D parameters in transformers 5
+and routers hold a bare weight, not ``nn.Linear`` modules: PEFT adapts those through
+``target_parameters`` (one low-rank update per expert tensor).
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
 
 import peft
 import torch
@@ -8,21 +19,130 @@ from transformers import PreTrainedModel
 
 from shardtune.config import LoraConfig
 from shardtune.errors import ConfigError
+from shardtune.model.moe import MoeBlock, find_moe_blocks
+
+PARAMETER_TARGETS = ("routed_experts", "router")
+
+
+def moe_lora_targets(
+    layers: list[torch.nn.Module], blocks: list[MoeBlock], groups: list[str]
+) -> tuple[list[str], list[str], Counter[str]]:
+    """PEFT's (target_modules, target_parameters) for the chosen groups of an MoE model, and how many
+    modules or parameters each group has.
+
+    Both are paths relative to a decoder layer (``self_attn.q_proj``, ``mlp.experts.gate_up_proj``):
+    PEFT matches them as suffixes of the full names, so ``mlp.gate_proj`` (a dense layer's MLP) never
+    matches ``mlp.shared_experts.gate_proj``.
+    """
+    block_of_layer = {block.layer: block for block in blocks}
+    chosen_modules: set[str] = set()
+    chosen_parameters: set[str] = set()
+    found: Counter[str] = Counter()
+    for index, layer in enumerate(layers):
+        block = block_of_layer.get(index)
+        for path, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                group = _linear_group(layer, path, block)
+                found[group] += 1
+                if group in groups:
+                    chosen_modules.add(path)
+        if block is None:
+            continue
+        for name, param in block.experts.named_parameters(recurse=False):
+            if param.dim() == 3:
+                found["routed_experts"] += 1
+                if "routed_experts" in groups:
+                    chosen_parameters.add(f"{block.path}.experts.{name}")
+        if not isinstance(block.router, torch.nn.Linear):
+            found["router"] += 1
+            if "router" in groups:
+                chosen_parameters.add(f"{block.path}.{block.router_name}.weight")
+    return sorted(chosen_modules), sorted(chosen_parameters), found
+
+
+def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:
+    if block is not None and (path == block.path or path.startswith(block.path + ".")):
+        inside = path[len(block.path) :].lstrip(".")
+        if block.shared_name and (inside == block.shared_name or inside.startswith(block.shared_name + ".")):
+            return "shared_experts"
+        if inside == block.router_name:
+            return "router"
+        return "routed_experts"  # per-expert nn.Linear modules (older layouts)
+    top = layer.get_submodule(path.split(".")[0])
+    return "attention" if "Attention" in type(top).__name__ else "dense_mlp"
+
+
+@contextlib.contextmanager
+def targets_as_given() -> Iterator[None]:
+    """Keep PEFT from rewriting targets that were computed from the live transformers-5 model.
+
+    PEFT converts the targets of adapters written for transformers 4 MoE layouts: for the Qwen2-MoE
+    family (Qwen3-MoE, GLM-4.5, ...) any target ending in gate_proj/up_proj/down_proj becomes the fused
+    routed-expert parameters, including a dense layer's MLP and the shared experts (huggingface/peft
+    #3711). Targets taken from this model's own module tree need no conversion.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a PEFT without the conversion
+        yield
+        return
+    original = getattr(conversion, "convert_peft_config_for_transformers", None)
+    if original is None:
+        yield
+        return
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
     """Freeze the base model and add trainable LoRA adapters to the target modules."""
+    from shardtune.distributed.parallelize import decoder_layers
+
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    target_modules: str | list[str] | None
+    target_parameters: list[str] = []
+    as_given = contextlib.nullcontext()
+    if not blocks:
+        if "moe_targets" in config.model_fields_set:
+            raise ConfigError(
+                f"lora.moe_targets: {type(model).__name__} has no MoE layers; choose layers with lora.target_modules"
+            )
+        target_modules = config.target_modules or "all-linear"
+    elif config.target_modules is not None:
+        target_modules = config.target_modules
+    else:
+        modules, target_parameters, found = moe_lora_targets(layers, blocks, config.moe_targets)
+        missing = [group for group in config.moe_targets if not found[group]]
+        if missing:
+            present = ", ".join(sorted(found)) or "none"
+            raise ConfigError(
+                f"lora.moe_targets: {type(model).__name__} has no {', '.join(missing)} (it has: {present})"
+            )
+        target_modules = modules or None
+        as_given = targets_as_given()
+        if target_parameters and config.lora_dropout > 0:
+            chosen = ", ".join(group for group in config.moe_targets if group in PARAMETER_TARGETS)
+            raise ConfigError(
+                f"lora.lora_dropout: must be 0 with lora.moe_targets {chosen}: PEFT adapts those weights "
+                f"directly, so there is no layer input to drop out (got {config.lora_dropout})"
+            )
     lora_config = peft.LoraConfig(
         r=config.r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules,
+        target_modules=target_modules,
+        target_parameters=target_parameters or None,
         task_type="CAUSAL_LM",
     )
     try:
         # PEFT keeps adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype): they are
         # the only weights that change, so they get full-precision updates.
-        return peft.get_peft_model(model, lora_config)
+        with as_given:
+            return peft.get_peft_model(model, lora_config)
     except ValueError as exc:
         raise ConfigError(f"lora.target_modules: {exc}") from exc
 

@@ -7,6 +7,7 @@ log, evaluate; finally evaluate, export ``final/`` and write ``metrics.json``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ from shardtune.data.prepare import describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.parallelize import (
+    decoder_layers,
     full_norm,
     full_state_dict,
     gradient_sync,
@@ -40,11 +42,13 @@ from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
 from shardtune.model.lora import apply_lora, count_parameters
+from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.train.eval import evaluate
 from shardtune.train.loss import summed_token_loss
 from shardtune.train.optim import build_optimizer
 from shardtune.train.preemption import Preempted, PreemptionWatch
+from shardtune.train.routing import RouterTraining
 from shardtune.train.schedule import build_scheduler, warmup_steps_for
 
 log = logging.getLogger("shardtune")
@@ -82,7 +86,11 @@ def total_steps_for(config: Config, sampler: GlobalBatchSampler) -> int:
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: list[Batch], env: DistributedEnv, autocast: torch.dtype | None
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    env: DistributedEnv,
+    autocast: torch.dtype | None,
+    routing: RouterTraining | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward this rank's micro-batches of one optimizer step.
 
@@ -91,7 +99,8 @@ def accumulate_gradients(
     micro-batches or ranks. The count is known before any forward pass: one all-reduce per step.
     Data-parallel wrappers average gradients over ranks, so each rank's loss is scaled by the world
     size to make the reduced gradient the gradient of that global sum. Gradients are reduced only on
-    the last micro-batch. Returns this rank's (summed token loss, target tokens) on the device.
+    the last micro-batch. MoE models add the routers' load-balancing term (see ``RouterTraining``).
+    Returns this rank's (summed token loss, target tokens) on the device: the LM loss alone.
     """
     local_targets = torch.tensor(
         float(sum(batch.num_targets for batch in micro_batches)), dtype=torch.float64, device=env.device
@@ -100,8 +109,12 @@ def accumulate_gradients(
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for index, batch in enumerate(micro_batches):
         with gradient_sync(model, sync=index == len(micro_batches) - 1):
-            batch_loss = summed_token_loss(model, batch.to(env.device), autocast)
-            (batch_loss * (env.world_size / global_targets)).backward()
+            batch = batch.to(env.device)
+            with routing.forward(batch) if routing else contextlib.nullcontext():
+                batch_loss = summed_token_loss(model, batch, autocast)
+            objective = batch_loss * (env.world_size / global_targets)
+            balance = routing.balance_term(len(micro_batches)) if routing else None
+            (objective if balance is None else objective + balance).backward()
         loss_sum += batch_loss.detach().double()
     return loss_sum, local_targets
 
@@ -131,8 +144,12 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
     model = load_model(config.model, precision.frozen_storage, training.seed, materialize=env.is_main)
+    moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    if training.moe_aux_loss_coef > 0 and not moe_blocks:
+        raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
+    routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     plan = plan_parallelism(model, config, env)
@@ -205,7 +222,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
         ]
-        loss_sum, step_targets = accumulate_gradients(model, micro_batches, env, precision.autocast)
+        loss_sum, step_targets = accumulate_gradients(model, micro_batches, env, precision.autocast, routing)
         window[0] += loss_sum
         window[1] += step_targets
         step_tokens = sum(batch.num_tokens for batch in micro_batches)
@@ -235,8 +252,14 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
                 "peak_memory_gib": peak_memory_gib(env.device),
                 "elapsed_s": time.perf_counter() - run_started,
             }
+            usage = routing.interval_record(env, step) if routing else None
+            if usage:
+                record["moe_balance_loss"] = usage["balance_loss"]
+                record["moe_max_mean_ratio"] = max(layer["max_mean_ratio"] for layer in usage["layers"])
             for sink in sinks:
                 sink.log("train", step, record)
+                if usage:
+                    sink.log("expert_usage", step, {key: value for key, value in usage.items() if key != "step"})
             progress.report(step, last_loss, lr, record["tokens_per_s"])
             window.zero_()
             window_started = time.perf_counter()

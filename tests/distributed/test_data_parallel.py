@@ -14,29 +14,9 @@ import torch
 from conftest import REPO
 from safetensors.torch import load_file
 
+from runs import train
+
 STEPS = 5
-
-
-def train(tmp_path: Path, name: str, nproc: int, *overrides: str) -> dict:
-    out = tmp_path / name
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", str(nproc),
-            f"training.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", f"training.max_steps={STEPS}",
-            "training.logging_steps=1", "training.per_device_train_batch_size=2", "training.eval_on_start=false",
-            "training.eval_steps=null", "lora.lora_dropout=0", *overrides,
-        ],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    losses = [json.loads(line)["loss"] for line in (out / "logs/train_log.jsonl").read_text().splitlines()]
-    return {
-        "losses": losses,
-        "metrics": json.loads((out / "metrics.json").read_text()),
-        "out": out,
-        "log": result.stderr,
-    }
 
 
 @pytest.fixture(scope="module")

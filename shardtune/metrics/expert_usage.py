@@ -1,0 +1,123 @@
+"""Expert usage of MoE models: per layer, how many tokens each expert received over a logging interval,
+how uneven that load is, and how sure the router is (entropy).
+
+Counts accumulate on the device (no host sync per step) and are summed over ranks with one all-reduce
+per logging step. One JSON line per logging step goes to ``logs/expert_usage.jsonl``:
+
+    {"step": 20, "tokens": 16384, "top_k": 8, "num_experts": 128, "balance_loss": 8.03,
+     "layers": [{"layer": 0, "counts": [...], "max_mean_ratio": 1.84, "entropy": 4.71,
+                 "normalized_entropy": 0.97}, ...]}
+
+``counts[e]`` is the number of real (non-padding) tokens routed to expert ``e`` in that layer over the
+interval, on all ranks; each token is counted once for each of its ``top_k`` experts. ``max_mean_ratio``
+is the busiest expert's count over the mean count (1.0 is perfectly even; num_experts / top_k means all
+tokens went to the same experts). ``entropy`` is the mean over tokens of the router's probability
+distribution's entropy in nats, and ``normalized_entropy`` that divided by ln(num_experts) (1.0: the
+router cannot tell experts apart; near 0: it is certain).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.distributed.env import DistributedEnv
+from shardtune.model.moe import MoeBlock, RoutingRecord
+
+USAGE_FILE = "expert_usage.jsonl"
+
+
+class ExpertUsage:
+    """Running per-layer routing statistics of this rank since the last ``reduce``."""
+
+    def __init__(self, blocks: list[MoeBlock], device: torch.device):
+        self.layers = [block.layer for block in blocks]
+        self.row_of = {id(block): row for row, block in enumerate(blocks)}
+        self.num_experts = blocks[0].num_experts
+        self.top_k = blocks[0].top_k
+        # One buffer for everything, so the interval's reduction is a single all-reduce: per layer the
+        # expert counts, then the entropy sums, then the token counts; last, the sum of the micro-batches'
+        # load-balancing losses and their number. float64 counts stay exact.
+        self.buffer = torch.zeros(len(blocks) * (self.num_experts + 2) + 2, dtype=torch.float64, device=device)
+
+    def _table(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[:-2].view(len(self.layers), self.num_experts + 2)
+
+    @torch.no_grad()
+    def add(self, records: list[RoutingRecord], balance_loss: torch.Tensor) -> None:
+        """Count one micro-batch's routing decisions and its load-balancing loss."""
+        table = self._table(self.buffer)
+        self.buffer[-2] += balance_loss.detach().double()
+        self.buffer[-1] += 1
+        for record in records:
+            row = table[self.row_of[id(record.block)]]
+            chosen = record.chosen.reshape(-1)
+            row[: self.num_experts].index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
+            p = record.probabilities.detach()
+            entropy = -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
+            row[self.num_experts] += entropy.sum().double()
+            row[self.num_experts + 1] += p.shape[0]
+
+    def reduce(self, env: DistributedEnv, step: int) -> dict[str, Any]:
+        """Sum over ranks (a collective: every rank calls it at the same step); the record of the interval,
+        with ``balance_loss`` the mean load-balancing loss of its micro-batches. Resets the statistics."""
+        flat = env.all_reduce_sum(self.buffer.clone()).cpu()
+        self.buffer.zero_()
+        totals = self._table(flat)
+        layers = []
+        for layer, row in zip(self.layers, totals, strict=True):
+            counts = row[: self.num_experts]
+            tokens = float(row[self.num_experts + 1])
+            mean = float(counts.mean())
+            entropy = float(row[self.num_experts]) / tokens if tokens else float("nan")
+            layers.append(
+                {
+                    "layer": layer,
+                    "counts": [int(count) for count in counts.tolist()],
+                    "max_mean_ratio": float(counts.max()) / mean if mean else float("nan"),
+                    "entropy": entropy,
+                    "normalized_entropy": entropy / math.log(self.num_experts) if self.num_experts > 1 else 1.0,
+                }
+            )
+        return {
+            "step": step,
+            "tokens": int(totals[0, self.num_experts + 1]),
+            "top_k": self.top_k,
+            "num_experts": self.num_experts,
+            "balance_loss": float(flat[-2] / flat[-1]) if flat[-1] else float("nan"),
+            "layers": layers,
+        }
+
+
+def read_usage(path: Path) -> list[dict[str, Any]]:
+    """The records of an ``expert_usage.jsonl`` (or of a run directory's), with a clear error for bad lines."""
+    if path.is_dir():
+        path = path / "logs" / USAGE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no expert usage log (written by MoE runs into logs/{USAGE_FILE})")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            record["layers"][0]["counts"]  # noqa: B018 - the shape every record has
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not an expert usage record ({exc})") from None
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path}: empty: no logging step has been written yet")
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> tuple[list[int], torch.Tensor]:
+    """The layers and their per-expert counts summed over ``records`` (layers x experts)."""
+    layers = [layer["layer"] for layer in records[0]["layers"]]
+    counts = torch.zeros(len(layers), len(records[0]["layers"][0]["counts"]), dtype=torch.float64)
+    for record in records:
+        counts += torch.tensor([layer["counts"] for layer in record["layers"]], dtype=torch.float64)
+    return layers, counts

@@ -1,0 +1,109 @@
+"""MoE models with two workers (gloo, CPU, fp32) train like one worker with twice the accumulation: same
+losses, and the expert counts summed over the ranks equal the one worker's counts. Qwen3-MoE, Mixtral
+and GLM-4.5 (Glm4Moe), with DDP and FSDP2 (experts sharded as units of their own), LoRA and full."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_moe import ARCHITECTURES, write_tiny_moe
+
+from runs import jsonl, train
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("moe-dp")
+    results = {}
+
+    def run(arch: str, name: str, nproc: int, *overrides: str) -> None:
+        model = write_tiny_moe(tmp_path / "models" / arch, arch)
+        common = [f"model.name_or_path={model}", "model.init=random", "lora.target_modules=null"]
+        results[(arch, name)] = train(
+            tmp_path,
+            f"{arch}-{name}",
+            nproc,
+            *common,
+            "training.moe_aux_loss_coef=0.01",
+            *overrides,
+            *(["training.gradient_accumulation_steps=2"] if nproc == 1 else []),
+            steps=STEPS,
+        )
+
+    for arch in ARCHITECTURES:
+        run(arch, "single", 1)
+        run(arch, "ddp", 2, "parallel.strategy=ddp")
+        run(arch, "fsdp", 2, "parallel.strategy=fsdp")
+    # LoRA on the fused routed experts and the router (PEFT parameter wrappers) inside FSDP units.
+    experts = ["lora.moe_targets=[attention,routed_experts,router]"]
+    run("qwen3_moe", "experts-single", 1, *experts)
+    run("qwen3_moe", "experts-fsdp", 2, "parallel.strategy=fsdp", *experts)
+    # Full fine-tuning with the experts' own FSDP units, with activation checkpointing around the layers.
+    full = ["lora.enabled=false", "training.gradient_checkpointing=true"]
+    run("glm4_moe", "full-single", 1, *full)
+    run("glm4_moe", "full-fsdp", 2, "parallel.strategy=fsdp", *full)
+    return results
+
+
+CASES = [(arch, strategy) for arch in ARCHITECTURES for strategy in ("ddp", "fsdp")] + [
+    ("qwen3_moe", "experts-fsdp"),
+    ("glm4_moe", "full-fsdp"),
+]
+
+
+def single_of(strategy: str) -> str:
+    return strategy.rsplit("-", 1)[0] + "-single" if "-" in strategy else "single"
+
+
+@pytest.mark.parametrize(("arch", "strategy"), CASES)
+def test_two_workers_train_and_route_like_one(runs, arch, strategy):
+    reference, run = runs[(arch, single_of(strategy))], runs[(arch, strategy)]
+    assert len(reference["losses"]) == STEPS
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert run["metrics"]["world_size"] == 2
+
+    train_log, reference_log = (
+        jsonl(run["out"] / "logs/train_log.jsonl"),
+        jsonl(reference["out"] / "logs/train_log.jsonl"),
+    )
+    # The load-balancing loss is logged apart from the LM loss, and agrees across world sizes.
+    assert [row["moe_balance_loss"] for row in train_log] == pytest.approx(
+        [row["moe_balance_loss"] for row in reference_log], rel=1e-5
+    )
+    usage, reference_usage = (jsonl(r["out"] / "logs/expert_usage.jsonl") for r in (run, reference))
+    assert [row["step"] for row in usage] == list(range(1, STEPS + 1))
+    for mine, theirs in zip(usage, reference_usage, strict=True):
+        assert mine["tokens"] == theirs["tokens"] > 0
+        assert [layer["counts"] for layer in mine["layers"]] == [layer["counts"] for layer in theirs["layers"]]
+        for layer in mine["layers"]:
+            assert sum(layer["counts"]) == mine["tokens"] * mine["top_k"]
+            assert layer["entropy"] == pytest.approx(theirs["layers"][mine["layers"].index(layer)]["entropy"], rel=1e-5)
+
+
+def test_moe_runs_say_what_they_route(runs):
+    log = runs[("glm4_moe", "fsdp")]["log"]
+    assert "moe: 2 MoE layers, 8 experts, top 2 (sigmoid router); load-balancing loss coefficient 0.01" in log
+    assert "moe: 2 MoE layers, 4 experts, top 2 (softmax router)" in runs[("mixtral", "ddp")]["log"]
+    # attention-only LoRA by default vs. experts and router added
+    assert (
+        runs[("qwen3_moe", "experts-fsdp")]["metrics"]["trainable_params"]
+        > runs[("qwen3_moe", "fsdp")]["metrics"]["trainable_params"]
+    )
+
+
+def test_expert_usage_heatmap_of_a_run(runs, capsys):
+    from PIL import Image
+
+    from shardtune.cli import main
+
+    out = runs[("glm4_moe", "fsdp")]["out"]
+    assert main(["expert-usage", str(out), "--steps", "2:3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split() == ["layer", "tokens", "busiest", "idlest", "max/mean", "entropy"]
+    usage = jsonl(out / "logs/expert_usage.jsonl")
+    tokens = usage[1]["tokens"] + usage[2]["tokens"]
+    assert [line.split()[:2] for line in printed[1:3]] == [["1", f"{2 * tokens:,}"], ["2", f"{2 * tokens:,}"]]
+    assert printed[-1] == f"wrote {out / 'expert_usage.png'}"
+    with Image.open(out / "expert_usage.png") as image:
+        assert image.format == "PNG" and image.width > 200 and image.height > 100

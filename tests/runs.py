@@ -1,0 +1,38 @@
+"""Run ``shardtune train`` on the quickstart config as a user would (a subprocess, CPU, gloo), and read
+back what the run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+
+def train(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5) -> dict:
+    """A short run logging every step: its losses, metrics.json, output directory and log."""
+    out = tmp_path / name
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", str(nproc),
+            f"training.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", f"training.max_steps={steps}",
+            "training.logging_steps=1", "training.per_device_train_batch_size=2", "training.eval_on_start=false",
+            "training.eval_steps=null", "lora.lora_dropout=0", *overrides,
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {
+        "losses": [row["loss"] for row in jsonl(out / "logs/train_log.jsonl")],
+        "metrics": json.loads((out / "metrics.json").read_text()),
+        "out": out,
+        "log": result.stderr,
+    }
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -1,0 +1,193 @@
+"""MoE models in one process: router statistics against a direct count, the load-balancing loss against
+transformers' own, its gradient, and the LoRA target groups with their parameter counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_moe import ARCHITECTURES, write_tiny_moe
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.config import LoraConfig
+from shardtune.data.collate import collate
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.errors import ConfigError
+from shardtune.metrics.expert_usage import ExpertUsage
+from shardtune.model.lora import apply_lora, count_parameters
+from shardtune.model.moe import RoutingRecorder, find_moe_blocks, load_balancing_loss
+from shardtune.train.loop import accumulate_gradients
+from shardtune.train.routing import RouterTraining
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: write_tiny_moe(root / arch, arch) for arch in ARCHITECTURES}
+
+
+def build(directory, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def padded_batch(seed: int = 1, lengths=(23, 9, 17)):
+    """Three examples of different lengths, right-padded: padding must not count."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = []
+    for length in lengths:
+        ids = torch.randint(3, 1000, (length,), generator=generator).numpy()
+        sequences.append((ids, ids.copy(), None))
+    return collate(sequences, pad_token_id=0, packed=False)
+
+
+def direct_choice(model, arch, layer_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's experts as the architecture picks them, from its router logits alone."""
+    if arch == "glm4_moe":  # sigmoid scores + correction bias (zero here), one group
+        return layer_logits.float().sigmoid().topk(top_k, dim=-1).indices
+    return layer_logits.float().softmax(dim=-1).topk(top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_expert_counts_and_entropy_equal_a_direct_count(moe_dirs, world, arch):
+    model = build(moe_dirs[arch])
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    expected_layers = [1, 2] if arch == "glm4_moe" else [0, 1]  # GLM's first layer is dense
+    assert [block.layer for block in blocks] == expected_layers
+    assert all(block.scoring == ("sigmoid" if arch == "glm4_moe" else "softmax") for block in blocks)
+    recorder, usage = RoutingRecorder(blocks), ExpertUsage(blocks, torch.device("cpu"))
+    batch = padded_batch()
+    with recorder.recording(batch.real_tokens):
+        outputs = model(**batch.model_inputs(), output_router_logits=True)
+    usage.add(recorder.records, load_balancing_loss(recorder.records))
+    record = usage.reduce(world, step=1)
+
+    real = batch.real_tokens.reshape(-1)
+    assert record["tokens"] == int(real.sum()) == 23 + 9 + 17
+    assert len(outputs.router_logits) == len(blocks)
+    for layer, logits in zip(record["layers"], outputs.router_logits, strict=True):
+        block = blocks[record["layers"].index(layer)]
+        chosen = direct_choice(model, arch, logits, block.top_k)[real]
+        counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
+        assert layer["counts"] == counts.tolist()
+        assert sum(layer["counts"]) == block.top_k * int(real.sum())
+        assert layer["max_mean_ratio"] == pytest.approx(counts.max().item() / counts.float().mean().item())
+        if arch == "glm4_moe":
+            p = logits[real].float().sigmoid()
+            p = p / p.sum(-1, keepdim=True)
+        else:
+            p = logits[real].float().softmax(-1)
+        entropy = -(p * p.log()).sum(-1).mean().item()
+        assert layer["entropy"] == pytest.approx(entropy, rel=1e-5)
+        assert layer["normalized_entropy"] == pytest.approx(entropy / math.log(block.num_experts), rel=1e-5)
+    # Evaluation forwards (outside recording) and the next interval start from zero.
+    model(**batch.model_inputs())
+    assert usage.reduce(world, step=2)["layers"][0]["counts"] == [0] * blocks[0].num_experts
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_balance_loss_equals_the_architectures_own(moe_dirs, arch):
+    model = build(moe_dirs[arch])
+    recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)))
+    batch = padded_batch(lengths=(20, 20))  # no padding: transformers' loss then sees the same tokens
+    with recorder.recording(batch.real_tokens):
+        outputs = model(input_ids=batch.input_ids, output_router_logits=True)
+    ours = load_balancing_loss(recorder.records)
+    assert outputs.aux_loss is not None
+    assert ours.item() == pytest.approx(outputs.aux_loss.item(), rel=1e-5)
+    assert ours.item() > 2.0  # top_k when perfectly balanced, more otherwise
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_aux_loss_coefficient_adds_its_gradient(moe_dirs, world, arch):
+    """grad(LM + c * aux) = grad(LM) + c * grad(aux), with aux averaged over the step's micro-batches."""
+    coef = 0.5
+    micro_batches = [padded_batch(seed=1), padded_batch(seed=2, lengths=(11, 30))]
+
+    def step_gradients(c: float, lm: bool = True) -> dict[str, torch.Tensor]:
+        model = build(moe_dirs[arch])
+        routing = RouterTraining(find_moe_blocks(model, decoder_layers(model)), c, world.device)
+        if lm:
+            accumulate_gradients(model, micro_batches, world, None, routing)
+        else:  # the balancing loss alone, averaged over the micro-batches
+            for batch in micro_batches:
+                with routing.forward(batch):
+                    model(**batch.model_inputs())
+                (load_balancing_loss(routing.recorder.records) / len(micro_batches)).backward()
+        return grads(model)
+
+    plain, balanced, balance_only = step_gradients(0.0), step_gradients(coef), step_gradients(1.0, lm=False)
+    router_weights = [name for name in balance_only if name.endswith(".gate.weight")]
+    assert router_weights and all(balance_only[name].abs().sum() > 0 for name in router_weights)
+    for name, gradient in balanced.items():
+        expected = plain[name] + coef * balance_only.get(name, torch.zeros_like(gradient))
+        torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-7, msg=name)
+    assert any(not torch.allclose(balanced[name], plain[name]) for name in router_weights)
+
+
+def lora_counts(hidden: int, r: int, shapes: list[tuple[int, int]]) -> int:
+    return sum(r * (fan_in + fan_out) for fan_in, fan_out in shapes)
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [["attention"], ["dense_mlp"], ["shared_experts"], ["routed_experts"], ["router"], ["attention", "router"]],
+)
+def test_lora_target_groups_and_their_trainable_counts(moe_dirs, groups):
+    """GLM-4.5 layout (tiny): 3 layers, the first dense; 8 routed experts and one shared expert."""
+    config = ARCHITECTURES["glm4_moe"]
+    r, hidden, heads, kv, head_dim = 4, 64, 4, 2, config["head_dim"]
+    inter, moe_inter, experts = config["intermediate_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    per_group = {
+        "attention": 3
+        * lora_counts(
+            hidden,
+            r,
+            [(hidden, heads * head_dim), (hidden, kv * head_dim), (hidden, kv * head_dim), (heads * head_dim, hidden)],
+        ),
+        "dense_mlp": lora_counts(hidden, r, [(hidden, inter), (hidden, inter), (inter, hidden)]),
+        "shared_experts": 2 * lora_counts(hidden, r, [(hidden, moe_inter), (hidden, moe_inter), (moe_inter, hidden)]),
+        # PEFT's per-expert update of a fused (experts, out, in) tensor: A is (r * experts, in), B (out, r * experts).
+        "routed_experts": 2 * r * experts * ((hidden + 2 * moe_inter) + (moe_inter + hidden)),
+        "router": 2 * r * (hidden + experts),
+    }
+    model = build(moe_dirs["glm4_moe"])
+    base_total = count_parameters(model)[1]
+    peft_model = apply_lora(model, LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, moe_targets=groups))
+    trainable, total = count_parameters(peft_model)
+    assert trainable == sum(per_group[group] for group in groups)
+    assert total == base_total + trainable
+    names = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    where = {
+        "attention": ".self_attn.",
+        "dense_mlp": "layers.0.mlp.",
+        "shared_experts": ".shared_experts.",
+        "routed_experts": ".experts.",
+        "router": ".mlp.gate.",
+    }
+    assert all(any(where[group] in name for group in groups) for name in names), names
+    assert all(any(where[group] in name for name in names) for group in groups)
+
+
+def test_lora_defaults_and_bad_target_choices(moe_dirs, tiny_model_dir):
+    # MoE models default to the attention projections; dense models to every linear layer.
+    peft_model = apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(r=4))
+    lora_a = [name for name, _ in peft_model.named_parameters() if "lora_A" in name]
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name in lora_a}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match="lora.moe_targets: LlamaForCausalLM has no MoE layers"):
+        apply_lora(dense, LoraConfig(moe_targets=["attention", "router"]))
+    with pytest.raises(ConfigError, match="lora.moe_targets: Qwen3MoeForCausalLM has no shared_experts"):
+        apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(moe_targets=["shared_experts"], lora_dropout=0))
+    with pytest.raises(ConfigError, match="lora.lora_dropout: must be 0 with lora.moe_targets routed_experts"):
+        apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(moe_targets=["attention", "routed_experts"]))
+    with pytest.raises(ValueError, match="set either target_modules or moe_targets"):
+        LoraConfig(target_modules=["q_proj"], moe_targets=["attention"])
