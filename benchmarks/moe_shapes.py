@@ -39,6 +39,15 @@ SHAPES = {
             "tie_word_embeddings": False,
         },
     ),
+    # A tiny stand-in to try the benchmark scripts on a CPU.
+    "qwen3-moe-tiny": (
+        "qwen3_moe",
+        {
+            "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        },
+    ),
 }  # fmt: skip
 
 

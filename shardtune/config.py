@@ -149,6 +149,7 @@ class TrainingConfig(_Section):
 
 
 MOE_LORA_TARGETS = ("attention", "dense_mlp", "shared_experts", "routed_experts", "router")
+DEFAULT_MOE_TARGETS = ["attention"]
 
 
 class LoraConfig(_Section):
@@ -160,7 +161,8 @@ class LoraConfig(_Section):
         None, description="module names (PEFT); null: all-linear for dense models, lora.moe_targets for MoE models"
     )
     moe_targets: list[Literal[MOE_LORA_TARGETS]] = Field(  # type: ignore[valid-type]
-        ["attention"], description=f"MoE models, when target_modules is null: any of {', '.join(MOE_LORA_TARGETS)}"
+        DEFAULT_MOE_TARGETS,
+        description=f"MoE models, when target_modules is null: any of {', '.join(MOE_LORA_TARGETS)}",
     )
 
     @model_validator(mode="after")
@@ -169,7 +171,8 @@ class LoraConfig(_Section):
             raise ValueError('target_modules: must name at least one module, or be "all-linear"')
         if not self.moe_targets:
             raise ValueError(f"moe_targets: name at least one of {', '.join(MOE_LORA_TARGETS)}")
-        if self.target_modules is not None and "moe_targets" in self.model_fields_set:
+        # Compared with the default, not "was it written": a saved config.yaml spells out every key.
+        if self.target_modules is not None and self.moe_targets != DEFAULT_MOE_TARGETS:
             raise ValueError("moe_targets: set either target_modules or moe_targets, not both")
         return self
 

@@ -40,11 +40,19 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, seed: int, materialize: bool = True) -> PreTrainedModel:
+def load_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    seed: int,
+    materialize: bool = True,
+    random_init_device: torch.device | None = None,
+) -> PreTrainedModel:
     """The causal LM on the CPU with weights stored in ``dtype``.
 
     ``materialize=False`` builds the architecture on the meta device (no memory, no disk reads): the
-    weights of such a replica come later from the rank that did load them.
+    weights of such a replica come later from the rank that did load them. Random weights
+    (``init: random``) are drawn on ``random_init_device`` when given: a GPU draws tens of billions in
+    seconds where a CPU takes minutes (the values then depend on the device type, not on the world size).
     """
     common = {
         "dtype": dtype,
@@ -57,7 +65,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, seed: int, materialize: 
             config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
         )
         torch.manual_seed(seed)
-        with torch.device("cpu" if materialize else "meta"):
+        with torch.device((random_init_device or "cpu") if materialize else "meta"):
             model = AutoModelForCausalLM.from_config(model_config, **common)
     else:
         model = AutoModelForCausalLM.from_pretrained(config.name_or_path, revision=config.revision, **common)

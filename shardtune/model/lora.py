@@ -17,7 +17,7 @@ import peft
 import torch
 from transformers import PreTrainedModel
 
-from shardtune.config import LoraConfig
+from shardtune.config import DEFAULT_MOE_TARGETS, LoraConfig
 from shardtune.errors import ConfigError
 from shardtune.model.moe import MoeBlock, find_moe_blocks
 
@@ -107,7 +107,7 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
     target_parameters: list[str] = []
     as_given = contextlib.nullcontext()
     if not blocks:
-        if "moe_targets" in config.model_fields_set:
+        if config.moe_targets != DEFAULT_MOE_TARGETS:
             raise ConfigError(
                 f"lora.moe_targets: {type(model).__name__} has no MoE layers; choose layers with lora.target_modules"
             )

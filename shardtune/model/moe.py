@@ -10,6 +10,7 @@ Glm4Moe (GLM-4.5/4.6/4.7), and the DeepSeek-style models built the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -108,13 +109,24 @@ def routing_probabilities(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-@dataclass
 class RoutingRecord:
     """What one MoE block's router decided for the real tokens of one forward pass."""
 
-    block: MoeBlock
-    probabilities: torch.Tensor  # (tokens, experts), in the autograd graph
-    chosen: torch.Tensor  # (tokens, top_k) expert indices
+    def __init__(self, block: MoeBlock, logits: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor | None):
+        self.block = block
+        self._logits = logits  # (tokens, experts), every token, in the autograd graph
+        self._real = real
+        self.chosen = chosen if real is None else chosen[real]  # (real tokens, top_k) expert indices
+
+    @functools.cached_property
+    def probabilities(self) -> torch.Tensor:
+        """(real tokens, experts) router probabilities, in the autograd graph.
+
+        Computed on first use, after the forward pass: ops run inside the hook would save tensors for
+        backward that activation checkpointing's recomputation (where hooks record nothing) does not.
+        """
+        logits = self._logits if self._real is None else self._logits[self._real]
+        return routing_probabilities(logits, self.block.scoring)
 
 
 @dataclass
@@ -123,6 +135,8 @@ class RoutingRecorder:
 
     Hooks ignore forwards outside ``recording()`` (evaluation) and the recomputation that activation
     checkpointing runs inside backward, so every token is recorded exactly once per training forward.
+    The hooks only keep references: they run no differentiable op, so a checkpointed layer saves the
+    same tensors in its forward and in its recomputation.
     """
 
     blocks: list[MoeBlock]
@@ -140,15 +154,13 @@ class RoutingRecorder:
             if not self._active or torch._C._current_graph_task_id() != -1:
                 return  # not a training forward, or checkpointing's recomputation during backward
             logits = output[0] if isinstance(output, tuple) else output
-            probabilities = routing_probabilities(logits, block.scoring)
+            logits = logits.reshape(-1, block.num_experts)
             if isinstance(output, tuple) and len(output) >= 3:
                 chosen = output[2]  # the router's own choice (group-limited and bias-corrected for GLM)
             else:
-                chosen = probabilities.topk(block.top_k, dim=-1).indices
-            chosen = chosen.reshape(-1, block.top_k)
-            if self._mask is not None:
-                probabilities, chosen = probabilities[self._mask], chosen[self._mask]
-            self.records.append(RoutingRecord(block, probabilities, chosen))
+                with torch.no_grad():  # softmax and sigmoid keep the order of the logits
+                    chosen = logits.topk(block.top_k, dim=-1).indices
+            self.records.append(RoutingRecord(block, logits, chosen.reshape(-1, block.top_k), self._mask))
 
         return record
 

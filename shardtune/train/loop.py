@@ -37,7 +37,7 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
-from shardtune.metrics.memory import peak_memory_gib
+from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
@@ -143,7 +143,13 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     log.info("data: %s", describe(data.summary))
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
-    model = load_model(config.model, precision.frozen_storage, training.seed, materialize=env.is_main)
+    model = load_model(
+        config.model,
+        precision.frozen_storage,
+        training.seed,
+        materialize=env.is_main,
+        random_init_device=env.device if env.device.type == "cuda" else None,
+    )
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
     if training.moe_aux_loss_coef > 0 and not moe_blocks:
         raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
@@ -181,6 +187,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     checkpointer.remove_partial()
     resume_path = checkpointer.resume_path()
     start_step = checkpointer.load(resume_path) if resume_path else 0
+    start_training_peak(env.device)
 
     sinks: list[MetricSink] = open_sinks(config, output_dir, start_step) if env.is_main else []
     progress = Progress(total_steps, config.logging.progress_bar, enabled=env.is_main)

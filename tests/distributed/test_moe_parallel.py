@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
         run(arch, "ddp", 2, "parallel.strategy=ddp")
         run(arch, "fsdp", 2, "parallel.strategy=fsdp")
     # LoRA on the fused routed experts and the router (PEFT parameter wrappers) inside FSDP units.
-    experts = ["lora.moe_targets=[attention,routed_experts,router]"]
+    experts = ["lora.moe_targets=[attention,routed_experts,router]", f"training.save_steps={STEPS}"]
     run("qwen3_moe", "experts-single", 1, *experts)
     run("qwen3_moe", "experts-fsdp", 2, "parallel.strategy=fsdp", *experts)
     # Full fine-tuning with the experts' own FSDP units, with activation checkpointing around the layers.
@@ -107,3 +107,29 @@ def test_expert_usage_heatmap_of_a_run(runs, capsys):
     assert printed[-1] == f"wrote {out / 'expert_usage.png'}"
     with Image.open(out / "expert_usage.png") as image:
         assert image.format == "PNG" and image.width > 200 and image.height > 100
+
+
+def test_expert_adapters_export_and_merge_consistently(runs, tmp_path):
+    """LoRA on fused experts and the router (trained under FSDP): the PEFT adapter in final/ on the base
+    model gives the logits of the merged model that ``export --merge`` writes from the checkpoint."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from shardtune.config import load_config
+    from shardtune.model.load import load_model
+    from shardtune.model.lora import targets_as_given
+
+    out = runs[("qwen3_moe", "experts-fsdp")]["out"]
+    assert main(["export", str(out / f"checkpoint-{STEPS}"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    config = load_config(out / "config.yaml")
+    base = load_model(config.model, torch.float32, config.training.seed)
+    with targets_as_given():
+        adapted = PeftModel.from_pretrained(base, out / "final").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-4, atol=1e-4)
+        with adapted.disable_adapter():  # and training did change the model
+            assert not torch.allclose(adapted(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)

@@ -191,3 +191,25 @@ def test_lora_defaults_and_bad_target_choices(moe_dirs, tiny_model_dir):
         apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(moe_targets=["attention", "routed_experts"]))
     with pytest.raises(ValueError, match="set either target_modules or moe_targets"):
         LoraConfig(target_modules=["q_proj"], moe_targets=["attention"])
+
+
+def test_checkpointed_layers_count_once_and_give_the_same_gradients(moe_dirs, world):
+    """Activation checkpointing recomputes the routers in backward: nothing is counted twice, and the
+    balancing loss's gradient flows through the recomputed layers unchanged."""
+    from shardtune.distributed.parallelize import apply_activation_checkpointing
+
+    batches = [padded_batch(seed=3)]
+    results = []
+    for checkpointing in (False, True):
+        model = build(moe_dirs["glm4_moe"])
+        routing = RouterTraining(find_moe_blocks(model, decoder_layers(model)), 0.5, world.device)
+        if checkpointing:
+            assert apply_activation_checkpointing(model, every=1) == 3
+        accumulate_gradients(model, batches, world, None, routing)
+        results.append((grads(model), routing.interval_record(world, step=1)))
+    (plain, plain_usage), (checkpointed, checkpointed_usage) = results
+    assert checkpointed_usage == plain_usage
+    assert checkpointed_usage["tokens"] == 23 + 9 + 17
+    assert plain.keys() == {name.replace("._checkpoint_wrapped_module", "") for name in checkpointed}
+    for name, gradient in checkpointed.items():
+        torch.testing.assert_close(gradient, plain[name.replace("._checkpoint_wrapped_module", "")], msg=name)
