@@ -47,7 +47,7 @@ def cmd_expert_usage(args: argparse.Namespace) -> int:
         raise InputError(f"--steps {args.steps}: no logging step in range (the log has steps {steps})")
     out = Path(args.out) if args.out else (source if source.is_dir() else source.parent.parent) / "expert_usage.png"
     layers, counts = summarize(chosen)
-    write_heatmap(layers, counts, out, f"steps {chosen[0]['step']}-{chosen[-1]['step']}")
+    write_heatmap(layers, counts, out, f"logging steps {chosen[0]['step']}-{chosen[-1]['step']}")
     print(format_table(chosen))
     print(f"wrote {out}")
     return 0
