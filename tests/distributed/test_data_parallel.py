@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import train
 from conftest import REPO
 from safetensors.torch import load_file
-
-from runs import train
 
 STEPS = 5
 

@@ -5,9 +5,8 @@ and GLM-4.5 (Glm4Moe), with DDP and FSDP2 (experts sharded as units of their own
 from __future__ import annotations
 
 import pytest
+from cli_runs import jsonl, train
 from tiny_moe import ARCHITECTURES, write_tiny_moe
-
-from runs import jsonl, train
 
 STEPS = 3
 
@@ -43,12 +42,14 @@ def runs(tmp_path_factory):
     full = ["lora.enabled=false", "training.gradient_checkpointing=true"]
     run("glm4_moe", "full-single", 1, *full)
     run("glm4_moe", "full-fsdp", 2, "parallel.strategy=fsdp", *full)
+    run("glm4_moe", "full-ddp", 2, "parallel.strategy=ddp", *full)
     return results
 
 
 CASES = [(arch, strategy) for arch in ARCHITECTURES for strategy in ("ddp", "fsdp")] + [
     ("qwen3_moe", "experts-fsdp"),
     ("glm4_moe", "full-fsdp"),
+    ("glm4_moe", "full-ddp"),
 ]
 
 
