@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 from data_parallel import PEAK_BF16_FLOPS, TOKENIZER_FILES, launch, write_data
-from moe_shapes import shape_config
+
+from shardtune.bench.shapes import shape_config
 
 REPO = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from moe_shapes import SHAPES, shape_config
 from transformers import AutoModelForCausalLM
 
+from shardtune.bench.shapes import SHAPES, shape_config
 from shardtune.config import MOE_LORA_TARGETS, LoraConfig
 from shardtune.model.lora import apply_lora, count_parameters
 
@@ -39,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"| shape (r={args.r}) | total | " + " | ".join(MOE_LORA_TARGETS) + " |")
     print("| --- | ---: | " + " | ".join("---:" for _ in MOE_LORA_TARGETS) + " |")
-    for name in (name for name in SHAPES if not name.endswith("-tiny")):
+    moe_shapes = [name for name, (kind, _) in SHAPES.items() if kind in ("qwen3_moe", "glm4_moe", "mixtral")]
+    for name in (name for name in moe_shapes if not name.endswith("-tiny")):
         total, counts = group_counts(name, args.r)
         cells = [f"{counts[group] / 1e6:,.1f}M" if counts[group] else "-" for group in MOE_LORA_TARGETS]
         print(f"| {name} | {total / 1e9:.1f}B | " + " | ".join(cells) + " |")

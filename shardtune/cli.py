@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from shardtune import __version__
+from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(commands)
     add_expert_usage_parser(commands)
+    add_bench_parser(commands)
 
     export = commands.add_parser("export", help="a checkpoint -> PEFT adapter, merged model, or HF model")
     export.add_argument("checkpoint", help="a checkpoint-<step> directory")

@@ -254,6 +254,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens": int(totals[2]),
+                "target_tokens": int(totals[1]),
                 "tokens_per_s": totals[2] / elapsed,
                 "tokens_per_s_per_device": totals[2] / elapsed / env.world_size,
                 "peak_memory_gib": peak_memory_gib(env.device),

@@ -1,0 +1,104 @@
+"""What a benchmark run measured: tokens/s per device (all tokens and target tokens), step time, TFLOP/s
+and MFU (``shardtune.metrics.flops``), peak memory per device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardtune.metrics.flops import peak_flops, token_flops
+
+
+def _measures(
+    tokens: float, targets: float, seconds: float, steps: int, devices: int, flops_per_token: float, device: str
+) -> dict[str, Any]:
+    per_device = tokens / seconds / devices
+    tflops = per_device * flops_per_token / 1e12
+    peak = peak_flops(device)
+    return {
+        "measured_steps": steps,
+        "step_time_s": seconds / steps,
+        "tokens_per_s_per_device": per_device,
+        "target_tokens_per_s_per_device": targets / seconds / devices,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+        "device": device,
+    }
+
+
+def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:
+    """From the run's train_log.jsonl (one record per step) and metrics.json."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    measured = [row for row in rows if row["step"] > warmup]
+    if not measured:
+        raise ValueError(f"{run_dir}: no step after the {warmup} warm-up steps was logged")
+    seconds = sum(row["tokens"] / row["tokens_per_s"] for row in measured)
+    trainable, total = metrics["trainable_params"], metrics["total_params"]
+    lora = metrics["use_lora"]
+    flops = token_flops(model_config, seq, trainable if lora else None, total - trainable if lora else None)
+    return {
+        **_measures(
+            sum(row["tokens"] for row in measured),
+            sum(row["target_tokens"] for row in measured),
+            seconds,
+            len(measured),
+            metrics["world_size"],
+            flops.per_token,
+            metrics["gpu"],
+        ),
+        "peak_memory_gib_per_device": max(metrics["peak_memory_gib_per_rank"]),
+        "flops_per_token": flops.per_token,
+        "trainable_params": trainable,
+        "total_params": total,
+        "strategy": metrics["strategy"],
+    }
+
+
+def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:
+    """From the per-step timings the HF baseline writes (``steps.json``)."""
+    record = json.loads((out_dir / "steps.json").read_text())
+    measured = [step for step in record["steps"] if step["step"] > warmup]
+    if not measured:
+        raise ValueError(f"{out_dir}: no step after the {warmup} warm-up steps was timed")
+    lora = record["use_lora"]
+    trainable, total = record["trainable_params"], record["total_params"]
+    flops = token_flops(model_config, seq, trainable if lora else None, total - trainable if lora else None)
+    return {
+        **_measures(
+            sum(step["tokens"] for step in measured),
+            sum(step["target_tokens"] for step in measured),
+            sum(step["seconds"] for step in measured),
+            len(measured),
+            record["world_size"],
+            flops.per_token,
+            record["device"],
+        ),
+        "peak_memory_gib_per_device": record["peak_memory_gib"],
+        "flops_per_token": flops.per_token,
+        "trainable_params": trainable,
+        "total_params": total,
+        "versions": record["versions"],
+    }
+
+
+def format_report(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['shape']}: seq {results['seq']}, {results['batch_per_device']} sequences per device, "
+        f"{results['nproc']} device(s)",
+        f"{'':<12}{'tokens/s/dev':>14}{'target tok/s':>14}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}",
+    ]
+    for name in ("shardtune", "hf"):
+        if name not in results:
+            continue
+        row = results[name]
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        lines.append(
+            f"{name:<12}{row['tokens_per_s_per_device']:>14,.0f}{row['target_tokens_per_s_per_device']:>14,.0f}"
+            f"{row['step_time_s']:>9.3f}{row['tflops_per_device']:>9.1f}{mfu:>7}"
+            f"{row['peak_memory_gib_per_device']:>10.1f}"
+        )
+    if "ratio" in results:
+        lines.append(f"shardtune / HF Trainer + PEFT: {results['ratio']:.2f}x tokens/s per device")
+    return "\n".join(lines)

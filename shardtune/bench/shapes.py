@@ -1,0 +1,107 @@
+"""Named shapes of real models as transformers configs: ``shardtune bench`` builds them with random
+weights, so nothing is downloaded. Any HF ``config.json`` (or a directory holding one) works too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from shardtune.errors import InputError
+
+SHAPES = {
+    # meta-llama/Llama-3.2-1B: 16 layers, 1.24B parameters (tied embeddings).
+    "llama3.2-1b": (
+        "llama",
+        {
+            "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+            "rope_theta": 500000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        },
+    ),
+    # meta-llama/Meta-Llama-3-8B: 32 layers, 8.03B parameters.
+    "llama3-8b": (
+        "llama",
+        {
+            "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+            "rope_theta": 500000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        },
+    ),
+    # mistralai/Mistral-7B-v0.1: 32 layers, 7.24B parameters.
+    "mistral-7b": (
+        "mistral",
+        {
+            "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+            "rope_theta": 10000.0, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "sliding_window": None,
+        },
+    ),
+    # Qwen/Qwen3-30B-A3B: 48 layers, 128 experts (8 active), 30.5B total / 3.3B active parameters.
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        {
+            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+            "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "norm_topk_prob": True,
+            "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # zai-org/GLM-4.5-Air: 46 layers (the first dense), 128 routed + 1 shared expert (8 active), 106B / 12B.
+    "glm-4.5-air": (
+        "glm4_moe",
+        {
+            "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+            "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+            "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+            "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+            "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # mistralai/Mixtral-8x7B-v0.1: 32 layers, 8 experts (2 active), 46.7B / 12.9B.
+    "mixtral-8x7b": (
+        "mixtral",
+        {
+            "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Tiny stand-ins to try the benchmarks on a CPU.
+    "llama-tiny": (
+        "llama",
+        {
+            "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen3-moe-tiny": (
+        "qwen3_moe",
+        {
+            "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        },
+    ),
+}  # fmt: skip
+
+
+def shape_config(name: str, **overrides) -> PretrainedConfig:
+    """A named shape, or the config of a ``config.json`` path or a model directory."""
+    if name in SHAPES:
+        model_type, values = SHAPES[name]
+        return AutoConfig.for_model(model_type, **{**values, **overrides})
+    path = Path(name)
+    if path.is_file() or (path / "config.json").is_file():
+        config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+    raise InputError(
+        f"--shape {name}: neither a named shape ({', '.join(SHAPES)}) nor a config.json or model directory"
+    )

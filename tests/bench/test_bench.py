@@ -1,0 +1,82 @@
+"""MFU arithmetic against hand computations, and `shardtune bench` end to end on a CPU with the HF Trainer +
+PEFT baseline beside it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shardtune.bench.shapes import shape_config
+from shardtune.cli import main
+from shardtune.metrics.flops import active_matmul_params, peak_flops, token_flops
+
+
+def test_dense_matmul_parameters_are_all_weights_but_embedding_and_norms():
+    config = shape_config("mistral-7b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    embedding = model.get_input_embeddings().weight.numel()
+    assert active_matmul_params(config) == total - embedding - norms == 7_110_393_856
+
+
+def test_moe_counts_only_the_routed_experts_a_token_uses():
+    config = shape_config("qwen3-30b-a3b")
+    attention = 2 * 2048 * 4096 + 2 * 2048 * 512
+    per_layer = attention + 2048 * 128 + 8 * 3 * 2048 * 768  # router + 8 of 128 experts
+    assert active_matmul_params(config) == 48 * per_layer + 151936 * 2048
+    glm = shape_config("glm-4.5-air")  # first layer dense, then 8 routed + 1 shared expert per token
+    attention = 2 * 4096 * 12288 + 2 * 4096 * 1024
+    dense, sparse = attention + 3 * 4096 * 10944, attention + 4096 * 128 + 9 * 3 * 4096 * 1408
+    assert active_matmul_params(glm) == dense + 45 * sparse + 151552 * 4096
+
+
+def test_mfu_of_a_known_run_matches_a_hand_computation():
+    # Mistral-7B, LoRA with 40M adapter parameters, seq 4096, 10,000 tokens/s on an H100 SXM.
+    flops = token_flops(shape_config("mistral-7b"), 4096, lora_params=40_000_000, frozen_params=7_241_732_096)
+    full = 6 * 7_110_393_856 + 12 * 32 * 4096 * 4096
+    assert flops.per_token == pytest.approx(full * (2 + 40_000_000 / 7_241_732_096) / 3)
+    assert 10_000 * flops.per_token / peak_flops("NVIDIA H100 80GB HBM3") == pytest.approx(0.33192, abs=1e-5)
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("cpu") is None
+
+
+def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "llama-tiny", "--seq", "64", "--batch", "2", "--steps", "3", "--warmup", "1"]
+    assert main([*args, "--baseline", "hf", "--out", str(out), "training.seed=3"]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "bench.json").read_text())
+    assert "shardtune / HF Trainer + PEFT" in printed and f"wrote {out / 'bench.json'}" in printed
+    expected_flops = token_flops(
+        shape_config("llama-tiny"), 64, results["shardtune"]["trainable_params"],
+        results["shardtune"]["total_params"] - results["shardtune"]["trainable_params"],
+    ).per_token  # fmt: skip
+    for name in ("shardtune", "hf"):
+        run = results[name]
+        assert run["measured_steps"] == 3
+        # every step trains 2 full sequences of 64 tokens, 63 of them targets
+        assert run["tokens_per_s_per_device"] * run["step_time_s"] == pytest.approx(2 * 64)
+        assert run["target_tokens_per_s_per_device"] * run["step_time_s"] == pytest.approx(2 * 63)
+        assert run["flops_per_token"] == pytest.approx(expected_flops)
+        assert run["mfu"] is None and run["device"] == "cpu"
+        assert run["peak_memory_gib_per_device"] > 0
+    # The same model and adapters on both sides.
+    assert results["hf"]["trainable_params"] == results["shardtune"]["trainable_params"]
+    assert results["hf"]["total_params"] == results["shardtune"]["total_params"]
+    assert results["ratio"] == pytest.approx(
+        results["shardtune"]["tokens_per_s_per_device"] / results["hf"]["tokens_per_s_per_device"]
+    )
+    config = (out / "config.yaml").read_text()
+    assert "max_steps: 4" in config and "max_length: 64" in config
+
+
+def test_bench_bad_input(tmp_path, capsys):
+    assert main(["bench", "--shape", "gpt-17", "--out", str(tmp_path)]) == 2
+    assert "--shape gpt-17: neither a named shape (llama3.2-1b, llama3-8b, mistral-7b" in capsys.readouterr().err
+    assert main(["bench", "--shape", "llama-tiny", "--seq", "0", "--out", str(tmp_path)]) == 2
+    assert "--seq: must be positive, got 0" in capsys.readouterr().err
