@@ -88,7 +88,9 @@ class WandbSink:
         )
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        self.run.log({f"{kind}/{name}": value for name, value in values.items()}, step=step)
+        # Numbers only: per-layer lists (expert usage) stay in the JSONL logs.
+        numbers = {name: value for name, value in values.items() if isinstance(value, (int, float))}
+        self.run.log({f"{kind}/{name}": value for name, value in numbers.items()}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -12,6 +12,7 @@ import torch
 
 from shardtune.data.collate import Batch
 from shardtune.distributed.env import DistributedEnv
+from shardtune.errors import ConfigError
 from shardtune.metrics.expert_usage import ExpertUsage
 from shardtune.model.moe import MoeBlock, RoutingRecorder, load_balancing_loss
 
@@ -21,7 +22,7 @@ log = logging.getLogger("shardtune")
 class RouterTraining:
     def __init__(self, blocks: list[MoeBlock], aux_loss_coef: float, device: torch.device):
         if len({(block.num_experts, block.top_k) for block in blocks}) > 1:
-            raise ValueError("MoE layers with different numbers of experts or top_k are not supported")
+            raise ConfigError("this model's MoE layers differ in their number of experts or top_k: not supported")
         self.coef = aux_loss_coef
         self.recorder = RoutingRecorder(blocks)
         self.usage = ExpertUsage(blocks, device)

@@ -213,3 +213,22 @@ def test_checkpointed_layers_count_once_and_give_the_same_gradients(moe_dirs, wo
     assert plain.keys() == {name.replace("._checkpoint_wrapped_module", "") for name in checkpointed}
     for name, gradient in checkpointed.items():
         torch.testing.assert_close(gradient, plain[name.replace("._checkpoint_wrapped_module", "")], msg=name)
+
+
+def test_moe_metrics_reach_tensorboard_and_wandb(moe_dirs, tmp_path):
+    """Expert usage goes to the JSONL log whole; TensorBoard and W&B (offline) get its numbers."""
+    pytest.importorskip("wandb")
+    from cli_runs import jsonl, train
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(
+        tmp_path, "run", 1, f"model.name_or_path={moe_dirs['mixtral']}", "model.init=random",
+        "lora.target_modules=null", "logging.tensorboard=true", "logging.wandb.enabled=true",
+        "logging.wandb.mode=offline", steps=2,
+    )  # fmt: skip
+    assert len(jsonl(run["out"] / "logs/expert_usage.jsonl")) == 2
+    events = EventAccumulator(str(run["out"] / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/moe_balance_loss", "train/moe_max_mean_ratio", "expert_usage/balance_loss"} <= tags
+    assert list((run["out"] / "wandb").glob("offline-run-*/run-*.wandb"))
