@@ -190,7 +190,9 @@ def test_lora_defaults_and_bad_target_choices(moe_dirs, tiny_model_dir):
     with pytest.raises(ConfigError, match="lora.lora_dropout: must be 0 with lora.moe_targets routed_experts"):
         apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(moe_targets=["attention", "routed_experts"]))
     with pytest.raises(ValueError, match="set either target_modules or moe_targets"):
-        LoraConfig(target_modules=["q_proj"], moe_targets=["attention"])
+        LoraConfig(target_modules=["q_proj"], moe_targets=["attention", "router"])
+    # A saved config spells out the default groups next to explicit modules: that loads.
+    assert LoraConfig(target_modules=["q_proj"], moe_targets=["attention"]).target_modules == ["q_proj"]
 
 
 def test_checkpointed_layers_count_once_and_give_the_same_gradients(moe_dirs, world):
