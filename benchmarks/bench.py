@@ -1,6 +1,6 @@
 """``shardtune bench`` as a script: the same arguments, e.g.
 
-    python benchmarks/bench.py --shape mistral-7b --seq 4096 --batch 2 --gradient-checkpointing --baseline hf
+python benchmarks/bench.py --shape mistral-7b --seq 4096 --batch 2 --gradient-checkpointing --baseline hf
 """
 
 from __future__ import annotations
