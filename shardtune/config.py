@@ -181,6 +181,7 @@ class ParallelConfig(_Section):
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    compile: bool = Field(False, description="torch.compile each decoder layer (after checkpointing, before FSDP)")
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
 
 

@@ -1,5 +1,5 @@
-"""Make a model ready for its mesh, in one fixed order: activation checkpointing, then data parallelism
-(DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root), then weights on every rank.
+"""Make a model ready for its mesh, in one fixed order: activation checkpointing, compile, then data
+parallelism (DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root), then weights on every rank.
 
 Weights are read from disk once per job: global rank 0 holds the loaded model, the other ranks build
 the same architecture on the meta device (no memory), and after wrapping every rank gets its part
@@ -123,6 +123,13 @@ def parallelize(
     if config.training.gradient_checkpointing:
         count = apply_activation_checkpointing(model, config.training.gradient_checkpointing_every)
         log.info("activation checkpointing on %d decoder layers", count)
+    if config.parallel.compile:
+        # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
+        # graph serves them all, and FSDP's hooks between layers stay outside the graphs.
+        layers = decoder_layers(model)
+        for layer in layers:
+            _outer_wrapper(model, layer).compile()
+        log.info("torch.compile on %d decoder layers", len(layers))
     if plan.strategy == "fsdp":
         return _shard(model, config, env, compute_dtype, materialized)
     if plan.strategy == "ddp":
