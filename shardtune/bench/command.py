@@ -35,7 +35,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps run first and not measured")
     parser.add_argument("--full", action="store_true", help="full fine-tuning (default: LoRA)")
     parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--lora-targets", default="all-linear", help="all-linear, or module names joined by commas")
+    parser.add_argument(
+        "--lora-targets", default=None, help="all-linear, or module names joined by commas (default: as train)"
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"])
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: one per GPU, 1 on CPU)")
@@ -85,7 +87,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def bench_config(args: argparse.Namespace, out: Path, model_dir: Path) -> dict:
-    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    targets = args.lora_targets if args.lora_targets in (None, "all-linear") else args.lora_targets.split(",")
     return {
         "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto"},
         "data": {"dataset_path": str(out / "data.jsonl"), "format": "text", "max_length": args.seq,

@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
     from shardtune.data.prepare import prepare_dataset
     from shardtune.metrics.memory import peak_memory_gib
     from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
+    from shardtune.model.lora import apply_lora
 
     config_path, out = argv[0], Path(argv[1])
     config = load_config(config_path, argv[2:])
@@ -38,15 +39,8 @@ def main(argv: list[str]) -> int:
     dtype = resolve_dtype(config.model.dtype, device)
     model = load_model(config.model, dtype, config.training.seed, random_init_device=device if cuda else None)
     if config.lora.enabled:
-        # Plain PEFT, as a user of HF Trainer writes it; adapters in fp32 (PEFT's default autocast).
-        lora = peft.LoraConfig(
-            r=config.lora.r,
-            lora_alpha=config.lora.lora_alpha,
-            lora_dropout=config.lora.lora_dropout,
-            target_modules=config.lora.target_modules or "all-linear",
-            task_type="CAUSAL_LM",
-        )
-        model = peft.get_peft_model(model, lora)
+        # The same PEFT adapters as the shardtune run (plain get_peft_model; the same target modules).
+        model = apply_lora(model, config.lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
 
