@@ -126,6 +126,9 @@ class TrainingConfig(_Section):
     save_steps: int | None = Field(None, gt=0)
     save_total_limit: int | None = Field(None, gt=0)
     checkpoint_mode: Literal["lite", "full"] = "lite"
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="compute the loss this many target tokens at a time, never all logits at once; 0: off"
+    )
     moe_aux_loss_coef: float = Field(
         0.0, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the LM loss"
     )

@@ -91,6 +91,7 @@ def accumulate_gradients(
     env: DistributedEnv,
     autocast: torch.dtype | None,
     routing: RouterTraining | None = None,
+    loss_chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward this rank's micro-batches of one optimizer step.
 
@@ -111,7 +112,7 @@ def accumulate_gradients(
         with gradient_sync(model, sync=index == len(micro_batches) - 1):
             batch = batch.to(env.device)
             with routing.forward(batch) if routing else contextlib.nullcontext():
-                batch_loss = summed_token_loss(model, batch, autocast)
+                batch_loss = summed_token_loss(model, batch, autocast, loss_chunk_tokens)
             objective = batch_loss * (env.world_size / global_targets)
             balance = routing.balance_term(len(micro_batches)) if routing else None
             (objective if balance is None else objective + balance).backward()
@@ -206,6 +207,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             pad_id,
             env,
             precision.autocast,
+            training.loss_chunk_tokens,
         )
         result = {**result, "eval_time_s": time.perf_counter() - started}
         eval_results.append(result)
@@ -229,7 +231,9 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
         ]
-        loss_sum, step_targets = accumulate_gradients(model, micro_batches, env, precision.autocast, routing)
+        loss_sum, step_targets = accumulate_gradients(
+            model, micro_batches, env, precision.autocast, routing, training.loss_chunk_tokens
+        )
         window[0] += loss_sum
         window[1] += step_targets
         step_tokens = sum(batch.num_tokens for batch in micro_batches)

@@ -22,6 +22,7 @@ STEPS = 5
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("dp")
     one = "training.gradient_accumulation_steps=2"
+    chunk = "training.loss_chunk_tokens=50"
     return {
         ("lora", "single"): train(tmp_path, "lora-1", 1, one),
         ("lora", "ddp"): train(tmp_path, "lora-ddp", 2, "parallel.strategy=ddp"),
@@ -32,6 +33,15 @@ def runs(tmp_path_factory):
         ),
         ("lora", "fsdp+ac"): train(
             tmp_path, "lora-fsdp-ac", 2, "parallel.strategy=fsdp", "training.gradient_checkpointing=true"
+        ),
+        # The chunked loss, inside the forward that DDP and FSDP wrap (and in evaluation).
+        ("lora", "ddp+chunk"): train(tmp_path, "lora-ddp-chunk", 2, "parallel.strategy=ddp", chunk),
+        ("lora", "fsdp+chunk"): train(tmp_path, "lora-fsdp-chunk", 2, "parallel.strategy=fsdp", chunk),
+        ("full", "ddp+chunk"): train(
+            tmp_path, "full-ddp-chunk", 2, "parallel.strategy=ddp", "lora.enabled=false", chunk
+        ),
+        ("full", "fsdp+chunk"): train(
+            tmp_path, "full-fsdp-chunk", 2, "parallel.strategy=fsdp", "lora.enabled=false", chunk
         ),
         ("full", "single"): train(tmp_path, "full-1", 1, one, "lora.enabled=false"),
         ("full", "ddp+ac"): train(
@@ -48,7 +58,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ddp+ac", "fsdp+ac"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ddp+ac", "fsdp+ac", "ddp+chunk", "fsdp+chunk"])
 def test_two_workers_match_one(runs, kind, strategy):
     reference, run = runs[(kind, "single")], runs[(kind, strategy)]
     assert len(reference["losses"]) == STEPS
