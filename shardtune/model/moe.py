@@ -31,8 +31,7 @@ class MoeBlock:
     router: torch.nn.Module
     router_name: str
     experts: torch.nn.Module
-    shared_experts: torch.nn.Module | None
-    shared_name: str | None
+    shared_name: str | None  # child name of its shared experts, if it has any
     num_experts: int
     top_k: int
     # Softmax routers (Qwen3-MoE, Mixtral) or sigmoid routers with a score-correction bias (GLM-4.5,
@@ -81,7 +80,6 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                     router=router,
                     router_name=router_name,
                     experts=children["experts"],
-                    shared_experts=children[shared_name] if shared_name else None,
                     shared_name=shared_name,
                     num_experts=weight.shape[0],
                     top_k=int(top_k),
@@ -143,11 +141,10 @@ class RoutingRecorder:
     records: list[RoutingRecord] = field(default_factory=list)
     _mask: torch.Tensor | None = None
     _active: bool = False
-    _handles: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for block in self.blocks:
-            self._handles.append(block.router.register_forward_hook(self._hook(block)))
+            block.router.register_forward_hook(self._hook(block))
 
     def _hook(self, block: MoeBlock):
         def record(module: torch.nn.Module, inputs: tuple, output: object) -> None:
@@ -174,10 +171,6 @@ class RoutingRecorder:
             yield self.records
         finally:
             self._active = False
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 def load_balancing_loss(records: list[RoutingRecord]) -> torch.Tensor:
