@@ -10,11 +10,25 @@ from typing import Any
 from shardtune.metrics.flops import peak_flops, token_flops
 
 
-def _measures(
-    tokens: float, targets: float, seconds: float, steps: int, devices: int, flops_per_token: float, device: str
+def _summary(
+    *,
+    tokens: float,
+    targets: float,
+    seconds: float,
+    steps: int,
+    devices: int,
+    device: str,
+    peak_memory_gib: float,
+    lora: bool,
+    trainable: int,
+    total: int,
+    model_config,
+    seq: int,
 ) -> dict[str, Any]:
+    """The measures of a run from its totals over the measured steps (shardtune and the HF baseline alike)."""
+    flops = token_flops(model_config, seq, trainable if lora else None, total - trainable if lora else None)
     per_device = tokens / seconds / devices
-    tflops = per_device * flops_per_token / 1e12
+    tflops = per_device * flops.per_token / 1e12
     peak = peak_flops(device)
     return {
         "measured_steps": steps,
@@ -24,6 +38,10 @@ def _measures(
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / peak if peak else None,
         "device": device,
+        "peak_memory_gib_per_device": peak_memory_gib,
+        "flops_per_token": flops.per_token,
+        "trainable_params": trainable,
+        "total_params": total,
     }
 
 
@@ -34,26 +52,21 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
     measured = [row for row in rows if row["step"] > warmup]
     if not measured:
         raise ValueError(f"{run_dir}: no step after the {warmup} warm-up steps was logged")
-    seconds = sum(row["tokens"] / row["tokens_per_s"] for row in measured)
-    trainable, total = metrics["trainable_params"], metrics["total_params"]
-    lora = metrics["use_lora"]
-    flops = token_flops(model_config, seq, trainable if lora else None, total - trainable if lora else None)
-    return {
-        **_measures(
-            sum(row["tokens"] for row in measured),
-            sum(row["target_tokens"] for row in measured),
-            seconds,
-            len(measured),
-            metrics["world_size"],
-            flops.per_token,
-            metrics["gpu"],
-        ),
-        "peak_memory_gib_per_device": max(metrics["peak_memory_gib_per_rank"]),
-        "flops_per_token": flops.per_token,
-        "trainable_params": trainable,
-        "total_params": total,
-        "strategy": metrics["strategy"],
-    }
+    summary = _summary(
+        tokens=sum(row["tokens"] for row in measured),
+        targets=sum(row["target_tokens"] for row in measured),
+        seconds=sum(row["tokens"] / row["tokens_per_s"] for row in measured),
+        steps=len(measured),
+        devices=metrics["world_size"],
+        device=metrics["gpu"],
+        peak_memory_gib=max(metrics["peak_memory_gib_per_rank"]),
+        lora=metrics["use_lora"],
+        trainable=metrics["trainable_params"],
+        total=metrics["total_params"],
+        model_config=model_config,
+        seq=seq,
+    )
+    return {**summary, "strategy": metrics["strategy"]}
 
 
 def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:
@@ -62,25 +75,21 @@ def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str
     measured = [step for step in record["steps"] if step["step"] > warmup]
     if not measured:
         raise ValueError(f"{out_dir}: no step after the {warmup} warm-up steps was timed")
-    lora = record["use_lora"]
-    trainable, total = record["trainable_params"], record["total_params"]
-    flops = token_flops(model_config, seq, trainable if lora else None, total - trainable if lora else None)
-    return {
-        **_measures(
-            sum(step["tokens"] for step in measured),
-            sum(step["target_tokens"] for step in measured),
-            sum(step["seconds"] for step in measured),
-            len(measured),
-            record["world_size"],
-            flops.per_token,
-            record["device"],
-        ),
-        "peak_memory_gib_per_device": record["peak_memory_gib"],
-        "flops_per_token": flops.per_token,
-        "trainable_params": trainable,
-        "total_params": total,
-        "versions": record["versions"],
-    }
+    summary = _summary(
+        tokens=sum(step["tokens"] for step in measured),
+        targets=sum(step["target_tokens"] for step in measured),
+        seconds=sum(step["seconds"] for step in measured),
+        steps=len(measured),
+        devices=record["world_size"],
+        device=record["device"],
+        peak_memory_gib=record["peak_memory_gib"],
+        lora=record["use_lora"],
+        trainable=record["trainable_params"],
+        total=record["total_params"],
+        model_config=model_config,
+        seq=seq,
+    )
+    return {**summary, "versions": record["versions"]}
 
 
 def format_report(results: dict[str, Any]) -> str:

@@ -48,14 +48,14 @@ def cmd_expert_usage(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else (source if source.is_dir() else source.parent.parent) / "expert_usage.png"
     layers, counts = summarize(chosen)
     write_heatmap(layers, counts, out, f"logging steps {chosen[0]['step']}-{chosen[-1]['step']}")
-    print(format_table(chosen))
+    print(format_table(chosen, layers, counts))
     print(f"wrote {out}")
     return 0
 
 
-def format_table(records: list[dict]) -> str:
-    """Per layer over the chosen records: tokens, busiest and idlest expert, max/mean ratio, entropy."""
-    layers, counts = summarize(records)
+def format_table(records: list[dict], layers: list[int], counts) -> str:
+    """Per layer over the chosen records (``layers`` and ``counts`` are their ``summarize``): tokens,
+    busiest and idlest expert, max/mean ratio, entropy."""
     entropy: dict[int, list[float]] = {layer: [] for layer in layers}
     for record in records:
         for row in record["layers"]:
