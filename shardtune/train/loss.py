@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardtune.data.collate import Batch
 from shardtune.data.tokenize import IGNORE_INDEX
+from shardtune.distributed.parallelize import unwrap
 from shardtune.errors import ConfigError
 
 # Models that change the logits after the LM head: a head that returns a loss would skip that.
@@ -86,5 +87,5 @@ def _loss_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int)
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under DDP's and PEFT's wrappers."""
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
