@@ -38,6 +38,9 @@ class ModelConfig(_Section):
     experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = Field(
         None, description="MoE expert computation; null: transformers' default (grouped_mm where it runs)"
     )
+    liger_kernel: bool = Field(
+        False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"
+    )
 
 
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("messages",), "text": ("text",)}
@@ -129,6 +132,12 @@ class TrainingConfig(_Section):
     loss_chunk_tokens: int = Field(
         0, ge=0, description="compute the loss this many target tokens at a time, never all logits at once; 0: off"
     )
+    mlp_chunk_tokens: int = Field(
+        0, ge=0, description="run each dense MLP over this many tokens at a time, recomputed in backward; 0: off"
+    )
+    activation_offloading: bool = Field(
+        False, description="keep each checkpointed decoder layer's input in host memory until backward"
+    )
     moe_aux_loss_coef: float = Field(
         0.0, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the LM loss"
     )
@@ -142,6 +151,8 @@ class TrainingConfig(_Section):
             raise ValueError("warmup_steps: set either warmup_steps or warmup_ratio, not both")
         if self.eval_dataset_type == "subset" and self.eval_subset_size is None:
             raise ValueError("eval_subset_size: required when eval_dataset_type is subset")
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError("activation_offloading: needs gradient_checkpointing: true (it offloads what that keeps)")
         if self.eval_dataset_type == "full" and self.eval_subset_size is not None:
             raise ValueError("eval_subset_size: set, but eval_dataset_type is full; drop one of them")
         return self

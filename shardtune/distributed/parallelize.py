@@ -1,4 +1,5 @@
-"""Make a model ready for its mesh, in one fixed order: activation checkpointing, compile, then data
+"""Make a model ready for its mesh, in one fixed order: activation memory (tiled MLPs, checkpointing,
+offloading), compile, then data
 parallelism (DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root), then weights on every rank.
 
 Weights are read from disk once per job: global rank 0 holds the loaded model, the other ranks build
@@ -15,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardtune.config import Config
+from shardtune.distributed.activations import apply_activation_checkpointing, tile_mlps
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError
 from shardtune.model.moe import find_moe_blocks
@@ -95,22 +96,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, every: int) -> int:
-    """Recompute every ``every``-th decoder layer's activations in backward; returns how many.
-
-    Non-reentrant checkpointing: it works with frozen inputs (LoRA) and with DDP, where the
-    reentrant kind marks parameters ready twice and crashes (the seed's DDP + LoRA failure).
-    """
-    chosen = {id(layer) for index, layer in enumerate(decoder_layers(model)) if index % every == 0}
-    wrapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in chosen:
-                parent.register_module(name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-                wrapped += 1
-    return wrapped
-
-
 def parallelize(
     model: torch.nn.Module,
     plan: ParallelPlan,
@@ -119,10 +104,17 @@ def parallelize(
     compute_dtype: torch.dtype,
     materialized: bool,
 ) -> torch.nn.Module:
-    """Checkpointing, then DDP or FSDP2, then weights from rank 0 onto every rank's device."""
-    if config.training.gradient_checkpointing:
-        count = apply_activation_checkpointing(model, config.training.gradient_checkpointing_every)
-        log.info("activation checkpointing on %d decoder layers", count)
+    """Activation memory, compile, then DDP or FSDP2, then weights from rank 0 onto every rank's device."""
+    training = config.training
+    if training.mlp_chunk_tokens:
+        count = tile_mlps(model, decoder_layers(model), training.mlp_chunk_tokens)
+        log.info("tiled MLPs: %d decoder MLPs run %d tokens at a time", count, training.mlp_chunk_tokens)
+    if training.gradient_checkpointing:
+        count = apply_activation_checkpointing(
+            model, decoder_layers(model), training.gradient_checkpointing_every, training.activation_offloading
+        )
+        offloaded = ", their inputs kept in host memory" if training.activation_offloading else ""
+        log.info("activation checkpointing on %d decoder layers%s", count, offloaded)
     if config.parallel.compile:
         # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
         # graph serves them all, and FSDP's hooks between layers stay outside the graphs.

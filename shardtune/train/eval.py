@@ -21,6 +21,7 @@ def evaluate(
     env: DistributedEnv,
     autocast_dtype: torch.dtype | None,
     loss_chunk_tokens: int = 0,
+    fused_loss: bool = False,
 ) -> dict[str, float]:
     """Loss = sum of token losses / number of target tokens, over all ranks' shares of ``examples``."""
     was_training = model.training
@@ -33,7 +34,7 @@ def evaluate(
     for start in range(0, len(mine), batch_size):
         sequences = [examples.sequence(i) for i in mine[start : start + batch_size]]
         batch = collate(sequences, pad_token_id, packed=False).to(env.device)
-        totals[0] += summed_token_loss(model, batch, autocast_dtype, loss_chunk_tokens).double()
+        totals[0] += summed_token_loss(model, batch, autocast_dtype, loss_chunk_tokens, fused_loss).double()
         totals[1] += batch.num_targets
     env.all_reduce_sum(totals)
     model.train(was_training)

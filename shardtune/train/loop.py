@@ -40,6 +40,7 @@ from shardtune.errors import ConfigError
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
+from shardtune.model.liger import apply_liger_kernels
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
 from shardtune.model.lora import apply_lora, count_parameters
 from shardtune.model.moe import find_moe_blocks
@@ -92,6 +93,7 @@ def accumulate_gradients(
     autocast: torch.dtype | None,
     routing: RouterTraining | None = None,
     loss_chunk_tokens: int = 0,
+    fused_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward this rank's micro-batches of one optimizer step.
 
@@ -112,7 +114,7 @@ def accumulate_gradients(
         with gradient_sync(model, sync=index == len(micro_batches) - 1):
             batch = batch.to(env.device)
             with routing.forward(batch) if routing else contextlib.nullcontext():
-                batch_loss = summed_token_loss(model, batch, autocast, loss_chunk_tokens)
+                batch_loss = summed_token_loss(model, batch, autocast, loss_chunk_tokens, fused_loss)
             objective = batch_loss * (env.world_size / global_targets)
             balance = routing.balance_term(len(micro_batches)) if routing else None
             (objective if balance is None else objective + balance).backward()
@@ -151,6 +153,8 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         materialize=env.is_main,
         random_init_device=env.device if env.device.type == "cuda" else None,
     )
+    if config.model.liger_kernel:
+        apply_liger_kernels(model, env.device)
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
     if training.moe_aux_loss_coef > 0 and not moe_blocks:
         raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
@@ -208,6 +212,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             env,
             precision.autocast,
             training.loss_chunk_tokens,
+            config.model.liger_kernel,
         )
         result = {**result, "eval_time_s": time.perf_counter() - started}
         eval_results.append(result)
@@ -232,7 +237,13 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
         ]
         loss_sum, step_targets = accumulate_gradients(
-            model, micro_batches, env, precision.autocast, routing, training.loss_chunk_tokens
+            model,
+            micro_batches,
+            env,
+            precision.autocast,
+            routing,
+            training.loss_chunk_tokens,
+            config.model.liger_kernel,
         )
         window[0] += loss_sum
         window[1] += step_targets

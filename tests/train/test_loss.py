@@ -45,11 +45,14 @@ def test_chunked_loss_equals_the_standard_loss_and_gradients(tiny_model_dir, lor
     torch.testing.assert_close(chunked, loss, rtol=1e-5, atol=1e-5)
     assert chunked_grads.keys() == grads.keys() and grads
     for name in grads:
-        torch.testing.assert_close(chunked_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        # Summation order differs between chunks: allow fp32 rounding relative to the gradient's scale.
+        scale = grads[name].abs().max().item()
+        torch.testing.assert_close(chunked_grads[name], grads[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
 
 
 def test_chunked_loss_refuses_models_that_transform_logits(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ConfigError, match="training.loss_chunk_tokens: not for LlamaForCausalLM: it transforms logits"):
+    expected = "loss_chunk_tokens: not for LlamaForCausalLM: it transforms logits.*turn it off"
+    with pytest.raises(ConfigError, match=expected):
         summed_token_loss(model, batch_with_prompts_and_padding(), None, 16)
