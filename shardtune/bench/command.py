@@ -3,8 +3,9 @@ tokens, then (``--baseline hf``) HF Trainer + PEFT on the same model shape and t
 
 Everything a run needs is written into the output directory: a model directory (the shape's config and
 a word-level tokenizer whose ids are the words ``w0``, ``w1``, ... so text of N words is exactly N
-tokens), a dataset of random words, and ``config.yaml``. Training is ``shardtune train`` on that config
-(``section.key=value`` overrides apply), logging every step; the first ``--warmup`` steps are left out.
+tokens), the data (full-length random sequences, alpaca-like examples, or a given file), and
+``config.yaml``. Training is ``shardtune train`` on that config (``section.key=value`` overrides apply),
+logging every step; the first ``--warmup`` steps are left out.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from shardtune.bench.data import (
+    SYNTHETIC_VOCAB,
+    alpaca_like_rows,
+    write_alpaca_like_data,
+    write_synthetic_data,
+)
 from shardtune.errors import InputError
-
-SYNTHETIC_VOCAB = 4096  # words of the synthetic tokenizer; every shape's vocabulary is larger
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -41,7 +45,24 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"])
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: one per GPU, 1 on CPU)")
+    parser.add_argument(
+        "--data",
+        default="synthetic",
+        help="synthetic (full-length random sequences), alpaca-like (random words, alpaca lengths), or a file",
+    )
+    parser.add_argument(
+        "--data-format", default="alpaca", choices=["alpaca", "messages", "text"], help="of --data FILE"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="with --data FILE: a tokenizer directory (default: word-level)"
+    )
     parser.add_argument("--baseline", choices=["none", "hf"], default="none", help="hf: also HF Trainer + PEFT")
+    parser.add_argument(
+        "--hf-padding",
+        choices=["max_length", "longest"],
+        default="max_length",
+        help="the baseline's examples, one per sequence: padded to --seq (as the seeds) or to the batch's longest",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/bench-SHAPE)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     parser.set_defaults(handler=cmd_bench)
@@ -61,13 +82,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / f"bench-{Path(args.shape).name}"
     out.mkdir(parents=True, exist_ok=True)
     nproc = args.nproc or default_nproc()
-    model_dir = write_model_dir(out / "model", model_config)
-    rows = (args.warmup + args.steps) * args.batch * nproc
-    write_synthetic_data(out / "data.jsonl", rows, args.seq)
+    model_dir = write_model_dir(out / "model", model_config, args.tokenizer)
+    data_path, data_format = write_data(args, out, sequences=(args.warmup + args.steps) * args.batch * nproc)
     config_path = out / "config.yaml"
-    config_path.write_text(yaml.safe_dump(bench_config(args, out, model_dir), sort_keys=False))
+    config = bench_config(args, out, model_dir, data_path, data_format)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    results = {"shape": args.shape, "seq": args.seq, "batch_per_device": args.batch, "nproc": nproc}
+    results = {
+        "shape": args.shape,
+        "seq": args.seq,
+        "batch_per_device": args.batch,
+        "nproc": nproc,
+        "data": args.data,
+    }
     command = [sys.executable, "-m", "shardtune", "train", str(config_path), "--nproc", str(nproc), *args.overrides]
     _run(command, out / "shardtune.log", "shardtune train")
     results["shardtune"] = summarize_shardtune(out / "shardtune", args.warmup, model_config, args.seq)
@@ -75,22 +102,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.baseline == "hf":
         runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       f"--nproc-per-node={nproc}"]  # fmt: skip
-        command = [*runner, "-m", "shardtune.bench.hf_baseline", str(config_path), str(out / "hf"), *args.overrides]
+        command = [*runner, "-m", "shardtune.bench.hf_baseline", str(config_path), str(out / "hf"), args.hf_padding,
+                   *args.overrides]  # fmt: skip
         _run(command, out / "hf.log", "the HF Trainer + PEFT baseline")
         results["hf"] = summarize_hf(out / "hf", args.warmup, model_config, args.seq)
         results["hf"]["command"] = " ".join(command[1:])
-        results["ratio"] = results["shardtune"]["tokens_per_s_per_device"] / results["hf"]["tokens_per_s_per_device"]
+        results["hf"]["padding"] = args.hf_padding
+        shardtune, hf = results["shardtune"], results["hf"]
+        results["ratio"] = shardtune["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"]
+        results["target_ratio"] = shardtune["target_tokens_per_s_per_device"] / hf["target_tokens_per_s_per_device"]
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     print(format_report(results))
     print(f"wrote {out / 'bench.json'}")
     return 0
 
 
-def bench_config(args: argparse.Namespace, out: Path, model_dir: Path) -> dict:
+def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Path, str]:
+    """The dataset file and its format: enough rows for ``sequences`` sequences of ``--seq`` tokens."""
+    if args.data == "synthetic":
+        write_synthetic_data(out / "data.jsonl", sequences, args.seq)
+        return out / "data.jsonl", "text"
+    if args.data == "alpaca-like":
+        write_alpaca_like_data(out / "data.jsonl", alpaca_like_rows(sequences, args.seq))
+        return out / "data.jsonl", "alpaca"
+    path = Path(args.data)
+    if not path.is_file():
+        raise InputError(f"--data {args.data}: neither synthetic, alpaca-like nor an existing file")
+    return path.resolve(), args.data_format
+
+
+def bench_config(args: argparse.Namespace, out: Path, model_dir: Path, data_path: Path, data_format: str) -> dict:
     targets = args.lora_targets if args.lora_targets in (None, "all-linear") else args.lora_targets.split(",")
     return {
         "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto"},
-        "data": {"dataset_path": str(out / "data.jsonl"), "format": "text", "max_length": args.seq,
+        "data": {"dataset_path": str(data_path), "format": data_format, "max_length": args.seq,
                  "packing": True, "cache_dir": str(out / "cache")},
         "training": {"output_dir": str(out / "shardtune"), "overwrite_output_dir": True,
                      "max_steps": args.warmup + args.steps, "per_device_train_batch_size": args.batch,
@@ -103,30 +148,29 @@ def bench_config(args: argparse.Namespace, out: Path, model_dir: Path) -> dict:
     }  # fmt: skip
 
 
-def write_model_dir(directory: Path, model_config) -> Path:
-    """The shape's config and a word-level tokenizer (``w0`` ... ``w4095`` and ``<eos>``)."""
+def write_model_dir(directory: Path, model_config, tokenizer_dir: str | None = None) -> Path:
+    """The shape's config and a word-level tokenizer (``w0`` ... ``w4094`` and ``<eos>``), or the given one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
     if model_config.vocab_size <= SYNTHETIC_VOCAB:
         raise InputError(f"--shape: vocabulary of {model_config.vocab_size} tokens; bench needs > {SYNTHETIC_VOCAB}")
     model_config.save_pretrained(directory)
+    if tokenizer_dir is not None:
+        given = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if len(given) > model_config.vocab_size:
+            raise InputError(
+                f"--tokenizer {tokenizer_dir}: {len(given)} tokens, more than the shape's {model_config.vocab_size}"
+            )
+        given.save_pretrained(directory)
+        return directory
     vocab = {f"w{i}": i for i in range(SYNTHETIC_VOCAB - 1)} | {"<eos>": SYNTHETIC_VOCAB - 1}
     word_level = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<eos>", pad_token="<eos>")
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def write_synthetic_data(path: Path, rows: int, seq: int) -> None:
-    """``rows`` texts of ``seq`` random words: each becomes one full sequence (no padding)."""
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(SYNTHETIC_VOCAB - 1)]
-    with path.open("w") as handle:
-        for _ in range(rows):
-            handle.write(json.dumps({"text": " ".join(rng.choices(words, k=seq))}) + "\n")
 
 
 def _run(command: list[str], log: Path, what: str) -> None:

@@ -1,11 +1,17 @@
 """The comparison of ``shardtune bench --baseline hf``: HF Trainer + PEFT, as the seeds trained, on the
-same model shape, random weights, LoRA settings and token sequences as the shardtune run.
+same model shape, random weights, LoRA settings and examples as the shardtune run.
 
-    python -m shardtune.bench.hf_baseline CONFIG OUT_DIR [section.key=value ...]
+    python -m shardtune.bench.hf_baseline CONFIG OUT_DIR PADDING [section.key=value ...]
     (under torchrun for several devices: Trainer runs DDP)
 
+The seeds trained one example per sequence, padded (``PADDING`` ``max_length``: to the sequence length,
+as seed 002 did; ``longest``: to the longest of the batch), with the loss on the same tokens as shardtune
+(the store's targets: responses for instruction data). Full-length synthetic sequences are the same
+sequences shardtune trains. Attention is transformers' default, sdpa; shardtune's own switches
+(compile, liger-kernel, chunked loss, ...) do not apply here.
+
 Each step is timed with the device synchronized at its end; ``OUT_DIR/steps.json`` gets the times, the
-tokens per step on all ranks, peak memory and versions.
+real (non-padding) and target tokens of each step on all ranks, peak memory and versions.
 """
 
 from __future__ import annotations
@@ -15,7 +21,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
+
+from shardtune.data.tokenize import IGNORE_INDEX
+
+
+def hf_labels(targets: np.ndarray) -> np.ndarray:
+    """shardtune's targets (``targets[i]`` follows position i) as HF labels (models shift labels left)."""
+    labels = np.full(len(targets), IGNORE_INDEX, dtype=np.int64)
+    labels[1:] = targets[:-1]
+    return labels
 
 
 def main(argv: list[str]) -> int:
@@ -29,8 +46,9 @@ def main(argv: list[str]) -> int:
     from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
     from shardtune.model.lora import apply_lora
 
-    config_path, out = argv[0], Path(argv[1])
-    config = load_config(config_path, argv[2:])
+    config_path, out, padding = argv[0], Path(argv[1]), argv[2]
+    # One example per sequence, as the seeds trained; transformers' default attention.
+    config = load_config(config_path, [*argv[3:], "data.packing=false", "model.attn_implementation=sdpa"])
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -44,14 +62,28 @@ def main(argv: list[str]) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
 
-    class Sequences(torch.utils.data.Dataset):
+    class Examples(torch.utils.data.Dataset):
         def __len__(self) -> int:
             return len(data.train)
 
-        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-            ids, _, _ = data.train.sequence(index)
-            ids = torch.as_tensor(ids, dtype=torch.long)
-            return {"input_ids": ids, "labels": ids.clone()}  # Trainer's models shift labels themselves
+        def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+            ids, targets, _ = data.train.sequence(index)
+            return {"input_ids": np.asarray(ids, dtype=np.int64), "labels": hf_labels(targets)}
+
+    pending: list[tuple[int, int]] = []  # (real tokens, target tokens) of each collated micro-batch
+
+    def pad(examples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        length = config.data.max_length if padding == "max_length" else max(len(e["input_ids"]) for e in examples)
+        ids = torch.full((len(examples), length), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(examples), length), dtype=torch.long)
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            ids[row, :n] = torch.from_numpy(example["input_ids"])
+            labels[row, :n] = torch.from_numpy(example["labels"])
+            mask[row, :n] = 1
+        pending.append((int(mask.sum()), int((labels != IGNORE_INDEX).sum())))
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     training = config.training
     arguments = TrainingArguments(
@@ -83,22 +115,29 @@ def main(argv: list[str]) -> int:
         def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
-            tokens = arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps
-            tokens *= config.data.max_length * arguments.world_size
-            # Causal LM labels: every token but the first of a sequence is a target.
-            targets = tokens - tokens // config.data.max_length
-            steps.append({"step": state.global_step, "seconds": time.perf_counter() - self.started,
-                          "tokens": tokens, "target_tokens": targets})  # fmt: skip
+            seconds = time.perf_counter() - self.started
+            # The step's micro-batches were collated before it began; later ones may be queued already.
+            taken = pending[: args.gradient_accumulation_steps]
+            del pending[: args.gradient_accumulation_steps]
+            steps.append({"step": state.global_step, "seconds": seconds,
+                          "tokens": sum(t for t, _ in taken), "target_tokens": sum(t for _, t in taken)})  # fmt: skip
 
-    trainer = Trainer(model=model, args=arguments, train_dataset=Sequences(), callbacks=[StepTimer()])
+    trainer = Trainer(model=model, args=arguments, train_dataset=Examples(), data_collator=pad, callbacks=[StepTimer()])
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
     peak = peak_memory_gib(device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Each rank counted its own examples: a step's tokens are the sum over ranks.
+        counts = torch.tensor([[s["tokens"], s["target_tokens"]] for s in steps], dtype=torch.float64, device=device)
+        dist.all_reduce(counts)
+        for step, (tokens, targets) in zip(steps, counts.tolist(), strict=True):
+            step["tokens"], step["target_tokens"] = int(tokens), int(targets)
     if trainer.args.process_index == 0:
         record = {
             "steps": steps,
             "world_size": trainer.args.world_size,
+            "padding": padding,
             "use_lora": config.lora.enabled,
             "trainable_params": trainable,
             "total_params": total,

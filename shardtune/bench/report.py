@@ -95,7 +95,7 @@ def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str
 def format_report(results: dict[str, Any]) -> str:
     lines = [
         f"{results['shape']}: seq {results['seq']}, {results['batch_per_device']} sequences per device, "
-        f"{results['nproc']} device(s)",
+        f"{results['nproc']} device(s), data {results.get('data', 'synthetic')}",
         f"{'':<12}{'tokens/s/dev':>14}{'target tok/s':>14}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}",
     ]
     for name in ("shardtune", "hf"):
@@ -109,5 +109,8 @@ def format_report(results: dict[str, Any]) -> str:
             f"{row['peak_memory_gib_per_device']:>10.1f}"
         )
     if "ratio" in results:
-        lines.append(f"shardtune / HF Trainer + PEFT: {results['ratio']:.2f}x tokens/s per device")
+        lines.append(
+            f"shardtune / HF Trainer + PEFT (padding: {results['hf'].get('padding', 'max_length')}): "
+            f"{results['ratio']:.2f}x tokens/s, {results['target_ratio']:.2f}x target tokens/s per device"
+        )
     return "\n".join(lines)

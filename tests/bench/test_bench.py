@@ -51,7 +51,7 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     assert main([*args, "--baseline", "hf", "--out", str(out), "training.seed=3"]) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "bench.json").read_text())
-    assert "shardtune / HF Trainer + PEFT" in printed and f"wrote {out / 'bench.json'}" in printed
+    assert "shardtune / HF Trainer + PEFT (padding: max_length)" in printed and f"wrote {out / 'bench.json'}" in printed
     expected_flops = token_flops(
         shape_config("llama-tiny"), 64, results["shardtune"]["trainable_params"],
         results["shardtune"]["total_params"] - results["shardtune"]["trainable_params"],
@@ -75,8 +75,42 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     assert "max_steps: 4" in config and "max_length: 64" in config
 
 
+def test_alpaca_like_bench_packs_for_shardtune_and_pads_for_the_baseline(tmp_path):
+    """At the seed's setting the baseline trains one padded example per sequence; shardtune packs several."""
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "llama-tiny", "--seq", "256", "--batch", "2", "--steps", "3", "--warmup", "1"]
+    assert main([*args, "--data", "alpaca-like", "--baseline", "hf", "--out", str(out)]) == 0
+    results = json.loads((out / "bench.json").read_text())
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    assert set(rows[0]) == {"instruction", "input", "output"} and len(rows) >= 4 * 2 * 3
+    hf_steps = json.loads((out / "hf" / "steps.json").read_text())["steps"]
+    shardtune_steps = [
+        json.loads(line) for line in (out / "shardtune" / "logs" / "train_log.jsonl").read_text().splitlines()
+    ]
+    assert len(hf_steps) == len(shardtune_steps) == 4
+    for hf, ours in zip(hf_steps, shardtune_steps, strict=True):
+        assert 0 < hf["target_tokens"] < hf["tokens"] <= 2 * 256
+        assert 2 * 256 * 0.75 < ours["tokens"] <= 2 * 256 and 0 < ours["target_tokens"] < ours["tokens"]
+    # Two examples of about 200 tokens (some cut to 256) per step, against two sequences packed nearly full.
+    assert sum(step["tokens"] for step in shardtune_steps) > 1.3 * sum(step["tokens"] for step in hf_steps)
+    run, baseline = results["shardtune"], results["hf"]
+    measured = hf_steps[1:]
+    assert baseline["tokens_per_s_per_device"] * baseline["step_time_s"] == pytest.approx(
+        sum(step["tokens"] for step in measured) / len(measured)
+    )
+    assert results["target_ratio"] == pytest.approx(
+        run["target_tokens_per_s_per_device"] / baseline["target_tokens_per_s_per_device"]
+    )
+    assert baseline["padding"] == "max_length" and results["data"] == "alpaca-like"
+
+
 def test_bench_bad_input(tmp_path, capsys):
     assert main(["bench", "--shape", "gpt-17", "--out", str(tmp_path)]) == 2
     assert "--shape gpt-17: neither a named shape (llama3.2-1b, llama3-8b, mistral-7b" in capsys.readouterr().err
     assert main(["bench", "--shape", "llama-tiny", "--seq", "0", "--out", str(tmp_path)]) == 2
     assert "--seq: must be positive, got 0" in capsys.readouterr().err
+    assert main(["bench", "--shape", "llama-tiny", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
+    assert (
+        f"--data {tmp_path / 'none.jsonl'}: neither synthetic, alpaca-like nor an existing file"
+        in capsys.readouterr().err
+    )
