@@ -239,6 +239,16 @@ class LoggingConfig(_Section):
     tensorboard: bool = False
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     progress_bar: bool | Literal["auto"] = Field("auto", description="auto: a bar when stderr is a terminal")
+    profile_steps: tuple[int, int] | None = Field(
+        None, description="[first, last]: the PyTorch profiler over these steps, into output_dir/profile"
+    )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_steps(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not 1 <= value[0] <= value[1]:
+            raise ValueError(f"profile_steps: [first, last] with 1 <= first <= last, got {list(value)}")
+        return value
 
 
 class Config(_Section):

@@ -28,9 +28,7 @@ def apply_liger_kernels(model: torch.nn.Module, device: torch.device) -> None:
         ) from error
     model_type = model.config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise ConfigError(
-            f"model.liger_kernel: liger-kernel has no kernels for model type {model_type!r}; turn it off"
-        )
+        raise ConfigError(f"model.liger_kernel: liger-kernel has no kernels for model type {model_type!r}; turn it off")
     # The loss is not liger's concern here: shardtune computes it itself (fused when liger is on).
     _apply_liger_kernel_to_instance(
         model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False

@@ -38,6 +38,7 @@ from shardtune.distributed.parallelize import (
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
+from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.model.liger import apply_liger_kernels
@@ -231,7 +232,9 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     train_time = 0.0
     last_loss = float("nan")
     run_started = window_started = time.perf_counter()
+    profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
     for step in range(start_step + 1, total_steps + 1):
+        profiler.step_begins(step)
         micro_batches = [
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
@@ -256,6 +259,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        profiler.step_ends(step)
         progress.advance()
 
         if step % training.logging_steps == 0 or step == total_steps:

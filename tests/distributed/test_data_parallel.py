@@ -23,6 +23,12 @@ def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("dp")
     one = "training.gradient_accumulation_steps=2"
     chunk = "training.loss_chunk_tokens=50"
+    # The long-sequence settings: tiled MLPs, checkpointed layers with their inputs in host memory.
+    long = [
+        "training.mlp_chunk_tokens=24",
+        "training.gradient_checkpointing=true",
+        "training.activation_offloading=true",
+    ]
     return {
         ("lora", "single"): train(tmp_path, "lora-1", 1, one),
         ("lora", "ddp"): train(tmp_path, "lora-ddp", 2, "parallel.strategy=ddp"),
@@ -43,6 +49,10 @@ def runs(tmp_path_factory):
         ("full", "fsdp+chunk"): train(
             tmp_path, "full-fsdp-chunk", 2, "parallel.strategy=fsdp", "lora.enabled=false", chunk
         ),
+        ("lora", "fsdp+long"): train(
+            tmp_path, "lora-fsdp-long", 2, "parallel.strategy=fsdp", *long, "logging.profile_steps=[2,3]"
+        ),
+        ("full", "ddp+long"): train(tmp_path, "full-ddp-long", 2, "parallel.strategy=ddp", "lora.enabled=false", *long),
         ("full", "single"): train(tmp_path, "full-1", 1, one, "lora.enabled=false"),
         ("full", "ddp+ac"): train(
             tmp_path, "full-ddp-ac", 2, "parallel.strategy=ddp", "lora.enabled=false",
@@ -58,8 +68,10 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ddp+ac", "fsdp+ac", "ddp+chunk", "fsdp+chunk"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ddp+ac", "fsdp+ac", "ddp+chunk", "fsdp+chunk", "long"])
 def test_two_workers_match_one(runs, kind, strategy):
+    if strategy == "long":
+        strategy = "fsdp+long" if kind == "lora" else "ddp+long"
     reference, run = runs[(kind, "single")], runs[(kind, strategy)]
     assert len(reference["losses"]) == STEPS
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
@@ -110,6 +122,18 @@ def test_runs_as_the_tasks_of_srun(runs, tmp_path):
 def test_checkpointing_is_applied(runs):
     assert "activation checkpointing on 4 decoder layers" in runs[("lora", "ddp+ac")]["log"]
     assert "activation checkpointing on 2 decoder layers" in runs[("full", "fsdp+ac")]["log"]
+    long = runs[("lora", "fsdp+long")]
+    assert "activation checkpointing on 4 decoder layers, their inputs kept in host memory" in long["log"]
+    assert "tiled MLPs: 4 decoder MLPs run 24 tokens at a time" in long["log"]
+
+
+def test_profiled_steps_leave_a_report_and_a_trace_per_rank(runs):
+    profile = runs[("lora", "fsdp+long")]["out"] / "profile"
+    for rank in (0, 1):
+        report = (profile / f"rank{rank}.txt").read_text()
+        assert report.startswith("steps 2..3: ") and "ms per step" in report and "by host time:" in report
+        assert "aten::mm" in report
+        assert (profile / f"rank{rank}.trace.json.gz").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])

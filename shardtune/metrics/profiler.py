@@ -1,0 +1,61 @@
+"""``logging.profile_steps``: the PyTorch profiler over a few training steps, to see where a step goes.
+
+For each rank, ``<output_dir>/profile/``: ``rank<r>.txt`` (the operators with the most device time and
+the most host time, and how much of the profiled wall time the device was busy: well under 100% means
+the step waits on the host) and ``rank<r>.trace.json.gz`` (a Chrome/Perfetto trace).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger("shardtune")
+
+TABLE_ROWS = 30
+
+
+class StepProfiler:
+    """Profiles steps ``first``..``last`` (inclusive) of this rank; a no-op when ``steps`` is None."""
+
+    def __init__(self, steps: tuple[int, int] | None, output_dir: Path, rank: int, device: torch.device):
+        self.first, self.last = steps if steps else (0, -1)
+        self.output_dir = output_dir / "profile"
+        self.rank = rank
+        self.device = device
+        self.profiler: profile | None = None
+        self.started = 0.0
+
+    def step_begins(self, step: int) -> None:
+        if step != self.first:
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.profiler = profile(activities=activities, record_shapes=False)
+        self.profiler.__enter__()
+        self.started = time.perf_counter()
+
+    def step_ends(self, step: int) -> None:
+        if self.profiler is None or step != self.last:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self.started
+        self.profiler.__exit__(None, None, None)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        events = self.profiler.key_averages()
+        steps = self.last - self.first + 1
+        lines = [f"steps {self.first}..{self.last}: {wall:.3f} s wall, {wall / steps * 1e3:.1f} ms per step"]
+        if self.device.type == "cuda":
+            device_us = sum(event.self_device_time_total for event in events)
+            lines.append(f"device busy (sum of kernel times): {device_us / 1e6:.3f} s = {device_us / 1e6 / wall:.0%}")
+            lines += ["", "by device time:", events.table(sort_by="self_cuda_time_total", row_limit=TABLE_ROWS)]
+        lines += ["", "by host time:", events.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]
+        report = self.output_dir / f"rank{self.rank}.txt"
+        report.write_text("\n".join(lines) + "\n")
+        self.profiler.export_chrome_trace(str(self.output_dir / f"rank{self.rank}.trace.json.gz"))
+        self.profiler = None
+        log.info("profile of steps %d..%d: %s", self.first, self.last, report)
