@@ -134,7 +134,9 @@ def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Pat
 def bench_config(args: argparse.Namespace, out: Path, model_dir: Path, data_path: Path, data_format: str) -> dict:
     targets = args.lora_targets if args.lora_targets in (None, "all-linear") else args.lora_targets.split(",")
     return {
-        "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto"},
+        # Synthetic sequences are one document each: plain causal attention, sdpa's fastest kernel.
+        "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto",
+                  "attn_implementation": "sdpa" if args.data == "synthetic" else "auto"},
         "data": {"dataset_path": str(data_path), "format": data_format, "max_length": args.seq,
                  "packing": True, "cache_dir": str(out / "cache")},
         "training": {"output_dir": str(out / "shardtune"), "overwrite_output_dir": True,

@@ -42,7 +42,7 @@ from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.model.liger import apply_liger_kernels
-from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
+from shardtune.model.load import load_model, load_tokenizer, resolve_dtype, training_attention
 from shardtune.model.lora import apply_lora, count_parameters
 from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
@@ -147,8 +147,10 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     log.info("data: %s", describe(data.summary))
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
+    attention = training_attention(config, env.device)
+    log.info("attention: %s", attention)
     model = load_model(
-        config.model,
+        config.model.model_copy(update={"attn_implementation": attention}),
         precision.frozen_storage,
         training.seed,
         materialize=env.is_main,

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The `shardtune bench` runs behind benchmarks/RESULTS.md, by machine:
+#
+#   benchmarks/suite.sh SUITE RESULTS_DIR
+#
+# SUITE: h100 (the seed's setting on alpaca-like data against HF Trainer + PEFT, FlexAttention for packed
+# sequences, liger-kernel), h100-long (the longest sequence on one 80 GB GPU), h200 (1 GPU against
+# HF Trainer + PEFT's best setting, and the 1-GPU references of the 2-GPU runs), h200x2 (DDP scaling,
+# FSDP2 full fine-tuning). Each run's bench.json (and profile report, where one is taken) is copied to
+# RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
+set -uo pipefail
+suite=$1
+results=$(realpath -m "$2")
+work=${BENCH_WORK:-/tmp/shardtune-bench}
+mkdir -p "$results" "$work"
+export PYTHONUNBUFFERED=1
+
+bench() {  # NAME ARGS...: one `shardtune bench` run into $work/NAME
+    local name=$1
+    shift
+    echo "=== $name: shardtune bench $*"
+    local started=$SECONDS
+    if python3 -m shardtune bench --out "$work/$name" "$@" >"$work/$name.out" 2>&1; then
+        cp "$work/$name/bench.json" "$results/$name.json"
+        if [[ -f "$work/$name/shardtune/profile/rank0.txt" ]]; then
+            head -c 12000 "$work/$name/shardtune/profile/rank0.txt" >"$results/$name.profile.txt"
+        fi
+        tail -n 6 "$work/$name.out"
+    else
+        echo "--- $name failed:"
+        tail -n 25 "$work/$name.out"
+        tail -n 40 "$work/$name/shardtune.log" 2>/dev/null | grep -v "^\s*$" | tail -n 25
+        return 1
+    fi
+    echo "--- $name took $((SECONDS - started)) s"
+}
+
+mistral=(--shape mistral-7b)
+compiled=(parallel.compile=true)
+seed_setting=(--seq 512 --batch 1 --data alpaca-like)
+case $suite in
+h100)
+    bench seed "${mistral[@]}" "${seed_setting[@]}" --steps 30 --warmup 10 --baseline hf "${compiled[@]}" \
+        'logging.profile_steps=[6,8]'
+    bench seed-flex "${mistral[@]}" "${seed_setting[@]}" --steps 30 --warmup 10 "${compiled[@]}" \
+        model.attn_implementation=flex_attention
+    bench liger "${mistral[@]}" --seq 4096 --batch 2 --steps 6 --warmup 4 "${compiled[@]}" model.liger_kernel=true
+    ;;
+h100-long)
+    long=(--batch 1 --steps 1 --warmup 0 --gradient-checkpointing training.loss_chunk_tokens=8192
+        training.mlp_chunk_tokens=16384 training.activation_offloading=true)
+    bench long-256k "${mistral[@]}" --seq 262144 "${long[@]}" || bench long-128k "${mistral[@]}" --seq 131072 "${long[@]}"
+    ;;
+h200)
+    bench 4096-1gpu "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 --baseline hf "${compiled[@]}"
+    bench seed-1gpu "${mistral[@]}" "${seed_setting[@]}" --steps 30 --warmup 10 --baseline hf "${compiled[@]}"
+    ;;
+h200x2)
+    bench 4096-ddp "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 --strategy ddp "${compiled[@]}"
+    bench seed-ddp "${mistral[@]}" "${seed_setting[@]}" --steps 30 --warmup 10 --strategy ddp "${compiled[@]}"
+    bench llama3-8b-full-fsdp --shape llama3-8b --full --seq 4096 --batch 2 --steps 6 --warmup 4 --strategy fsdp \
+        "${compiled[@]}" ||
+        bench llama3-8b-full-fsdp-b1 --shape llama3-8b --full --seq 4096 --batch 1 --steps 8 --warmup 4 \
+            --strategy fsdp "${compiled[@]}" ||
+        bench llama3-8b-full-fsdp-ac --shape llama3-8b --full --seq 4096 --batch 2 --steps 6 --warmup 4 \
+            --strategy fsdp --gradient-checkpointing "${compiled[@]}"
+    ;;
+*)
+    echo "unknown suite $suite (h100, h100-long, h200, h200x2)" >&2
+    exit 2
+    ;;
+esac
