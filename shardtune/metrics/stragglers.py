@@ -37,9 +37,10 @@ def injected_step_delay(rank: int) -> float:
     try:
         if not sep:
             raise ValueError
-        return float(seconds) if int(slow_rank) == rank else 0.0
+        slow_rank_number, delay = int(slow_rank), float(seconds)
     except ValueError:
         raise ValueError(f"{SLOW_RANK_ENV}={text!r}: expected RANK:SECONDS, e.g. 1:0.5") from None
+    return delay if slow_rank_number == rank else 0.0
 
 
 @dataclass(frozen=True)
