@@ -31,7 +31,7 @@ def _field(name: str, type: str, unit: str, description: str, **flags: bool) -> 
 
 _COMMON = [
     _field("schema_version", "int", "", f"version of this schema ({SCHEMA_VERSION})"),
-    _field("step", "int", "steps", "optimizer step the row describes (0: before the first step)"),
+    _field("step", "int", "steps", "optimizer step after which the row was written (eval: 0 is before training)"),
 ]
 
 TRAIN_FIELDS = [
@@ -43,8 +43,12 @@ TRAIN_FIELDS = [
     _field("interval_steps", "int", "steps", "optimizer steps since the previous row (the interval)"),
     _field("tokens", "int", "tokens", "real (non-padding) tokens trained in the interval, all ranks"),
     _field("target_tokens", "int", "tokens", "tokens that carry a loss in the interval, all ranks"),
-    _field("tokens_per_s", "float", "tokens/s", "tokens / interval time, all ranks together"),
-    _field("target_tokens_per_s", "float", "tokens/s", "target_tokens / interval time, all ranks together"),
+    _field(
+        "tokens_per_s", "float", "tokens/s", "tokens / the interval's training time (see below), all ranks together"
+    ),
+    _field(
+        "target_tokens_per_s", "float", "tokens/s", "target_tokens / the interval's training time, all ranks together"
+    ),
     _field("tokens_per_s_per_device", "float", "tokens/s", "tokens_per_s / world size"),
     _field("target_tokens_per_s_per_device", "float", "tokens/s", "target_tokens_per_s / world size"),
     _field(
@@ -62,10 +66,15 @@ TRAIN_FIELDS = [
         nullable=True,
     ),
     _field("peak_memory_gib", "float", "GiB", "highest peak memory of any rank since training started"),
-    _field("data_wait_s", "float", "s", "time per step spent fetching and collating batches (the slowest rank)"),
-    _field("step_time_s_min", "float", "s", "per-rank step time over the interval: the fastest rank's"),
-    _field("step_time_s_median", "float", "s", "per-rank step time over the interval: the median over ranks"),
-    _field("step_time_s_max", "float", "s", "per-rank step time over the interval: the slowest rank's"),
+    _field(
+        "data_wait_s",
+        "float",
+        "s",
+        "mean time per step spent fetching and collating batches, on the rank that waited most",
+    ),
+    _field("step_time_s_min", "float", "s", "mean step time of the fastest rank over the interval"),
+    _field("step_time_s_median", "float", "s", "median over ranks of their mean step times"),
+    _field("step_time_s_max", "float", "s", "mean step time of the slowest rank over the interval"),
     _field("slowest_rank", "int", "rank", "global rank with step_time_s_max"),
     _field("slowest_host", "str", "", "hostname of slowest_rank"),
     _field("elapsed_s", "float", "s", "wall time since the training loop started (evaluations included)"),
