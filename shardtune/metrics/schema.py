@@ -25,39 +25,33 @@ class Field:
     nullable: bool = False  # may be null
 
 
-def _field(name: str, type: str, unit: str, description: str, **flags: bool) -> Field:
-    return Field(name, type, unit, description, **flags)
-
-
 _COMMON = [
-    _field("schema_version", "int", "", f"version of this schema ({SCHEMA_VERSION})"),
-    _field("step", "int", "steps", "optimizer step after which the row was written (eval: 0 is before training)"),
+    Field("schema_version", "int", "", f"version of this schema ({SCHEMA_VERSION})"),
+    Field("step", "int", "steps", "optimizer step after which the row was written (eval: 0 is before training)"),
 ]
 
 TRAIN_FIELDS = [
     *_COMMON,
-    _field("epoch", "float", "epochs", "passes over the training set so far (fractional)"),
-    _field("loss", "float", "nats/token", "mean LM loss over every target token of the interval, all ranks"),
-    _field("lr", "float", "", "learning rate of the row's step"),
-    _field("grad_norm", "float", "", "global gradient norm of the row's step, before clipping"),
-    _field("interval_steps", "int", "steps", "optimizer steps since the previous row (the interval)"),
-    _field("tokens", "int", "tokens", "real (non-padding) tokens trained in the interval, all ranks"),
-    _field("target_tokens", "int", "tokens", "tokens that carry a loss in the interval, all ranks"),
-    _field(
-        "tokens_per_s", "float", "tokens/s", "tokens / the interval's training time (see below), all ranks together"
-    ),
-    _field(
+    Field("epoch", "float", "epochs", "passes over the training set so far (fractional)"),
+    Field("loss", "float", "nats/token", "mean LM loss over every target token of the interval, all ranks"),
+    Field("lr", "float", "", "learning rate of the row's step"),
+    Field("grad_norm", "float", "", "global gradient norm of the row's step, before clipping"),
+    Field("interval_steps", "int", "steps", "optimizer steps since the previous row (the interval)"),
+    Field("tokens", "int", "tokens", "real (non-padding) tokens trained in the interval, all ranks"),
+    Field("target_tokens", "int", "tokens", "tokens that carry a loss in the interval, all ranks"),
+    Field("tokens_per_s", "float", "tokens/s", "tokens / the interval's training time (see below), all ranks together"),
+    Field(
         "target_tokens_per_s", "float", "tokens/s", "target_tokens / the interval's training time, all ranks together"
     ),
-    _field("tokens_per_s_per_device", "float", "tokens/s", "tokens_per_s / world size"),
-    _field("target_tokens_per_s_per_device", "float", "tokens/s", "target_tokens_per_s / world size"),
-    _field(
+    Field("tokens_per_s_per_device", "float", "tokens/s", "tokens_per_s / world size"),
+    Field("target_tokens_per_s_per_device", "float", "tokens/s", "target_tokens_per_s / world size"),
+    Field(
         "tflops_per_device",
         "float",
         "TFLOP/s",
         "model FLOPs per device and second, by shardtune/metrics/flops.py (as shardtune bench)",
     ),
-    _field(
+    Field(
         "mfu",
         "float",
         "fraction",
@@ -65,46 +59,46 @@ TRAIN_FIELDS = [
         "logging.peak_tflops is not set",
         nullable=True,
     ),
-    _field("peak_memory_gib", "float", "GiB", "highest peak memory of any rank since training started"),
-    _field(
+    Field("peak_memory_gib", "float", "GiB", "highest peak memory of any rank since training started"),
+    Field(
         "data_wait_s",
         "float",
         "s",
         "mean time per step spent fetching and collating batches, on the rank that waited most",
     ),
-    _field("step_time_s_min", "float", "s", "mean step time of the fastest rank over the interval"),
-    _field("step_time_s_median", "float", "s", "median over ranks of their mean step times"),
-    _field("step_time_s_max", "float", "s", "mean step time of the slowest rank over the interval"),
-    _field("slowest_rank", "int", "rank", "global rank with step_time_s_max"),
-    _field("slowest_host", "str", "", "hostname of slowest_rank"),
-    _field("elapsed_s", "float", "s", "wall time since the training loop started (evaluations included)"),
-    _field("moe_balance_loss", "float", "", "MoE: mean load-balancing loss of the interval", optional=True),
-    _field("moe_max_mean_ratio", "float", "", "MoE: the worst layer's busiest-expert / mean load", optional=True),
+    Field("step_time_s_min", "float", "s", "mean step time of the fastest rank over the interval"),
+    Field("step_time_s_median", "float", "s", "median over ranks of their mean step times"),
+    Field("step_time_s_max", "float", "s", "mean step time of the slowest rank over the interval"),
+    Field("slowest_rank", "int", "rank", "global rank with step_time_s_max"),
+    Field("slowest_host", "str", "", "hostname of slowest_rank"),
+    Field("elapsed_s", "float", "s", "wall time since the training loop started (evaluations included)"),
+    Field("moe_balance_loss", "float", "", "MoE: mean load-balancing loss of the interval", optional=True),
+    Field("moe_max_mean_ratio", "float", "", "MoE: the worst layer's busiest-expert / mean load", optional=True),
 ]
 
 EVAL_FIELDS = [
     *_COMMON,
-    _field("eval_loss", "float", "nats/token", "mean loss over every target token of the eval set"),
-    _field("eval_perplexity", "float", "", "exp(eval_loss)"),
-    _field("eval_tokens", "int", "tokens", "target tokens evaluated"),
-    _field("eval_time_s", "float", "s", "wall time of the evaluation"),
+    Field("eval_loss", "float", "nats/token", "mean loss over every target token of the eval set"),
+    Field("eval_perplexity", "float", "", "exp(eval_loss)"),
+    Field("eval_tokens", "int", "tokens", "target tokens evaluated"),
+    Field("eval_time_s", "float", "s", "wall time of the evaluation"),
 ]
 
 LAYER_FIELDS = [
-    _field("layer", "int", "", "decoder layer index"),
-    _field("counts", "list[int]", "tokens", "tokens routed to each expert (once per chosen expert), all ranks"),
-    _field("max_mean_ratio", "float", "", "busiest expert's count / mean count (1.0: even)"),
-    _field("entropy", "float", "nats", "mean over tokens of the router distribution's entropy"),
-    _field("normalized_entropy", "float", "", "entropy / ln(num_experts) (1.0: the router cannot tell experts apart)"),
+    Field("layer", "int", "", "decoder layer index"),
+    Field("counts", "list[int]", "tokens", "tokens routed to each expert (once per chosen expert), all ranks"),
+    Field("max_mean_ratio", "float", "", "busiest expert's count / mean count (1.0: even)"),
+    Field("entropy", "float", "nats", "mean over tokens of the router distribution's entropy"),
+    Field("normalized_entropy", "float", "", "entropy / ln(num_experts) (1.0: the router cannot tell experts apart)"),
 ]
 
 EXPERT_USAGE_FIELDS = [
     *_COMMON,
-    _field("tokens", "int", "tokens", "real tokens routed in the interval, all ranks"),
-    _field("top_k", "int", "experts", "experts each token is routed to"),
-    _field("num_experts", "int", "experts", "routed experts per MoE layer"),
-    _field("balance_loss", "float", "", "mean load-balancing loss of the interval's micro-batches"),
-    _field("layers", "list[layer]", "", "one object per MoE layer, fields below"),
+    Field("tokens", "int", "tokens", "real tokens routed in the interval, all ranks"),
+    Field("top_k", "int", "experts", "experts each token is routed to"),
+    Field("num_experts", "int", "experts", "routed experts per MoE layer"),
+    Field("balance_loss", "float", "", "mean load-balancing loss of the interval's micro-batches"),
+    Field("layers", "list[layer]", "", "one object per MoE layer, fields below"),
 ]
 
 SCHEMAS = {"train": TRAIN_FIELDS, "eval": EVAL_FIELDS, "expert_usage": EXPERT_USAGE_FIELDS}
