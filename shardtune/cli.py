@@ -22,6 +22,7 @@ from shardtune.errors import InputError
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
+from shardtune.metrics.plot import add_plot_parser
 
 EXIT_BAD_INPUT = 2
 
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(commands)
     add_expert_usage_parser(commands)
+    add_plot_parser(commands)
     add_bench_parser(commands)
 
     export = commands.add_parser("export", help="a checkpoint -> PEFT adapter, merged model, or HF model")

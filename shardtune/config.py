@@ -241,6 +241,9 @@ class LoggingConfig(_Section):
     tensorboard: bool = False
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     progress_bar: bool | Literal["auto"] = Field("auto", description="auto: a bar when stderr is a terminal")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="dense bf16 peak per device for MFU; default: known from the device name"
+    )
     profile_steps: tuple[int, int] | None = Field(
         None, description="[first, last]: the PyTorch profiler over these steps, into output_dir/profile"
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config import Config, ConfigError, dump_config
+from shardtune.metrics.schema import SCHEMA_VERSION
 
 # What a finished or interrupted run leaves; any of them means the directory holds a run.
 RUN_ARTIFACTS = ("config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb")
@@ -43,7 +44,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
 
 def package_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
-    for name in ("shardtune", "torch", "transformers", "peft", "safetensors"):
+    for name in ("shardtune", "torch", "transformers", "peft", "safetensors", "numpy"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -52,12 +53,20 @@ def package_versions() -> dict[str, str]:
 
 
 def write_run_start(output_dir: Path, config: Config, argv: list[str], world: dict[str, Any]) -> None:
-    write_atomic(output_dir / "config.yaml", dump_config(config))
+    """``config.yaml`` and the run manifest ``run_args.json`` (``world`` from ``describe_world``)."""
+    # Imported here: the CLI imports this module for RUN_ARTIFACTS, and run_manifest imports torch.
+    from shardtune.run_manifest import code_version, config_hash, device_versions
+
+    config_text = dump_config(config)
+    write_atomic(output_dir / "config.yaml", config_text)
     run_args = {
         "argv": [sys.executable, *argv],
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": package_versions(),
+        "config_hash": config_hash(config_text),
+        **code_version(),
+        "log_schema_version": SCHEMA_VERSION,
         **world,
+        "versions": {**package_versions(), **device_versions()},
     }
     write_atomic(output_dir / "run_args.json", json.dumps(run_args, indent=2) + "\n")
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from conftest import REPO
 
 
-def train(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5) -> dict:
-    """A short run logging every step: its losses, metrics.json, output directory and log."""
+def train(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5, env: dict | None = None) -> dict:
+    """A short run logging every step: its losses, metrics.json, output directory and log; ``env`` adds
+    environment variables."""
     out = tmp_path / name
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run(
         [
             sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", str(nproc),
@@ -36,3 +37,18 @@ def train(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5
 
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def schema_checked_logs(out: Path) -> dict[str, list[dict]]:
+    """Every row of the run's JSONL logs, each validated against shardtune's log schema (raises on the
+    first row that does not match); kinds whose log the run did not write are absent."""
+    from shardtune.metrics.schema import LOG_FILES, validate
+
+    logs = {}
+    for kind, name in LOG_FILES.items():
+        if (out / "logs" / name).is_file():
+            logs[kind] = jsonl(out / "logs" / name)
+            for row in logs[kind]:
+                validate(kind, row)
+    assert logs.get("train"), f"{out}: no train_log.jsonl rows"
+    return logs

@@ -143,6 +143,7 @@ def main(argv: list[str]) -> int:
             "total_params": total,
             "peak_memory_gib": peak,
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "peak_tflops": config.logging.peak_tflops,
             "versions": {
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

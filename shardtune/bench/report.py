@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardtune.metrics.flops import peak_flops, token_flops
+from shardtune.metrics.flops import peak_flops, run_token_flops
 
 
 def _summary(
@@ -18,6 +18,7 @@ def _summary(
     steps: int,
     devices: int,
     device: str,
+    peak_tflops: float | None,
     peak_memory_gib: float,
     lora: bool,
     trainable: int,
@@ -26,10 +27,10 @@ def _summary(
     seq: int,
 ) -> dict[str, Any]:
     """The measures of a run from its totals over the measured steps (shardtune and the HF baseline alike)."""
-    flops = token_flops(model_config, seq, trainable if lora else None, total - trainable if lora else None)
+    flops = run_token_flops(model_config, seq, lora, trainable, total)
     per_device = tokens / seconds / devices
     tflops = per_device * flops.per_token / 1e12
-    peak = peak_flops(device)
+    peak = peak_flops(device, peak_tflops)
     return {
         "measured_steps": steps,
         "step_time_s": seconds / steps,
@@ -59,6 +60,7 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
         steps=len(measured),
         devices=metrics["world_size"],
         device=metrics["gpu"],
+        peak_tflops=metrics.get("peak_tflops"),
         peak_memory_gib=max(metrics["peak_memory_gib_per_rank"]),
         lora=metrics["use_lora"],
         trainable=metrics["trainable_params"],
@@ -82,6 +84,7 @@ def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str
         steps=len(measured),
         devices=record["world_size"],
         device=record["device"],
+        peak_tflops=record.get("peak_tflops"),
         peak_memory_gib=record["peak_memory_gib"],
         lora=record["use_lora"],
         trainable=record["trainable_params"],

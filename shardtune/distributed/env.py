@@ -88,10 +88,20 @@ class DistributedEnv:
         dist.all_gather(gathered, local)
         return [float(t.item()) for t in gathered]
 
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor from every rank, stacked in rank order (world size x length) on the CPU."""
+        gathered = [torch.zeros_like(row) for _ in range(self.world_size)]
+        dist.all_gather(gathered, row)
+        return torch.stack(gathered).cpu()
+
+    def all_gather_objects(self, value: object) -> list:
+        """A picklable value from every rank, in rank order."""
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def hostnames(self) -> list[str]:
-        names: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(names, socket.gethostname())
-        return [str(name) for name in names]
+        return [str(name) for name in self.all_gather_objects(socket.gethostname())]
 
     def barrier(self) -> None:
         dist.barrier()

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from shardtune.distributed.env import DistributedEnv
+from shardtune.metrics.schema import LOG_FILES
 from shardtune.model.moe import MoeBlock, RoutingRecord
 
-USAGE_FILE = "expert_usage.jsonl"
+USAGE_FILE = LOG_FILES["expert_usage"]
 
 
 class ExpertUsage:

@@ -25,7 +25,9 @@ class TokenFlops:
     matmul_params: int  # parameters a token passes through (active ones for MoE)
     layers: int
     attention_width: int  # heads x head_dim
-    sequence_length: int
+    # Tokens per sequence; a token-weighted mean (sum of squared lengths / sum of lengths) for sequences
+    # of mixed lengths, which makes per_token x tokens the exact sum of every sequence's attention cost.
+    sequence_length: float
     lora_fraction: float | None  # P_lora / P_frozen for LoRA, None for full fine-tuning
 
     @property
@@ -60,7 +62,7 @@ def active_matmul_params(config) -> int:
     return sum(per_layer) + config.vocab_size * hidden
 
 
-def token_flops(config, sequence_length: int, lora_params: int | None, frozen_params: int | None) -> TokenFlops:
+def token_flops(config, sequence_length: float, lora_params: int | None, frozen_params: int | None) -> TokenFlops:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return TokenFlops(
@@ -72,7 +74,15 @@ def token_flops(config, sequence_length: int, lora_params: int | None, frozen_pa
     )
 
 
-def peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of a device by its name (longest matching key), or None when unknown."""
+def run_token_flops(model_config, sequence_length: float, lora: bool, trainable: int, total: int) -> TokenFlops:
+    """The FLOP model of a run: LoRA runs count their trainable parameters as the adapter, the rest as frozen."""
+    return token_flops(model_config, sequence_length, trainable if lora else None, total - trainable if lora else None)
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
+    """The dense bf16 peak of a device by its name (longest matching key), or None when unknown;
+    ``override_tflops`` (``logging.peak_tflops``) wins, for devices the table lacks."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
     matches = [key for key in PEAK_BF16_FLOPS if key in device_name]
     return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None

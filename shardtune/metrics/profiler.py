@@ -50,7 +50,10 @@ class StepProfiler:
         steps = self.last - self.first + 1
         lines = [f"steps {self.first}..{self.last}: {wall:.3f} s wall, {wall / steps * 1e3:.1f} ms per step"]
         if self.device.type == "cuda":
-            device_us = sum(event.self_device_time_total for event in events)
+            # Kernels only: an operator's device time is that of the kernels it launched (counted once).
+            device_us = sum(
+                event.self_device_time_total for event in events if event.device_type == torch.autograd.DeviceType.CUDA
+            )
             lines.append(f"device busy (sum of kernel times): {device_us / 1e6:.3f} s = {device_us / 1e6 / wall:.0%}")
             lines += ["", "by device time:", events.table(sort_by="self_cuda_time_total", row_limit=TABLE_ROWS)]
         lines += ["", "by host time:", events.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]

@@ -1,14 +1,18 @@
-"""A live progress bar on a terminal; plain log lines (with an ETA) when output goes to a file."""
+"""A live progress bar on a terminal; plain log lines when output goes to a file. Both show the loss,
+learning rate, tokens/s, MFU (when the device's peak is known) and the time left."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from typing import Any
 
 from tqdm.auto import tqdm
 
 log = logging.getLogger("shardtune")
+
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}, eta {remaining}{postfix}]"
 
 
 class Progress:
@@ -16,28 +20,45 @@ class Progress:
         self.total_steps = total_steps
         self.enabled = enabled
         self.started = time.perf_counter()
+        self.first_step: int | None = None
         use_bar = enabled and (mode is True or (mode == "auto" and sys.stderr.isatty()))
-        self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, file=sys.stderr) if use_bar else None
+        self.bar = (
+            tqdm(total=total_steps, desc="train", dynamic_ncols=True, file=sys.stderr, bar_format=BAR_FORMAT)
+            if use_bar
+            else None
+        )
 
     def advance(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def report(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+    def report(self, step: int, record: dict[str, Any]) -> None:
+        """Show a train_log row (``step`` is its step)."""
         if not self.enabled:
             return
+        mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "-"
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=True)
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:,.0f}",
+                mfu=mfu,
+                refresh=True,
+            )
             return
+        if self.first_step is None:
+            # A resumed run: the ETA comes from the steps this process ran, not from step 0.
+            self.first_step = step - record["interval_steps"]
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / step * (self.total_steps - step)
+        eta = elapsed / max(step - self.first_step, 1) * (self.total_steps - step)
         log.info(
-            "step %d/%d  loss %.4f  lr %.3e  %s tokens/s  elapsed %s  eta %s",
+            "step %d/%d  loss %.4f  lr %.3e  %s tokens/s  mfu %s  elapsed %s  eta %s",
             step,
             self.total_steps,
-            loss,
-            lr,
-            f"{tokens_per_s:,.0f}",
+            record["loss"],
+            record["lr"],
+            f"{record['tokens_per_s']:,.0f}",
+            mfu,
             _clock(elapsed),
             _clock(eta),
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardtune.config import Config
+from shardtune.metrics.schema import LOG_FILES, is_number, make_row
 
 log = logging.getLogger(__name__)
 
@@ -18,19 +19,16 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-JSONL_FILES = {"train": "train_log.jsonl", "eval": "eval_log.jsonl", "expert_usage": "expert_usage.jsonl"}
-
-
 class JsonlSink:
     """``logs/train_log.jsonl``, ``logs/eval_log.jsonl`` and (MoE models) ``logs/expert_usage.jsonl``: one
-    JSON object per line, flushed at once."""
+    JSON object per line as ``shardtune.metrics.schema`` defines it, flushed at once."""
 
     def __init__(self, logs_dir: Path, resume_step: int = 0):
         logs_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir = logs_dir
         if resume_step:
             # Records past the checkpoint belong to a run that did not get further: they are redone.
-            for name in JSONL_FILES.values():
+            for name in LOG_FILES.values():
                 path = logs_dir / name
                 if path.is_file():
                     kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
@@ -41,8 +39,8 @@ class JsonlSink:
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         handle = self.files.get(kind)
         if handle is None:
-            handle = self.files[kind] = open(self.logs_dir / JSONL_FILES[kind], "a", encoding="utf-8")  # noqa: SIM115
-        handle.write(json.dumps({"step": step, **values}) + "\n")
+            handle = self.files[kind] = open(self.logs_dir / LOG_FILES[kind], "a", encoding="utf-8")  # noqa: SIM115
+        handle.write(json.dumps(make_row(kind, step, values)) + "\n")
         handle.flush()
 
     def close(self) -> None:
@@ -62,7 +60,7 @@ class TensorBoardSink:
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         for name, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if is_number(value):
                 self.writer.add_scalar(f"{kind}/{name}", value, step)
         self.writer.flush()
 
@@ -88,8 +86,8 @@ class WandbSink:
         )
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        # Numbers only: per-layer lists (expert usage) stay in the JSONL logs.
-        numbers = {name: value for name, value in values.items() if isinstance(value, (int, float))}
+        # Numbers only: per-layer lists (expert usage), host names and unknown MFU stay in the JSONL logs.
+        numbers = {name: value for name, value in values.items() if is_number(value)}
         self.run.log({f"{kind}/{name}": value for name, value in numbers.items()}, step=step)
 
     def close(self) -> None:

@@ -37,15 +37,18 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
+from shardtune.metrics.flops import peak_flops, run_token_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
+from shardtune.metrics.train_interval import TrainInterval
 from shardtune.model.liger import apply_liger_kernels
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype, training_attention
 from shardtune.model.lora import apply_lora, count_parameters
 from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
+from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
 from shardtune.train.loss import summed_token_loss
 from shardtune.train.optim import build_optimizer
@@ -135,8 +138,9 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     output_dir = Path(training.output_dir)
     transformers.set_seed(training.seed)
     hostnames = env.hostnames()
+    world = describe_world(env, hostnames)  # a collective
     if env.is_main:
-        write_run_start(output_dir, config, argv, {"world_size": env.world_size, "hostnames": hostnames})
+        write_run_start(output_dir, config, argv, world)
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
@@ -228,19 +232,21 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     if training.eval_on_start and start_step == 0:
         run_eval(0)
 
-    # Running sums for the logging window stay on the device: adding to them forces no host sync.
-    window = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, target tokens, tokens
-    rank_tokens = 0
-    train_time = 0.0
+    # Per-step sums of the logging interval; one all-gather per logging step (see TrainInterval).
+    flops = run_token_flops(unwrap(model).config, config.data.max_length, config.lora.enabled, trainable, total)
+    peak = peak_flops(env.device_name(), config.logging.peak_tflops)
+    interval = TrainInterval(env, hostnames, flops, peak)
     last_loss = float("nan")
-    run_started = window_started = time.perf_counter()
+    run_started = time.perf_counter()
     profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
     for step in range(start_step + 1, total_steps + 1):
         profiler.step_begins(step)
+        interval.start_step()
         micro_batches = [
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
         ]
+        interval.data_ready(micro_batches)
         loss_sum, step_targets = accumulate_gradients(
             model,
             micro_batches,
@@ -250,35 +256,26 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             training.loss_chunk_tokens,
             config.model.liger_kernel,
         )
-        window[0] += loss_sum
-        window[1] += step_targets
-        step_tokens = sum(batch.num_tokens for batch in micro_batches)
-        window[2] += step_tokens
-        rank_tokens += step_tokens
+        interval.add_loss(loss_sum, step_targets)
 
         grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        interval.end_step()
         profiler.step_ends(step)
         progress.advance()
 
         if step % training.logging_steps == 0 or step == total_steps:
-            totals = env.all_reduce_sum(window.clone()).tolist()  # the host sync of this window
-            elapsed = time.perf_counter() - window_started
-            train_time += elapsed
-            last_loss = totals[0] / totals[1]
+            measured = interval.reduce()  # the host sync of this interval
+            last_loss = measured["loss"]
             record = {
                 "epoch": round(sampler.epoch_progress, 4),
                 "loss": last_loss,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
-                "tokens": int(totals[2]),
-                "target_tokens": int(totals[1]),
-                "tokens_per_s": totals[2] / elapsed,
-                "tokens_per_s_per_device": totals[2] / elapsed / env.world_size,
-                "peak_memory_gib": peak_memory_gib(env.device),
+                **measured,
                 "elapsed_s": time.perf_counter() - run_started,
             }
             usage = routing.interval_record(env, step) if routing else None
@@ -289,17 +286,13 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
                 sink.log("train", step, record)
                 if usage:
                     sink.log("expert_usage", step, {key: value for key, value in usage.items() if key != "step"})
-            progress.report(step, last_loss, lr, record["tokens_per_s"])
-            window.zero_()
-            window_started = time.perf_counter()
+            progress.report(step, record)
 
         if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
             run_eval(step)
-            window_started = time.perf_counter()
         saved = None
         if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
             saved = checkpointer.save(step)
-            window_started = time.perf_counter()
         if step < total_steps and preemption.requested():
             # Whatever checkpoint_mode says: a requeued job must continue exactly where this one stopped.
             if saved is None or training.checkpoint_mode != "full":
@@ -321,8 +314,9 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state)
         log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
 
-    tokens_per_rank = [int(t) for t in env.all_gather_floats(rank_tokens)]
-    rates_per_rank = env.all_gather_floats(rank_tokens / max(train_time, 1e-9))
+    train_time = interval.run_train_time_s
+    tokens_per_rank = [int(t) for t in env.all_gather_floats(interval.run_tokens)]
+    rates_per_rank = env.all_gather_floats(interval.run_tokens / max(train_time, 1e-9))
     peak_per_rank = env.all_gather_floats(peak_memory_gib(env.device))
     parameter_bytes = [int(b) for b in env.all_gather_floats(local_parameter_bytes(model))]
     metrics: dict[str, Any] = {
@@ -340,6 +334,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         "world_size": env.world_size,
         "hostnames": hostnames,
         "gpu": env.device_name(),
+        "peak_tflops": peak / 1e12 if peak else None,
         **{name: version for name, version in package_versions().items() if name in ("torch", "transformers", "peft")},
         "model": config.model.name_or_path,
         "dataset": config.data.dataset_path,

@@ -48,23 +48,35 @@ def test_mfu_of_a_known_run_matches_a_hand_computation():
 def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--shape", "llama-tiny", "--seq", "64", "--batch", "2", "--steps", "3", "--warmup", "1"]
-    assert main([*args, "--baseline", "hf", "--out", str(out), "training.seed=3"]) == 0
+    # A peak for the CPU makes MFU a number; 0.002 TFLOP/s is the tiny model's scale.
+    peak_tflops = 0.002
+    overrides = ["training.seed=3", f"logging.peak_tflops={peak_tflops}"]
+    assert main([*args, "--baseline", "hf", "--out", str(out), *overrides]) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "bench.json").read_text())
     assert "shardtune / HF Trainer + PEFT (padding: max_length)" in printed and f"wrote {out / 'bench.json'}" in printed
-    expected_flops = token_flops(
-        shape_config("llama-tiny"), 64, results["shardtune"]["trainable_params"],
-        results["shardtune"]["total_params"] - results["shardtune"]["trainable_params"],
-    ).per_token  # fmt: skip
+    # By hand, llama-tiny (hidden 64, 2 layers, 4 heads x 16, 2 KV heads, MLP 128, vocabulary 8192, untied
+    # head) at 64 tokens per sequence: 6 x matmul weights + 12 x layers x attention width x sequence.
+    matmul_weights = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 8192 * 64
+    full = 6 * matmul_weights + 12 * 2 * 64 * 64
+    trainable = results["shardtune"]["trainable_params"]
+    lora_flops = full * (2 + trainable / (results["shardtune"]["total_params"] - trainable)) / 3
     for name in ("shardtune", "hf"):
         run = results[name]
         assert run["measured_steps"] == 3
         # every step trains 2 full sequences of 64 tokens, 63 of them targets
         assert run["tokens_per_s_per_device"] * run["step_time_s"] == pytest.approx(2 * 64)
         assert run["target_tokens_per_s_per_device"] * run["step_time_s"] == pytest.approx(2 * 63)
-        assert run["flops_per_token"] == pytest.approx(expected_flops)
-        assert run["mfu"] is None and run["device"] == "cpu"
+        assert run["flops_per_token"] == pytest.approx(lora_flops, rel=1e-12)
+        assert run["tflops_per_device"] == pytest.approx(run["tokens_per_s_per_device"] * lora_flops / 1e12)
+        assert run["mfu"] == pytest.approx(run["tflops_per_device"] / peak_tflops) and run["device"] == "cpu"
         assert run["peak_memory_gib_per_device"] > 0
+    # Every step the training run logged has the same MFU, from the same formula.
+    rows = [json.loads(line) for line in (out / "shardtune/logs/train_log.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / 1e12)
+        assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / (peak_tflops * 1e12))
     # The same model and adapters on both sides.
     assert results["hf"]["trainable_params"] == results["shardtune"]["trainable_params"]
     assert results["hf"]["total_params"] == results["shardtune"]["total_params"]

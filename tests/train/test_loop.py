@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import peft
 import pytest
 import torch
-from conftest import make_config
+from cli_runs import schema_checked_logs
+from conftest import REPO, make_config
 from transformers import AutoModelForCausalLM
 
 from shardtune.data.collate import collate
 from shardtune.data.prepare import prepare_dataset
+from shardtune.metrics.schema import SCHEMA_VERSION
 from shardtune.model.load import load_model, load_tokenizer
 from shardtune.run_dir import prepare_output_dir
 from shardtune.train.loop import accumulate_gradients, run_training
@@ -77,6 +81,9 @@ def test_accumulation_split_gives_the_same_run(tmp_path, alpaca_file, world):
         torch.testing.assert_close(params_a[name], params_b[name], rtol=1e-4, atol=1e-5)
 
 
+PEAK_TFLOPS = 0.05
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A short LoRA run with evaluation, shared by the run-directory tests."""
@@ -90,7 +97,8 @@ def lora_run(tmp_path_factory):
         TINY_DATA,
         data={"eval_split_ratio": 0.1, "subset_size": 400},
         training={"max_steps": 6, "logging_steps": 2, "eval_steps": 2, "eval_subset_size": 16, "eval_on_start": True},
-        logging={"tensorboard": True},
+        # A peak for the CPU, so that MFU is a number that reaches every sink.
+        logging={"tensorboard": True, "peak_tflops": PEAK_TFLOPS},
     )
     env = DistributedEnv.from_environment(timeout_s=60)
     try:
@@ -106,8 +114,13 @@ def test_run_directory_layout(lora_run):
     out = Path(config.training.output_dir)
     assert (out / "config.yaml").is_file()
     run_args = json.loads((out / "run_args.json").read_text())
-    assert run_args["world_size"] == 1 and len(run_args["hostnames"]) == 1
-    assert {"torch", "transformers", "peft", "shardtune"} <= set(run_args["versions"])
+    assert run_args["world_size"] == 1 and len(run_args["hostnames"]) == 1 and run_args["devices"] == ["cpu"]
+    assert {"torch", "transformers", "peft", "shardtune", "numpy", "cuda"} <= set(run_args["versions"])
+    assert run_args["config_hash"] == hashlib.sha256((out / "config.yaml").read_bytes()).hexdigest()
+    assert run_args["log_schema_version"] == SCHEMA_VERSION
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode == 0:  # the tests run from a checkout: the manifest names its commit
+        assert run_args["git_commit"] == head.stdout.strip() and isinstance(run_args["git_dirty"], bool)
     metrics = json.loads((out / "metrics.json").read_text())
     for key in (
         "wall_time_s",
@@ -132,14 +145,21 @@ def test_run_directory_layout(lora_run):
     assert metrics["tokens_per_s"] > 0 and metrics["gpu"] == "cpu"
     assert metrics == result.metrics
 
-    train_log = _lines(out / "logs/train_log.jsonl")
+    logs = schema_checked_logs(out)
+    train_log = logs["train"]
     assert [row["step"] for row in train_log] == [2, 4, 6]
     for row in train_log:
-        assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_memory_gib"} <= set(row)
-        assert row["loss"] > 0 and row["peak_memory_gib"] > 0
+        assert row["loss"] > 0 and row["peak_memory_gib"] > 0 and row["interval_steps"] == 2
+        assert row["mfu"] == pytest.approx(row["tflops_per_device"] / PEAK_TFLOPS, rel=1e-9)
+        assert row["target_tokens_per_s"] == pytest.approx(row["tokens_per_s"] * row["target_tokens"] / row["tokens"])
+        assert row["step_time_s_min"] == row["step_time_s_median"] == row["step_time_s_max"] > 0
+        assert row["slowest_rank"] == 0 and 0 < row["data_wait_s"] < row["step_time_s_max"]
+        # throughput is over the steps' time: tokens / (2 steps x step time)
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / (2 * row["step_time_s_max"]), rel=1e-9)
+    assert metrics["peak_tflops"] == PEAK_TFLOPS
     assert metrics["tokens"] == sum(row["tokens"] for row in train_log)
 
-    eval_log = _lines(out / "logs/eval_log.jsonl")
+    eval_log = logs["eval"]
     assert [row["step"] for row in eval_log] == [0, 2, 4, 6]
     # The same deterministic eval subset at every evaluation: identical target-token counts.
     assert len({row["eval_tokens"] for row in eval_log}) == 1
@@ -157,10 +177,19 @@ def test_tensorboard_receives_the_scalars(lora_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config, _ = lora_run
-    events = EventAccumulator(str(Path(config.training.output_dir) / "tensorboard"))
+    out = Path(config.training.output_dir)
+    events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [event.step for event in events.Scalars("train/loss")] == [2, 4, 6]
     assert [event.step for event in events.Scalars("eval/eval_loss")] == [0, 2, 4, 6]
+    # The same metrics as the JSONL rows: every number of a row, the host name excepted.
+    logs = schema_checked_logs(out)
+    for kind in ("train", "eval"):
+        numeric = {name for name, value in logs[kind][-1].items() if name not in ("step", "schema_version")}
+        tags = {tag.split("/", 1)[1] for tag in events.Tags()["scalars"] if tag.startswith(f"{kind}/")}
+        assert tags == numeric - {"slowest_host"}
+    mfu = [event.value for event in events.Scalars("train/mfu")]
+    assert mfu == pytest.approx([row["mfu"] for row in logs["train"]], rel=1e-6)
 
 
 def test_final_adapter_gives_the_trained_logits(lora_run, tiny_model_dir):

@@ -220,7 +220,7 @@ def test_checkpointed_layers_count_once_and_give_the_same_gradients(moe_dirs, wo
 def test_moe_metrics_reach_tensorboard_and_wandb(moe_dirs, tmp_path):
     """Expert usage goes to the JSONL log whole; TensorBoard and W&B (offline) get its numbers."""
     pytest.importorskip("wandb")
-    from cli_runs import jsonl, train
+    from cli_runs import schema_checked_logs, train
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = train(
@@ -228,9 +228,10 @@ def test_moe_metrics_reach_tensorboard_and_wandb(moe_dirs, tmp_path):
         "lora.target_modules=null", "logging.tensorboard=true", "logging.wandb.enabled=true",
         "logging.wandb.mode=offline", steps=2,
     )  # fmt: skip
-    assert len(jsonl(run["out"] / "logs/expert_usage.jsonl")) == 2
+    assert len(schema_checked_logs(run["out"])["expert_usage"]) == 2
     events = EventAccumulator(str(run["out"] / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/moe_balance_loss", "train/moe_max_mean_ratio", "expert_usage/balance_loss"} <= tags
-    assert list((run["out"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    wandb_runs = list((run["out"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(wandb_runs) == 1 and b"train/moe_balance_loss" in wandb_runs[0].read_bytes()

@@ -1,0 +1,153 @@
+"""``shardtune plot RUN_DIR [RUN_DIR ...]``: PNG charts of what runs logged, one line per run, so that runs
+(DDP against FSDP against one device, say) can be compared on one chart.
+
+Charts, each a PNG in the output directory: ``loss.png`` (train loss, and eval loss dashed), ``lr.png``,
+``throughput.png`` (tokens/s per device, target tokens dashed), ``mfu.png`` (TFLOP/s per device and MFU),
+``memory.png`` (peak memory), ``step_time.png`` (per-rank step time: the band from the fastest to the
+slowest rank around the median, and data wait), and for MoE runs the expert-usage heatmap of
+``shardtune expert-usage``. A chart whose fields no run logged is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import InputError
+from shardtune.metrics.expert_heatmap import write_heatmap
+from shardtune.metrics.expert_usage import read_usage, summarize
+from shardtune.metrics.schema import LOG_FILES
+
+
+def add_plot_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("plot", help="PNG charts of one run, or of several runs overlaid")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (their logs/)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for the PNGs (default with one run: RUN_DIR/plots)"
+    )
+    parser.set_defaults(handler=cmd_plot)
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL log ([] when the file does not exist), with a clear error for a bad line."""
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row["step"]  # noqa: B018 - every row has its step
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"{path}:{number}: not a log row ({exc})") from None
+        rows.append(row)
+    return rows
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    """Short names that tell the runs apart: the directory names, with parents added while two clash."""
+    resolved = [run.resolve() for run in runs]
+    for depth in range(1, max(len(run.parts) for run in resolved) + 1):
+        labels = ["/".join(run.parts[-depth:]) for run in resolved]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(run) for run in runs]  # the same directory given twice
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    runs = [Path(run) for run in args.runs]
+    if args.out is None and len(runs) > 1:
+        raise InputError("plot: with several runs, name the directory for the charts with --out DIR")
+    logs = {}
+    for run, label in zip(runs, run_labels(runs), strict=True):
+        train = read_log(run / "logs" / LOG_FILES["train"])
+        if not train:
+            raise InputError(f"{run}: no rows in logs/{LOG_FILES['train']} (not a run directory, or no step logged)")
+        logs[label] = {"run": run, "train": train, "eval": read_log(run / "logs" / LOG_FILES["eval"])}
+    out: Path = args.out or runs[0] / "plots"
+    written = write_charts(logs, out)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on a cluster node
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("plot needs matplotlib: pip install 'shardtune[plot]'") from None
+    return plt
+
+
+def _series(rows: list[dict[str, Any]], field: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
+    points = [(row["step"], row[field] * scale) for row in rows if isinstance(row.get(field), (int, float))]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
+    """Every chart the logs have data for, into ``out``; returns the files written."""
+    plt = _pyplot()
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def chart(name: str, panels: list[tuple[str, list[tuple[str, str, str]]]]) -> None:
+        """One PNG with a panel per (y label, [(log, field, style)]), a line per run and field."""
+        plotted = False
+        figure, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True, squeeze=False)
+        for axis, (ylabel, lines) in zip(axes[:, 0], panels, strict=True):
+            for index, (label, run_logs) in enumerate(logs.items()):
+                color = f"C{index % 10}"
+                for kind, field, style in lines:
+                    scale = 100.0 if field == "mfu" else 1.0
+                    steps, values = _series(run_logs[kind], field, scale)
+                    if not steps:
+                        continue
+                    suffix = f" {field}" if len(lines) > 1 else ""
+                    marker = "o" if len(steps) < 30 else None
+                    axis.plot(steps, values, style, color=color, marker=marker, markersize=3, label=label + suffix)
+                    plotted = True
+            axis.set_ylabel(ylabel)
+            axis.grid(alpha=0.3)
+            if axis.lines:
+                axis.legend(fontsize="small")
+        axes[-1, 0].set_xlabel("step")
+        figure.tight_layout()
+        if plotted:
+            path = out / f"{name}.png"
+            figure.savefig(path, dpi=100)
+            written.append(path)
+        plt.close(figure)
+
+    chart("loss", [("loss", [("train", "loss", "-"), ("eval", "eval_loss", "--")])])
+    chart("lr", [("learning rate", [("train", "lr", "-")])])
+    chart(
+        "throughput",
+        [("tokens/s per device", [("train", "tokens_per_s_per_device", "-"),
+                                  ("train", "target_tokens_per_s_per_device", "--")])],
+    )  # fmt: skip
+    chart("mfu", [("TFLOP/s per device", [("train", "tflops_per_device", "-")]), ("MFU (%)", [("train", "mfu", "-")])])
+    chart("memory", [("peak memory (GiB)", [("train", "peak_memory_gib", "-")])])
+    chart(
+        "step_time",
+        [("step time (s)", [("train", "step_time_s_median", "-"), ("train", "step_time_s_max", ":"),
+                            ("train", "step_time_s_min", ":")]),
+         ("data wait per step (s)", [("train", "data_wait_s", "-")])],
+    )  # fmt: skip
+    for label, run_logs in logs.items():
+        try:
+            records = read_usage(run_logs["run"])
+        except FileNotFoundError:
+            continue  # a dense model
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        path = out / ("expert_usage.png" if len(logs) == 1 else f"expert_usage-{label.replace('/', '_')}.png")
+        layers, counts = summarize(records)
+        write_heatmap(layers, counts, path, f"{label}, logging steps {records[0]['step']}-{records[-1]['step']}")
+        written.append(path)
+    return written
