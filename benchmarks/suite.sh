@@ -6,7 +6,7 @@
 # SUITE: h100 (the seed's setting on alpaca-like data against HF Trainer + PEFT, FlexAttention for packed
 # sequences, liger-kernel), h100-long (the longest sequence on one 80 GB GPU), h200 (1 GPU against
 # HF Trainer + PEFT's best setting, and the 1-GPU references of the 2-GPU runs), h200x2 (DDP scaling,
-# FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one machine). Each run's bench.json (and profile report, where one is taken) is copied to
+# FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-fixed (batch 4, packed batches of one shape). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -61,6 +61,11 @@ h200-profile)
     bench 4096-b4 "${mistral[@]}" --seq 4096 --batch 4 --steps 6 --warmup 4 "${compiled[@]}"
     bench 4096-profile "${mistral[@]}" --seq 4096 --batch 2 --steps 2 --warmup 10 "${compiled[@]}" \
         'logging.profile_steps=[8,9]'
+    ;;
+h200-fixed)
+    bench 4096-b4 "${mistral[@]}" --seq 4096 --batch 4 --steps 6 --warmup 4 "${compiled[@]}"
+    bench seed-longest "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 8 "${compiled[@]}"
+    bench seed-fixed "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 8 "${compiled[@]}" data.pad_to=max_length
     ;;
 h200x2-scaling)
     bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 --nproc 1 "${compiled[@]}"

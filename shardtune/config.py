@@ -252,7 +252,7 @@ class LoggingConfig(_Section):
     @classmethod
     def _profile_steps(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
         if value is not None and not 1 <= value[0] <= value[1]:
-            raise ValueError(f"profile_steps: [first, last] with 1 <= first <= last, got {list(value)}")
+            raise ValueError(f"[first, last] with 1 <= first <= last, got {list(value)}")
         return value
 
 

@@ -102,3 +102,32 @@ def test_cli_rejects_malformed_yaml(tmp_path: Path, capsys):
     path.write_text("model:\n  name_or_path: [unclosed\n")
     assert main(["train", str(path)]) == 2
     assert f"{path}:" in capsys.readouterr().err
+
+
+def test_auto_attention_is_flex_for_packed_sequences_on_gpus_only(tmp_path, alpaca_file):
+    import torch
+    from conftest import make_config
+
+    from shardtune.model.load import training_attention
+
+    packed = make_config(tmp_path, alpaca_file, data={"packing": True})
+    padded = make_config(tmp_path, alpaca_file)
+    assert packed.model.attn_implementation == "auto"
+    assert training_attention(packed, torch.device("cuda", 0)) == "flex_attention"
+    assert training_attention(packed, torch.device("cpu")) == "sdpa"
+    assert training_attention(padded, torch.device("cuda", 0)) == "sdpa"
+    chosen = make_config(tmp_path, alpaca_file, data={"packing": True}, model={"attn_implementation": "eager"})
+    assert training_attention(chosen, torch.device("cuda", 0)) == "eager"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("logging.profile_steps=[5,3]", "logging.profile_steps: [first, last] with 1 <= first <= last, got [5, 3]"),
+        ("training.activation_offloading=true", "training.activation_offloading: needs gradient_checkpointing"),
+        ("training.mlp_chunk_tokens=-1", "training.mlp_chunk_tokens"),
+    ],
+)
+def test_speed_settings_are_validated(seed_config: Path, capsys, override, message):
+    assert main(["prepare", str(seed_config), override]) == 2
+    assert message in capsys.readouterr().err

@@ -204,7 +204,8 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     sinks: list[MetricSink] = open_sinks(config, output_dir, start_step) if env.is_main else []
     progress = Progress(total_steps, config.logging.progress_bar, enabled=env.is_main)
     pad_id = tokenizer.pad_token_id
-    pad_to_length = config.data.max_length if config.data.pad_to == "max_length" and not config.data.packing else None
+    # max_length: every batch has the same shape, so compiled layers never meet a new sequence length.
+    pad_to_length = config.data.max_length if config.data.pad_to == "max_length" else None
     eval_results: list[dict[str, float]] = []
 
     def run_eval(step: int) -> None:

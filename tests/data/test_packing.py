@@ -56,6 +56,18 @@ def test_collate_packed_has_positions_and_no_mask(examples):
     assert batch.num_tokens == sum(len(s[0]) for s in sequences)
 
 
+def test_packed_sequences_pad_to_max_length_with_isolated_positions(examples):
+    packed = [tuple(np.array(part) for part in s) for s in pack_examples(examples[:8], max_length=128)]
+    batch = collate(packed, pad_token_id=3, packed=True, pad_to_length=128)
+    assert batch.input_ids.shape == (len(packed), 128) and batch.attention_mask is None
+    for row, (ids, _, _) in enumerate(packed):
+        n = len(ids)
+        # The tail is one more pseudo-example from position 0 that carries no target.
+        assert batch.position_ids[row, n:].tolist() == list(range(128 - n))
+        assert (batch.targets[row, n:] == IGNORE_INDEX).all()
+    assert batch.num_tokens == sum(len(ids) for ids, _, _ in packed)
+
+
 def test_pad_to_max_length(examples):
     single = [tuple(np.array(p) for p in unpacked(examples[0]))]
     batch = collate(single, pad_token_id=3, packed=False, pad_to_length=128)
