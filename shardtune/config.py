@@ -133,6 +133,16 @@ class TrainingConfig(_Section):
         0.0, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the LM loss"
     )
     resume_from_checkpoint: str | None = Field(None, description="auto, a checkpoint directory, or null")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a step with a non-finite loss or gradient is skipped; stop: stop after max_nonfinite_steps"
+    )
+    max_nonfinite_steps: int = Field(3, gt=0, description="on_nonfinite: stop after this many such steps in a row")
+    hang_timeout_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="a rank without progress this long: dump stacks and collectives, exit; null: half of "
+        "parallel.timeout_s; 0: off",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
@@ -241,6 +251,22 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    @property
+    def hang_timeout_s(self) -> float:
+        """The watchdog's timeout (0: off); by default half the collective timeout, so it fires first."""
+        setting = self.training.hang_timeout_s
+        return self.parallel.timeout_s / 2 if setting is None else setting
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        hang, collective = self.training.hang_timeout_s, self.parallel.timeout_s
+        if hang and hang >= collective:
+            # The collective timeout would end the run first, without the watchdog's diagnosis.
+            raise ValueError(
+                f"training.hang_timeout_s: {hang:g} must be below parallel.timeout_s ({collective:g}), or 0 to disable"
+            )
+        return self
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

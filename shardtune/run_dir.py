@@ -18,7 +18,9 @@ from typing import Any
 from shardtune.config import Config, ConfigError, dump_config
 
 # What a finished or interrupted run leaves; any of them means the directory holds a run.
-RUN_ARTIFACTS = ("config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb")
+RUN_ARTIFACTS = (
+    "config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb", "heartbeat", "hang",
+)  # fmt: skip
 
 
 def write_atomic(path: Path, text: str) -> None:

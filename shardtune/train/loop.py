@@ -37,6 +37,7 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
+from shardtune.faults import install_faults
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
@@ -46,10 +47,13 @@ from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.train.eval import evaluate
 from shardtune.train.loss import summed_token_loss
+from shardtune.train.nonfinite import NonFiniteGuard
 from shardtune.train.optim import build_optimizer
 from shardtune.train.preemption import Preempted, PreemptionWatch
+from shardtune.train.preflight import check_model, check_token_ids
 from shardtune.train.routing import RouterTraining
 from shardtune.train.schedule import build_scheduler, warmup_steps_for
+from shardtune.train.watchdog import start_heartbeat
 
 log = logging.getLogger("shardtune")
 
@@ -130,6 +134,8 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
     training = config.training
     output_dir = Path(training.output_dir)
+    # Every rank checks the same inputs the same way, before any collective: all stop with one error.
+    model_config = check_model(config)
     transformers.set_seed(training.seed)
     hostnames = env.hostnames()
     if env.is_main:
@@ -142,6 +148,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
     data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
     log.info("data: %s", describe(data.summary))
+    check_token_ids(data, model_config, config, tokenizer.pad_token_id)
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
     model = load_model(
@@ -163,6 +170,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     log.info("%s", plan.describe(env.world_size))
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
     model.train()
+    install_faults(env.rank).attach(model)
 
     micro_batch_size = training.per_device_train_batch_size
     global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
@@ -225,8 +233,11 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     rank_tokens = 0
     train_time = 0.0
     last_loss = float("nan")
+    heartbeat, watchdog = start_heartbeat(output_dir, env.rank, env.world_size, config.hang_timeout_s)
+    nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
     run_started = window_started = time.perf_counter()
     for step in range(start_step + 1, total_steps + 1):
+        heartbeat.beat(step, "forward_backward")
         micro_batches = [
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
@@ -234,15 +245,19 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         loss_sum, step_targets = accumulate_gradients(
             model, micro_batches, env, precision.autocast, routing, training.loss_chunk_tokens
         )
-        window[0] += loss_sum
-        window[1] += step_targets
+        heartbeat.beat(step, "optimizer")
+        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
+        # A non-finite step changes neither the weights nor the logged loss, on every rank alike.
+        update = nonfinite.step_is_finite(step, loss_sum, grad_norm)
+        window[0] += loss_sum if update else 0.0
+        window[1] += step_targets if update else 0.0
         step_tokens = sum(batch.num_tokens for batch in micro_batches)
         window[2] += step_tokens
         rank_tokens += step_tokens
 
-        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        if update:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         progress.advance()
@@ -251,7 +266,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             totals = env.all_reduce_sum(window.clone()).tolist()  # the host sync of this window
             elapsed = time.perf_counter() - window_started
             train_time += elapsed
-            last_loss = totals[0] / totals[1]
+            last_loss = totals[0] / totals[1] if totals[1] else float("nan")
             record = {
                 "epoch": round(sampler.epoch_progress, 4),
                 "loss": last_loss,
@@ -277,12 +292,15 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             window_started = time.perf_counter()
 
         if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
+            heartbeat.beat(step, "eval")
             run_eval(step)
             window_started = time.perf_counter()
         saved = None
         if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
+            heartbeat.beat(step, "checkpoint")
             saved = checkpointer.save(step)
             window_started = time.perf_counter()
+        heartbeat.beat(step, "end_of_step")
         if step < total_steps and preemption.requested():
             # Whatever checkpoint_mode says: a requeued job must continue exactly where this one stopped.
             if saved is None or training.checkpoint_mode != "full":
@@ -294,6 +312,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             preemption.close()
             raise Preempted(step, str(saved))
     preemption.close()
+    heartbeat.beat(total_steps, "final")
 
     wall_time = time.perf_counter() - run_started
     run_eval(total_steps)
@@ -356,4 +375,6 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             last_loss,
             f", eval loss {metrics['eval_loss']:.4f}" if eval_results else "",
         )
+    if watchdog:
+        watchdog.close()
     return TrainingResult(metrics, model)
