@@ -77,7 +77,7 @@ def collectives_entered(dump: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def main_thread_location() -> dict[str, str]:
-    """Where the main thread is: its innermost frame, and the innermost frame of shardtune's own code."""
+    """Where the main thread is: its innermost frame, and the innermost frames of shardtune's own code."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return {"innermost": "?", "shardtune": "?"}
@@ -87,7 +87,7 @@ def main_thread_location() -> dict[str, str]:
         return f"{entry.name} ({_short_path(entry.filename)}:{entry.lineno})"
 
     own = [entry for entry in stack if f"{os.sep}shardtune{os.sep}" in entry.filename]
-    return {"innermost": describe(stack[-1]), "shardtune": describe(own[-1]) if own else "-"}
+    return {"innermost": describe(stack[-1]), "shardtune": " < ".join(map(describe, own[::-1][:3])) or "-"}
 
 
 def _short_path(filename: str) -> str:
@@ -188,45 +188,54 @@ class HangWatchdog:
 
     def _diagnose_and_exit(self) -> None:
         rank = self.heartbeat.rank
-        with contextlib.suppress(Exception):
-            self.hang_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.hang_dir / f"rank-{rank}.txt", "w") as stacks:
-                faulthandler.dump_traceback(file=stacks, all_threads=True)
-            dump = flight_recorder_dump()
-            if dump is not None:
-                (self.hang_dir / f"rank-{rank}.flight_recorder.json").write_text(json.dumps(dump, indent=1))
-            report = {
-                **self.heartbeat.record(),
-                "where": main_thread_location(),
-                "collectives": collectives_entered(dump),
-            }
-            temporary = self.hang_dir / f".rank-{rank}.json.tmp"
-            temporary.write_text(json.dumps(report, indent=2) + "\n")
-            os.replace(temporary, self.hang_dir / f"rank-{rank}.json")  # last: marks the report complete
-            print(
-                f"shardtune: hang: rank {rank}: no progress for {self.timeout_s:g} s at step {report['step']}, "
-                f"phase {report['phase']}, in {report['where']['innermost']}; stack in {self.hang_dir}",
-                file=sys.stderr,
-                flush=True,
-            )
-            reports = self._gather_reports()
-            # One rank (the first to get here) writes and prints the summary.
-            fd = os.open(self.hang_dir / "summary.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            summary = summarize(reports, self.world_size, self.timeout_s, self.hang_dir)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(summary + "\n")
-            print(summary, file=sys.stderr, flush=True)
+        try:
+            self._diagnose(rank)
+        except FileExistsError:
+            pass  # another rank wrote the summary
+        except Exception:  # the exit below must happen whatever went wrong in the diagnosis
+            traceback.print_exc()
         with contextlib.suppress(Exception):
             logging.shutdown()
             sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)
 
+    def _diagnose(self, rank: int) -> None:
+        self.hang_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.hang_dir / f"rank-{rank}.txt", "w") as stacks:
+            faulthandler.dump_traceback(file=stacks, all_threads=True)
+        dump = flight_recorder_dump()
+        if dump is not None:
+            (self.hang_dir / f"rank-{rank}.flight_recorder.json").write_text(json.dumps(dump, indent=1))
+        report = {
+            **self.heartbeat.record(),
+            "where": main_thread_location(),
+            "collectives": collectives_entered(dump),
+        }
+        temporary = self.hang_dir / f".rank-{rank}.json.tmp"
+        temporary.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(temporary, self.hang_dir / f"rank-{rank}.json")  # last: marks the report complete
+        print(
+            f"shardtune: hang: rank {rank}: no progress for {self.timeout_s:g} s at step {report['step']}, "
+            f"phase {report['phase']}, in {report['where']['innermost']}; stack in {self.hang_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        reports = self._gather_reports()
+        # One rank (the first to get here) writes and prints the summary.
+        fd = os.open(self.hang_dir / "summary.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        summary = summarize(reports, self.world_size, self.timeout_s, self.hang_dir)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(summary + "\n")
+        print(summary, file=sys.stderr, flush=True)
+
     def _gather_reports(self) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + self.gather_s
         while True:
             reports = {}
-            for path in self.hang_dir.glob("rank-*.json"):
-                with contextlib.suppress(OSError, ValueError):
+            for path in self.hang_dir.glob("rank-[0-9]*.json"):
+                if not path.name.removeprefix("rank-").removesuffix(".json").isdigit():
+                    continue  # a flight recorder dump
+                with contextlib.suppress(OSError, ValueError, KeyError):
                     report = json.loads(path.read_text())
                     reports[int(report["rank"])] = report
             if len(reports) >= self.world_size or time.monotonic() > deadline:
