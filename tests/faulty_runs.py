@@ -39,10 +39,11 @@ def worker_env(fault: str | None = None) -> dict[str, str]:
 def command(tmp_path: Path, out: Path, nproc: int, *overrides: str, max_restarts: int | None = None) -> list[str]:
     """``shardtune train`` (or, with ``max_restarts``, ``shardtune launch`` on one node, which restarts)."""
     settings = [f"training.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", *BASE, *overrides]
+    shardtune = [sys.executable, "-m", "shardtune"]
     if max_restarts is None:
-        return [sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", str(nproc), *settings]
+        return [*shardtune, "train", "examples/quickstart.yaml", "--nproc", str(nproc), *settings]
     return [
-        sys.executable, "-m", "shardtune", "launch", "examples/quickstart.yaml", "--nproc-per-node", str(nproc),
+        *shardtune, "launch", "examples/quickstart.yaml", "--nproc-per-node", str(nproc),
         "--max-restarts", str(max_restarts), *settings,
     ]  # fmt: skip
 
