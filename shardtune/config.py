@@ -138,6 +138,9 @@ class TrainingConfig(_Section):
         "stop", description="a step with a non-finite loss or gradient is skipped; stop: stop after max_nonfinite_steps"
     )
     max_nonfinite_steps: int = Field(3, gt=0, description="on_nonfinite: stop after this many such steps in a row")
+    heartbeat_interval_s: float = Field(
+        1.0, ge=0.0, description="rewrite each rank's heartbeat/rank-<r>.json at most this often; 0: every phase"
+    )
     hang_timeout_s: float | None = Field(
         None,
         ge=0.0,

@@ -132,6 +132,12 @@ class TrainingResult:
 
 def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> TrainingResult:
     """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
+    # However the run ends (done, an error, a preemption), what watches it stops with it.
+    with contextlib.ExitStack() as on_exit:
+        return _train(config, env, argv, on_exit)
+
+
+def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contextlib.ExitStack) -> TrainingResult:
     training = config.training
     output_dir = Path(training.output_dir)
     # Every rank checks the same inputs the same way, before any collective: all stop with one error.
@@ -233,7 +239,10 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     rank_tokens = 0
     train_time = 0.0
     last_loss = float("nan")
-    heartbeat, watchdog = start_heartbeat(output_dir, env.rank, env.world_size, config.hang_timeout_s)
+    heartbeat, watchdog = start_heartbeat(
+        output_dir, env.rank, env.world_size, config.hang_timeout_s, training.heartbeat_interval_s
+    )
+    on_exit.callback(watchdog.close)
     nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
     run_started = window_started = time.perf_counter()
     for step in range(start_step + 1, total_steps + 1):
@@ -375,6 +384,4 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             last_loss,
             f", eval loss {metrics['eval_loss']:.4f}" if eval_results else "",
         )
-    if watchdog:
-        watchdog.close()
     return TrainingResult(metrics, model)

@@ -161,7 +161,8 @@ class HangWatchdog:
     def __init__(self, heartbeat: Heartbeat, run_dir: Path, world_size: int, timeout_s: float):
         self.heartbeat, self.run_dir, self.world_size, self.timeout_s = heartbeat, run_dir, world_size, timeout_s
         self.hang_dir = run_dir / HANG_DIR
-        self.poll_s = min(5.0, max(0.2, timeout_s / 10))
+        # Also how often the heartbeat file is brought up to date; timeout 0: only that, no watching.
+        self.poll_s = min(5.0, max(0.2, timeout_s / 10)) if timeout_s > 0 else 1.0
         # After detecting, how long to wait for the other ranks' reports before summarizing without them.
         self.gather_s = min(30.0, max(5.0, timeout_s / 2))
         self._stop = threading.Event()
@@ -171,11 +172,16 @@ class HangWatchdog:
     def close(self) -> None:
         self._stop.set()
         faulthandler.cancel_dump_traceback_later()
+        self.heartbeat.flush()
 
     def _watch(self) -> None:
         seen, last_change = self.heartbeat.beats, time.monotonic()
-        self._arm_backstop()
+        if self.timeout_s > 0:
+            self._arm_backstop()
         while not self._stop.wait(self.poll_s):
+            self.heartbeat.flush()
+            if self.timeout_s <= 0:
+                continue
             if self.heartbeat.beats != seen:
                 seen, last_change = self.heartbeat.beats, time.monotonic()
                 self._arm_backstop()
@@ -200,6 +206,7 @@ class HangWatchdog:
         os._exit(HANG_EXIT_CODE)
 
     def _diagnose(self, rank: int) -> None:
+        self.heartbeat.flush()
         self.hang_dir.mkdir(parents=True, exist_ok=True)
         with open(self.hang_dir / f"rank-{rank}.txt", "w") as stacks:
             faulthandler.dump_traceback(file=stacks, all_threads=True)
@@ -244,15 +251,15 @@ class HangWatchdog:
 
 
 def start_heartbeat(
-    run_dir: Path, rank: int, world_size: int, hang_timeout_s: float
-) -> tuple[Heartbeat, HangWatchdog | None]:
-    """This rank's heartbeat and (when ``hang_timeout_s`` > 0) its watchdog; close the latter when done."""
+    run_dir: Path, rank: int, world_size: int, hang_timeout_s: float, interval_s: float
+) -> tuple[Heartbeat, HangWatchdog]:
+    """This rank's heartbeat (its file rewritten at most every ``interval_s``), and its watchdog
+    (with ``hang_timeout_s`` 0, it only keeps the file up to date); close the watchdog when done."""
     previous = run_dir / HANG_DIR
     if rank == 0 and previous.is_dir():
         # An earlier attempt's diagnosis is kept for the user, out of the way of this attempt's.
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(previous.stat().st_mtime))
         with contextlib.suppress(OSError):
             os.replace(previous, run_dir / f"{HANG_DIR}-{stamp}")
-    heartbeat = Heartbeat(run_dir, rank)
-    watchdog = HangWatchdog(heartbeat, run_dir, world_size, hang_timeout_s) if hang_timeout_s > 0 else None
-    return heartbeat, watchdog
+    heartbeat = Heartbeat(run_dir, rank, interval_s)
+    return heartbeat, HangWatchdog(heartbeat, run_dir, world_size, hang_timeout_s)

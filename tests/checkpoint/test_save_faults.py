@@ -3,6 +3,11 @@ its shards, and a rank whose writes fail. Nothing half-written is ever committed
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 from faulty_runs import assert_intact, checkpoint_weights, final_adapter, run, same_weights, train_log
 
@@ -59,3 +64,46 @@ def test_write_error_on_one_rank_fails_every_rank_at_once_and_commits_nothing(tm
     weights = checkpoint_weights(out / "checkpoint-2")
     assert len([name for name in weights if ".lora_" in name]) == 2 * 7 * 4
     assert all(value.isfinite().all() for value in weights.values())
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes ``path`` takes on a filesystem of 4 KiB pages, as tmpfs counts them."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in files)
+
+
+@contextlib.contextmanager
+def small_filesystem(mount_point: Path, size: int):
+    """A real tmpfs of ``size`` bytes at ``mount_point``; skips the test where mounting is not allowed."""
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    ) if shutil.which("mount") else None  # fmt: skip
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip() if mounted else 'no mount'}"
+        )
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=60)
+
+
+def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_path, uninterrupted):
+    # Room for everything up to checkpoint-2, and half of another checkpoint: checkpoint-4 cannot fit.
+    checkpoint = disk_usage(uninterrupted / "checkpoint-2")
+    size = checkpoint + checkpoint // 2 + 256 * 1024
+    with small_filesystem(tmp_path / "small", size) as small:
+        out = small / "run"
+        result = run(tmp_path, out, 2, *SAVING, "parallel.timeout_s=120")
+        assert result.returncode == 2, result.log[-4000:]
+        errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: checkpoint-4")]
+        assert len(errors) == 2 and errors[0] == errors[1], result.log[-4000:]
+        assert "[Errno 28] No space left on device" in errors[0]
+        assert "Nothing was committed; the newest complete checkpoint is checkpoint-2" in errors[0]
+        assert result.seconds < 100 and "restart" not in result.log
+        assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+        assert_intact(out / "checkpoint-2")
+        assert same_weights(
+            checkpoint_weights(out / "checkpoint-2"), checkpoint_weights(uninterrupted / "checkpoint-2")
+        )

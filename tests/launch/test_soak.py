@@ -31,7 +31,11 @@ from shardtune.train.preemption import PREEMPTED_EXIT_CODE
 
 STEPS = int(os.environ.get("SHARDTUNE_SOAK_STEPS", "60"))
 SEED = int(os.environ.get("SHARDTUNE_SOAK_SEED", "10"))
-SETTINGS = [f"training.max_steps={STEPS}", "training.save_steps=10", "training.save_total_limit=2"]
+# Heartbeat files at every phase: the test reads them to strike at given steps and inside saves.
+SETTINGS = [
+    f"training.max_steps={STEPS}", "training.save_steps=10", "training.save_total_limit=2",
+    "training.heartbeat_interval_s=0",
+]  # fmt: skip
 
 
 @dataclass
