@@ -154,7 +154,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
     data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
     log.info("data: %s", describe(data.summary))
-    check_token_ids(data, model_config, config, tokenizer.pad_token_id)
+    check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
     model = load_model(
