@@ -102,3 +102,18 @@ def test_cli_rejects_malformed_yaml(tmp_path: Path, capsys):
     path.write_text("model:\n  name_or_path: [unclosed\n")
     assert main(["train", str(path)]) == 2
     assert f"{path}:" in capsys.readouterr().err
+
+
+def test_reliability_keys(seed_config: Path):
+    config = load_config(seed_config)
+    assert (config.training.on_nonfinite, config.training.max_nonfinite_steps) == ("stop", 3)
+    assert config.hang_timeout_s == 900  # half of parallel.timeout_s: the watchdog speaks first
+    assert load_config(seed_config, ["parallel.timeout_s=600"]).hang_timeout_s == 300
+    assert load_config(seed_config, ["training.hang_timeout_s=0"]).hang_timeout_s == 0
+    with pytest.raises(ConfigError) as raised:
+        load_config(seed_config, ["training.hang_timeout_s=1800"])
+    assert raised.value.lines == [
+        "training.hang_timeout_s: 1800 must be below parallel.timeout_s (1800), or 0 to disable"
+    ]
+    with pytest.raises(ConfigError, match="training.on_nonfinite"):
+        load_config(seed_config, ["training.on_nonfinite=ignore"])
