@@ -18,13 +18,11 @@ from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
-from shardtune.errors import InputError
+from shardtune.errors import EXIT_BAD_INPUT, InputError
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
 from shardtune.metrics.plot import add_plot_parser
-
-EXIT_BAD_INPUT = 2
 
 log = logging.getLogger("shardtune")
 
@@ -83,6 +81,10 @@ def _train_here(config: Config) -> int:
         # The launcher restarted the workers after a failure: carry on from the last checkpoint.
         training = config.training.model_copy(update={"resume_from_checkpoint": "auto"})
         config = config.model_copy(update={"training": training})
+    if config.hang_timeout_s > 0:
+        from shardtune.train.watchdog import enable_flight_recorder
+
+        enable_flight_recorder()  # before the process group exists: it records from its creation
     env = DistributedEnv.from_environment(config.parallel.timeout_s)
     setup_logging(env.is_main)
     if "SHARDTUNE_NNODES" in os.environ and env.local_rank == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import os
 import re
@@ -144,6 +145,19 @@ class TrainingConfig(_Section):
         0.0, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the LM loss"
     )
     resume_from_checkpoint: str | None = Field(None, description="auto, a checkpoint directory, or null")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a step with a non-finite loss or gradient is skipped; stop: stop after max_nonfinite_steps"
+    )
+    max_nonfinite_steps: int = Field(3, gt=0, description="on_nonfinite: stop after this many such steps in a row")
+    heartbeat_interval_s: float = Field(
+        1.0, ge=0.0, description="rewrite each rank's heartbeat/rank-<r>.json at most this often; 0: every phase"
+    )
+    hang_timeout_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="a rank without progress this long: dump stacks and collectives, exit; null: half of "
+        "parallel.timeout_s; 0: off",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
@@ -268,6 +282,22 @@ class Config(_Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @property
+    def hang_timeout_s(self) -> float:
+        """The watchdog's timeout (0: off); by default half the collective timeout, so it fires first."""
+        setting = self.training.hang_timeout_s
+        return self.parallel.timeout_s / 2 if setting is None else setting
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        hang, collective = self.training.hang_timeout_s, self.parallel.timeout_s
+        if hang and hang >= collective:
+            # The collective timeout would end the run first, without the watchdog's diagnosis.
+            raise ValueError(
+                f"training.hang_timeout_s: {hang:g} must be below parallel.timeout_s ({collective:g}), or 0 to disable"
+            )
+        return self
+
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The CONFIG file and ``section.key=value`` overrides every config-reading command takes."""
@@ -342,11 +372,31 @@ def _check_paths(config: Config) -> list[str]:
         if not Path(value).expanduser().exists():
             problems.append(f"{key}: file not found: {value}")
     resume = config.training.resume_from_checkpoint
-    if resume not in (None, "auto") and not (Path(resume) / "manifest.json").is_file():
-        problems.append(f"training.resume_from_checkpoint: {resume} is not a complete checkpoint (no manifest.json)")
+    problem = not_a_checkpoint(Path(resume)) if resume not in (None, "auto") else None
+    if problem:
+        problems.append(f"training.resume_from_checkpoint: {resume} {problem}")
     if looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
         problems.append(f"model.name_or_path: directory not found: {config.model.name_or_path}")
     return problems
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint shardtune can resume from, or None (read before anything loads)."""
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        return "is not a complete checkpoint (no manifest.json)"
+    try:
+        content = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"is not a shardtune checkpoint: its manifest.json does not read as JSON ({error})"
+    expected = ("step", "mode", "world_size", "files")
+    lacking = [key for key in expected if not isinstance(content, dict) or key not in content]
+    if lacking:
+        return f"is not a shardtune checkpoint: its manifest.json lacks {', '.join(lacking)}"
+    absent = [name for name in ("trainer.json", "model") if not (path / name).exists()]
+    if absent:
+        return f"is not a complete checkpoint: {', '.join(absent)} missing"
+    return None
 
 
 def looks_local(name_or_path: str) -> bool:

@@ -3,6 +3,10 @@ anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
+# The exit status of a process stopped by an InputError. A restart cannot fix such input, so the
+# launcher does not restart workers that exit with it.
+EXIT_BAD_INPUT = 2
+
 
 class InputError(Exception):
     """Bad input; each line names the key, file or row and what was expected."""

@@ -19,7 +19,9 @@ from shardtune.config import Config, ConfigError, dump_config
 from shardtune.metrics.schema import SCHEMA_VERSION
 
 # What a finished or interrupted run leaves; any of them means the directory holds a run.
-RUN_ARTIFACTS = ("config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb")
+RUN_ARTIFACTS = (
+    "config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb", "heartbeat", "hang",
+)  # fmt: skip
 
 
 def write_atomic(path: Path, text: str) -> None:

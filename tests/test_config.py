@@ -131,3 +131,18 @@ def test_auto_attention_is_flex_for_packed_sequences_on_gpus_only(tmp_path, alpa
 def test_speed_settings_are_validated(seed_config: Path, capsys, override, message):
     assert main(["prepare", str(seed_config), override]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_reliability_keys(seed_config: Path):
+    config = load_config(seed_config)
+    assert (config.training.on_nonfinite, config.training.max_nonfinite_steps) == ("stop", 3)
+    assert config.hang_timeout_s == 900  # half of parallel.timeout_s: the watchdog speaks first
+    assert load_config(seed_config, ["parallel.timeout_s=600"]).hang_timeout_s == 300
+    assert load_config(seed_config, ["training.hang_timeout_s=0"]).hang_timeout_s == 0
+    with pytest.raises(ConfigError) as raised:
+        load_config(seed_config, ["training.hang_timeout_s=1800"])
+    assert raised.value.lines == [
+        "training.hang_timeout_s: 1800 must be below parallel.timeout_s (1800), or 0 to disable"
+    ]
+    with pytest.raises(ConfigError, match="training.on_nonfinite"):
+        load_config(seed_config, ["training.on_nonfinite=ignore"])

@@ -15,6 +15,11 @@ Layout of ``checkpoint-<step>/``:
 
 On node-local storage every node commits its own copy of the small files and its own shards; a
 resume uses the newest checkpoint that every node committed.
+
+A save either commits on every node or nowhere: each of its stages ends in a gather through which
+every rank learns of any rank's write error (a full disk, a lost mount), and then all raise the same
+``CheckpointSaveError`` together instead of leaving the others waiting in a collective. A rank that
+dies mid-save leaves only a ``.checkpoint-<step>.tmp`` directory, which no resume reads.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,7 +53,8 @@ from shardtune.checkpoint.shards import METADATA_FILE, NodeSavePlanner, ShardsRe
 from shardtune.config import Config, dump_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, InputError
+from shardtune.faults import fault_point
 
 log = logging.getLogger("shardtune")
 
@@ -56,6 +63,10 @@ TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 # Loading sets only the trainable parameters; the frozen ones come from the base model. Every
 # trainable key is still required: dcp.load fails on any key the checkpoint lacks.
 SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+class CheckpointSaveError(InputError):
+    """A checkpoint could not be written (full disk, lost mount, permissions); nothing was committed."""
 
 
 def config_hash(config: Config) -> str:
@@ -148,41 +159,92 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, step: int, mode: str | None = None) -> Path:
-        """Save ``step`` in ``mode`` (default: the configured ``checkpoint_mode``); a collective."""
+        """Save ``step`` in ``mode`` (default: the configured ``checkpoint_mode``); a collective.
+        Raises ``CheckpointSaveError`` on every rank when any rank could not write its part."""
         mode = mode or self.mode
         started = time.perf_counter()
         final = self.output_dir / f"checkpoint-{step}"
         staging = self.output_dir / f".checkpoint-{step}.tmp"
+        fault_point("save.begin", step)
+        failures = []
         if self.domains.is_leader:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        self.env.barrier()
-        # Each rank writes the shards it owns; DCP exchanges only the (small) save plan.
-        self._save_shards(get_model_state_dict(self.model, options=TRAINABLE_ONLY), self._shards(staging, "model"))
-        if mode == "full":
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
-            self._save_shards(optimizer_state, self._shards(staging, "optimizer"))
-            (staging / "rng").mkdir(exist_ok=True)
-            torch.save(_rng_state(), staging / "rng" / f"rank-{self.env.rank}.pt")
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            except OSError as error:
+                failures = self._describe_failure(error)
+        self._agree(step, staging, failures, "creating the checkpoint directory")  # also the barrier
+        files, failures = [], []
+        try:
+            fault_point("save.shards", step)
+            # Each rank writes the shards it owns; DCP exchanges only the (small) save plan.
+            model_state = get_model_state_dict(self.model, options=TRAINABLE_ONLY)
+            self._save_shards(model_state, self._shards(staging, "model"))
+            if mode == "full":
+                optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
+                self._save_shards(optimizer_state, self._shards(staging, "optimizer"))
+                (staging / "rng").mkdir(exist_ok=True)
+                torch.save(_rng_state(), staging / "rng" / f"rank-{self.env.rank}.pt")
+            fault_point("save.written", step)
+            files = self._files_written(staging)
+        except (Exception, CheckpointException) as error:  # DCP's exception is a BaseException
+            failures = self._describe_failure(error)
         # Each rank lists its files only after writing them, so once rank 0 holds every list, every
         # rank's shards are on disk and the checkpoint may be committed: the gather is the barrier.
         gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, self._files_written(staging))
+        dist.all_gather_object(gathered, (files, failures))
+        self._raise_if_any(step, staging, [failure for _, found in gathered for failure in found], "writing shards")
         # Rank 0 composes the small files; every node's leader writes them on its own storage.
-        small_files: list[Any] = [self._small_files(step, mode, gathered) if self.env.is_main else None]
+        small_files: list[Any] = [
+            self._small_files(step, mode, [files for files, _ in gathered]) if self.env.is_main else None
+        ]
         if self.node_local:
             dist.broadcast_object_list(small_files, src=0)
+        failures = []
         if self.domains.is_leader:
-            for name, text in small_files[0].items():
-                _write_synced(staging / name, text)
-            self.tokenizer.save_pretrained(staging)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)  # the commit
-            self._rotate()
-        self.env.barrier()
+            try:
+                for name, text in small_files[0].items():
+                    _write_synced(staging / name, text)
+                self.tokenizer.save_pretrained(staging)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(staging, final)  # the commit
+                self._rotate()
+            except Exception as error:
+                failures = self._describe_failure(error)
+        self._agree(step, staging, failures, "committing")
         log.info("saved %s checkpoint %s in %.2f s", mode, final, time.perf_counter() - started)
         return final
+
+    def _describe_failure(self, error: BaseException) -> list[str]:
+        """One line per failed rank: DCP reports every rank's failure of its save to every rank."""
+        if isinstance(error, CheckpointException):
+            group_ranks = self.domains.ranks(self.domains.mine) if self.node_local else None
+            return [
+                f"rank {group_ranks[rank] if group_ranks else rank}: {type(failure).__name__}: {failure}"
+                for rank, (failure, _) in sorted(error.failures.items())
+            ]
+        return [f"rank {self.env.rank} on {socket.gethostname()}: {type(error).__name__}: {error}"]
+
+    def _agree(self, step: int, staging: Path, failures: list[str], stage: str) -> None:
+        """Every rank learns of every rank's failures of this stage; all raise together if there are any."""
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, failures)
+        self._raise_if_any(step, staging, [failure for found in gathered for failure in found], stage)
+
+    def _raise_if_any(self, step: int, staging: Path, failures: list[str], stage: str) -> None:
+        if not failures:
+            return
+        if self.domains.is_leader:
+            shutil.rmtree(staging, ignore_errors=True)  # the space a full disk needs back
+        previous = [p.name for p in complete_checkpoints(self.output_dir) if p.name != f"checkpoint-{step}"]
+        unique = list(dict.fromkeys(failures))
+        raise CheckpointSaveError(
+            f"checkpoint-{step} could not be saved ({stage}): " + "; ".join(unique[:4])
+            + (f" (and {len(unique) - 4} more)" if len(unique) > 4 else "")
+            + f". Nothing was committed; the newest complete checkpoint is {previous[-1] if previous else 'none'}"
+            + f" in {self.output_dir}"
+        )  # fmt: skip
 
     def _files_written(self, staging: Path) -> list[dict[str, Any]]:
         """The files under ``staging`` this rank wrote (DCP names shard files by rank in the saving group)."""

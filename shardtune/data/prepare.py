@@ -127,7 +127,7 @@ def select_rows(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[lis
     sources = []
     for path, weight in zip(data.paths, data.weights, strict=True):
         rows = reader.read(SourceSpec(path, data.dataset_split, data.dataset_subset, weight))
-        if data.eval_split_ratio > 0 and not data.eval_path:
+        if data.eval_split_ratio > 0 and not data.eval_path and rows:
             held_out = set(rng.sample(range(len(rows)), max(1, round(len(rows) * data.eval_split_ratio))))
             eval_rows += [row for i, row in enumerate(rows) if i in held_out]
             rows = [row for i, row in enumerate(rows) if i not in held_out]

@@ -324,7 +324,15 @@ def build_once(
             _remove_stale_temporaries(cache_dir, key, log)
             log.info("building token store %s", final)
             started = time.perf_counter()
-            splits, summary, meta = build()
+            failure = _failure_path(cache_dir, key)
+            failure.unlink(missing_ok=True)
+            try:
+                splits, summary, meta = build()
+            except DataError as error:
+                # The processes waiting for this store learn why it will never come (and say the same),
+                # instead of waiting out their timeout.
+                failure.write_text("\n".join(error.lines), encoding="utf-8")
+                raise
             write_store(cache_dir, key, splits, summary, meta)
             sequences = sum(len(arrays) for arrays in splits.values())
             tokens = sum(len(arrays.input_ids) for arrays in splits.values())
@@ -383,6 +391,11 @@ def _wait_for_commit(cache_dir: Path, key: str, timeout_s: float, poll_s: float,
     started = time.monotonic()
     next_log = started + LOG_EVERY_S
     while not is_committed(cache_dir, key):
+        failure = _failure_path(cache_dir, key)
+        if failure.is_file():
+            # Possibly left by an earlier build of the same inputs; the builder clears it before building
+            # again. The inputs are those the store's name hashes, so it fails the same way again.
+            raise DataError(failure.read_text(encoding="utf-8").splitlines())
         now = time.monotonic()
         if now - started >= timeout_s:
             raise DataError(
@@ -393,6 +406,11 @@ def _wait_for_commit(cache_dir: Path, key: str, timeout_s: float, poll_s: float,
             log.info("waiting for token store %s, built by %s", final, _describe_builder(lock_path))
             next_log = now + LOG_EVERY_S
         time.sleep(min(poll_s, max(timeout_s - (now - started), 0.0)))
+
+
+def _failure_path(cache_dir: Path, key: str) -> Path:
+    """Where a builder leaves the error that stopped it, for the processes waiting on the store."""
+    return cache_dir / f"{key}.failed"
 
 
 def _describe_builder(lock_path: Path) -> str:

@@ -9,8 +9,9 @@ rendezvous then finds it there and uses it too.
 
 Signals: SIGTERM and SIGUSR1 to the launcher are passed on to the workers (the agent's shutdown path),
 which commit a full checkpoint at the next step boundary and exit; the launcher then exits with
-``PREEMPTED_EXIT_CODE``. ``--max-restarts`` restarts all workers after a failure; restarted workers
-resume from the newest complete checkpoint by themselves (see ``cmd_train``).
+``PREEMPTED_EXIT_CODE``. ``--max-restarts`` restarts all workers after a failure (except bad input,
+exit status 2, which a restart cannot fix); restarted workers resume from the newest complete
+checkpoint by themselves (see ``cmd_train``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from shardtune.config import NetworkConfig
-from shardtune.errors import InputError
+from shardtune.errors import EXIT_BAD_INPUT, InputError
 from shardtune.launch.network import apply_network_environment
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
@@ -186,7 +187,10 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
             status = _run_attempt(spec, nproc, attempt, store, worker_command)
             if status == PREEMPTED_EXIT_CODE:
                 _ignore_further_signals()
-            if status in (0, PREEMPTED_EXIT_CODE) or status >= 128 or attempt == spec.max_restarts:
+            # Bad input (and a run stopped for non-finite losses, or a checkpoint that cannot be written)
+            # fails again on restart: every rank found it, so every node stops here alike.
+            final = (0, PREEMPTED_EXIT_CODE, EXIT_BAD_INPUT)
+            if status in final or status >= 128 or attempt == spec.max_restarts:
                 return status
             print(
                 f"shardtune: node {spec.node_rank}: workers failed (exit {status}); restart {attempt + 1} of "

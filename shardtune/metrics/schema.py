@@ -1,5 +1,6 @@
 """The schema of the run directory's JSONL logs: every field of ``logs/train_log.jsonl``,
-``logs/eval_log.jsonl`` and ``logs/expert_usage.jsonl``, its type, unit and meaning, in one place.
+``logs/eval_log.jsonl``, ``logs/expert_usage.jsonl`` and ``logs/nonfinite.jsonl``, its type, unit and
+meaning, in one place.
 
 Every row carries ``schema_version``. A change that renames, removes or redefines a field raises
 ``SCHEMA_VERSION``; adding an optional field does not. ``docs/logs.md`` holds the tables ``markdown_table``
@@ -12,7 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEMA_VERSION = 1
-LOG_FILES = {"train": "train_log.jsonl", "eval": "eval_log.jsonl", "expert_usage": "expert_usage.jsonl"}
+LOG_FILES = {
+    "train": "train_log.jsonl",
+    "eval": "eval_log.jsonl",
+    "expert_usage": "expert_usage.jsonl",
+    "nonfinite": "nonfinite.jsonl",
+}
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,20 @@ EXPERT_USAGE_FIELDS = [
     Field("layers", "list[layer]", "", "one object per MoE layer, fields below"),
 ]
 
-SCHEMAS = {"train": TRAIN_FIELDS, "eval": EVAL_FIELDS, "expert_usage": EXPERT_USAGE_FIELDS}
+NONFINITE_FIELDS = [
+    *_COMMON,
+    Field("loss_ranks", "list[int]", "ranks", "ranks whose loss of the step was NaN or inf"),
+    Field("gradient_ranks", "list[int]", "ranks", "ranks whose gradient norm of the step was NaN or inf"),
+    Field("consecutive", "int", "steps", "non-finite steps in a row, this one included"),
+    Field("action", "str", "", "skip (the update was not applied), or stop (and the run stopped)"),
+]
+
+SCHEMAS = {
+    "train": TRAIN_FIELDS,
+    "eval": EVAL_FIELDS,
+    "expert_usage": EXPERT_USAGE_FIELDS,
+    "nonfinite": NONFINITE_FIELDS,
+}
 
 
 def _type_error(value: Any, type_name: str) -> str | None:

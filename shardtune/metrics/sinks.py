@@ -26,13 +26,14 @@ class JsonlSink:
     def __init__(self, logs_dir: Path, resume_step: int = 0):
         logs_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir = logs_dir
-        if resume_step:
-            # Records past the checkpoint belong to a run that did not get further: they are redone.
-            for name in LOG_FILES.values():
-                path = logs_dir / name
-                if path.is_file():
-                    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-                    path.write_text("".join(line + "\n" for line in kept))
+        # Records past the checkpoint belong to a run that did not get further: they are redone. A run
+        # that starts afresh (auto-resume found no checkpoint, e.g. a crash before the first) redoes all.
+        for name in LOG_FILES.values():
+            path = logs_dir / name
+            if path.is_file():
+                lines = path.read_text().splitlines()
+                kept = [line for line in lines if resume_step and json.loads(line)["step"] <= resume_step]
+                path.write_text("".join(line + "\n" for line in kept))
         # Each file stays open for the whole run (closed by close()) once it has a first record.
         self.files: dict[str, Any] = {}
 

@@ -37,6 +37,7 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
+from shardtune.faults import install_faults
 from shardtune.metrics.flops import peak_flops, run_token_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.profiler import StepProfiler
@@ -51,10 +52,13 @@ from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
 from shardtune.train.loss import summed_token_loss
+from shardtune.train.nonfinite import NonFiniteGuard
 from shardtune.train.optim import build_optimizer
 from shardtune.train.preemption import Preempted, PreemptionWatch
+from shardtune.train.preflight import check_model, check_token_ids
 from shardtune.train.routing import RouterTraining
 from shardtune.train.schedule import build_scheduler, warmup_steps_for
+from shardtune.train.watchdog import start_heartbeat
 
 log = logging.getLogger("shardtune")
 
@@ -134,8 +138,16 @@ class TrainingResult:
 
 def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> TrainingResult:
     """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
+    # However the run ends (done, an error, a preemption), what watches it stops with it.
+    with contextlib.ExitStack() as on_exit:
+        return _train(config, env, argv, on_exit)
+
+
+def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contextlib.ExitStack) -> TrainingResult:
     training = config.training
     output_dir = Path(training.output_dir)
+    # Every rank checks the same inputs the same way, before any collective: all stop with one error.
+    model_config = check_model(config)
     transformers.set_seed(training.seed)
     hostnames = env.hostnames()
     world = describe_world(env, hostnames)  # a collective
@@ -149,6 +161,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
     data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
     log.info("data: %s", describe(data.summary))
+    check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
     attention = training_attention(config, env.device)
@@ -174,6 +187,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     log.info("%s", plan.describe(env.world_size))
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
     model.train()
+    install_faults(env.rank).attach(model)
 
     micro_batch_size = training.per_device_train_batch_size
     global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
@@ -238,11 +252,17 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     peak = peak_flops(env.device_name(), config.logging.peak_tflops)
     interval = TrainInterval(env, hostnames, flops, peak)
     last_loss = float("nan")
+    heartbeat, watchdog = start_heartbeat(
+        output_dir, env.rank, env.world_size, config.hang_timeout_s, training.heartbeat_interval_s
+    )
+    on_exit.callback(watchdog.close)
+    nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
     run_started = time.perf_counter()
     profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
     for step in range(start_step + 1, total_steps + 1):
         profiler.step_begins(step)
         interval.start_step()
+        heartbeat.beat(step, "forward_backward")
         micro_batches = [
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
@@ -257,11 +277,16 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             training.loss_chunk_tokens,
             config.model.liger_kernel,
         )
-        interval.add_loss(loss_sum, step_targets)
-
+        heartbeat.beat(step, "optimizer")
         grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
+        # A non-finite step changes neither the weights nor the logged loss, on every rank alike.
+        update = nonfinite.step_is_finite(step, loss_sum, grad_norm)
+        if update:
+            interval.add_loss(loss_sum, step_targets)
+
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        if update:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         interval.end_step()
@@ -290,10 +315,13 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             progress.report(step, record)
 
         if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
+            heartbeat.beat(step, "eval")
             run_eval(step)
         saved = None
         if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
+            heartbeat.beat(step, "checkpoint")
             saved = checkpointer.save(step)
+        heartbeat.beat(step, "end_of_step")
         if step < total_steps and preemption.requested():
             # Whatever checkpoint_mode says: a requeued job must continue exactly where this one stopped.
             if saved is None or training.checkpoint_mode != "full":
@@ -305,6 +333,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
             preemption.close()
             raise Preempted(step, str(saved))
     preemption.close()
+    heartbeat.beat(total_steps, "final")
 
     wall_time = time.perf_counter() - run_started
     run_eval(total_steps)

@@ -270,6 +270,22 @@ def test_a_failed_build_commits_nothing_and_a_later_build_works(tmp_path: Path):
     assert_same_arrays(make_splits(), opened.splits)
 
 
+def test_processes_waiting_for_a_store_get_the_error_that_stopped_its_builder(tmp_path: Path):
+    def no_rows():
+        raise DataError("data.jsonl: no training example left")
+
+    with pytest.raises(DataError, match="no training example left"):
+        build_once(tmp_path, KEY, no_rows, is_builder=True, timeout_s=5)
+    started = time.monotonic()
+    with pytest.raises(DataError) as waited:
+        build_once(tmp_path, KEY, no_rows, is_builder=False, timeout_s=30, poll_s=0.05)
+    assert waited.value.lines == ["data.jsonl: no training example left"] and time.monotonic() - started < 5
+    # The next build clears the failure and commits.
+    opened = build_once(tmp_path, KEY, lambda: (make_splits(), {}, {}), is_builder=True, timeout_s=5)
+    assert_same_arrays(make_splits(), opened.splits)
+    assert not (tmp_path / f"{KEY}.failed").exists()
+
+
 def test_a_failure_while_writing_leaves_no_partial_store(tmp_path: Path, monkeypatch):
     real_save, saved = np.save, []
 

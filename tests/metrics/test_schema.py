@@ -9,6 +9,7 @@ from shardtune.metrics.schema import (
     EVAL_FIELDS,
     EXPERT_USAGE_FIELDS,
     LAYER_FIELDS,
+    NONFINITE_FIELDS,
     SCHEMA_VERSION,
     TRAIN_FIELDS,
     make_row,
@@ -63,6 +64,6 @@ def test_nullable_optional_and_nested_fields():
 
 def test_docs_describe_every_field_as_the_code_does():
     docs = (REPO / "docs" / "logs.md").read_text()
-    for fields in (TRAIN_FIELDS, EVAL_FIELDS, EXPERT_USAGE_FIELDS, LAYER_FIELDS):
+    for fields in (TRAIN_FIELDS, EVAL_FIELDS, EXPERT_USAGE_FIELDS, LAYER_FIELDS, NONFINITE_FIELDS):
         assert markdown_table(fields) in docs
     assert f"schema version {SCHEMA_VERSION}" in docs

@@ -1,0 +1,109 @@
+"""Faults during a checkpoint save on one of two ranks (gloo, CPU): a rank killed before or after writing
+its shards, and a rank whose writes fail. Nothing half-written is ever committed or loaded."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from faulty_runs import assert_intact, checkpoint_weights, final_adapter, run, same_weights, train_log
+
+SAVING = ["training.max_steps=6", "training.save_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same run without a fault: what every interrupted one must end with."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    result = run(tmp_path, tmp_path / "run", 2, *SAVING)
+    assert result.returncode == 0, result.log[-3000:]
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("point", ["save.shards", "save.written"], ids=["before-its-shards", "after-its-shards"])
+def test_rank_killed_during_a_save_fails_the_job_and_the_restart_resumes_from_the_previous_checkpoint(
+    tmp_path, point, uninterrupted
+):
+    out = tmp_path / "run"
+    # Rank 1 dies by SIGKILL inside the save of step 4, in the first attempt only; the launcher restarts.
+    result = run(tmp_path, out, 2, *SAVING, fault=f"{point}:kill:rank=1:step=4:attempt=0", max_restarts=1)
+    assert result.returncode == 0, result.log[-4000:]
+    assert f"fault injection: kill at {point}, step 4, rank 1" in result.log
+    assert "workers failed (exit 1); restart 1 of 1" in result.log
+    # The interrupted save left only its staging directory, which the restart removed instead of loading.
+    assert "left by an interrupted save" in result.log and ".checkpoint-4.tmp" in result.log
+    assert "resumed from" in result.log and "checkpoint-2 (step 2, saved by 2 rank(s)" in result.log
+    # The log continues from step 2, and the run ends exactly where the uninterrupted one does.
+    assert [row["step"] for row in train_log(out)] == [1, 2, 3, 4, 5, 6]
+    assert [row["loss"] for row in train_log(out)] == [row["loss"] for row in train_log(uninterrupted)]
+    assert same_weights(final_adapter(out), final_adapter(uninterrupted))
+    for step in (4, 6):
+        assert_intact(out / f"checkpoint-{step}")
+    assert not list(out.glob(".checkpoint-*.tmp"))
+
+
+def test_write_error_on_one_rank_fails_every_rank_at_once_and_commits_nothing(tmp_path):
+    out = tmp_path / "run"
+    # Rank 1's file size limit drops to 0 bytes as it starts writing step 4's shards: the kernel fails
+    # its next write (EFBIG), inside DCP's writer, as it would for ENOSPC.
+    result = run(tmp_path, out, 2, *SAVING, "parallel.timeout_s=120", fault="save.shards:write_error:rank=1:step=4")
+    assert result.returncode == 2, result.log[-4000:]
+    errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: checkpoint-4")]
+    assert len(errors) == 2 and errors[0] == errors[1], result.log[-4000:]  # both ranks, the same words
+    assert "rank 1: OSError: [Errno 27] File too large" in errors[0]
+    assert "Nothing was committed; the newest complete checkpoint is checkpoint-2" in errors[0]
+    assert result.seconds < 100  # long before the 120 s collective timeout: nobody waited for rank 1
+    assert "restart" not in result.log  # a launcher does not restart what a restart cannot fix
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+    assert_intact(out / "checkpoint-2")
+    assert [row["step"] for row in train_log(out)] == [1, 2, 3, 4]
+    # The previous checkpoint still reads back whole: A and B of 7 projections in 4 layers, all finite.
+    weights = checkpoint_weights(out / "checkpoint-2")
+    assert len([name for name in weights if ".lora_" in name]) == 2 * 7 * 4
+    assert all(value.isfinite().all() for value in weights.values())
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes ``path`` takes on a filesystem of 4 KiB pages, as tmpfs counts them."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in files)
+
+
+@contextlib.contextmanager
+def small_filesystem(mount_point: Path, size: int):
+    """A real tmpfs of ``size`` bytes at ``mount_point``; skips the test where mounting is not allowed."""
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    ) if shutil.which("mount") else None  # fmt: skip
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip() if mounted else 'no mount'}"
+        )
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=60)
+
+
+def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_path, uninterrupted):
+    # Room for everything up to checkpoint-2, and half of another checkpoint: checkpoint-4 cannot fit.
+    checkpoint = disk_usage(uninterrupted / "checkpoint-2")
+    size = checkpoint + checkpoint // 2 + 256 * 1024
+    with small_filesystem(tmp_path / "small", size) as small:
+        out = small / "run"
+        result = run(tmp_path, out, 2, *SAVING, "parallel.timeout_s=120")
+        assert result.returncode == 2, result.log[-4000:]
+        errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: checkpoint-4")]
+        assert len(errors) == 2 and errors[0] == errors[1], result.log[-4000:]
+        assert "[Errno 28] No space left on device" in errors[0]
+        assert "Nothing was committed; the newest complete checkpoint is checkpoint-2" in errors[0]
+        assert result.seconds < 100 and "restart" not in result.log
+        assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+        assert_intact(out / "checkpoint-2")
+        assert same_weights(
+            checkpoint_weights(out / "checkpoint-2"), checkpoint_weights(uninterrupted / "checkpoint-2")
+        )

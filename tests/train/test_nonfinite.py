@@ -1,0 +1,68 @@
+"""Non-finite losses and gradients: every rank agrees, the bad step never updates weights, it is logged, and
+the run stops after ``training.max_nonfinite_steps`` in a row (or, with ``skip``, never)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from faulty_runs import checkpoint_weights, run, same_weights, train_log
+
+from shardtune.train.nonfinite import NonFiniteError, NonFiniteGuard
+
+
+def test_nonfinite_steps_on_one_rank_are_skipped_by_every_rank_then_stop_the_run(tmp_path):
+    out = tmp_path / "run"
+    faults = ",".join([
+        "forward_backward:nan_loss:rank=1:step=3",  # NaN loss, and so NaN gradients after the all-reduce
+        "optimizer:inf_grad:rank=0:step=5",  # an inf in rank 0's gradient only, after the all-reduce
+        "forward_backward:nan_loss:rank=1:step=7",
+        "forward_backward:nan_loss:rank=1:step=8",  # the second in a row: the run stops
+    ])  # fmt: skip
+    result = run(
+        tmp_path, out, 2, "training.max_steps=9", "training.save_steps=1", "training.checkpoint_mode=lite",
+        "training.max_nonfinite_steps=2", fault=faults,
+    )  # fmt: skip
+    assert result.returncode == 2, result.log[-4000:]
+    errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: training stopped")]
+    assert len(errors) == 2 and errors[0] == errors[1]  # both ranks, the same verdict
+    assert "at step 8: 2 step(s) in a row had a non-finite loss or gradient" in errors[0]
+    assert "non-finite loss on rank(s) 1" in errors[0]
+
+    records = [json.loads(line) for line in (out / "logs/nonfinite.jsonl").read_text().splitlines()]
+    assert records == [
+        {"step": 3, "loss_ranks": [1], "gradient_ranks": [0, 1], "consecutive": 1, "action": "skip"},
+        {"step": 5, "loss_ranks": [], "gradient_ranks": [0], "consecutive": 1, "action": "skip"},
+        {"step": 7, "loss_ranks": [1], "gradient_ranks": [0, 1], "consecutive": 1, "action": "skip"},
+        {"step": 8, "loss_ranks": [1], "gradient_ranks": [0, 1], "consecutive": 2, "action": "stop"},
+    ]
+    assert "step 5: non-finite gradient norm on rank(s) 0; update skipped" in result.log
+    # The logged loss leaves skipped steps out: a window of only skipped steps has no loss.
+    losses = {row["step"]: row["loss"] for row in train_log(out)}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6, 7]
+    assert [step for step, loss in losses.items() if math.isnan(loss)] == [3, 5, 7]
+
+    # A skipped step leaves the weights exactly as they were; a good one changes them.
+    weights = {step: checkpoint_weights(out / f"checkpoint-{step}") for step in range(2, 8)}
+    assert same_weights(weights[2], weights[3]) and same_weights(weights[4], weights[5])
+    assert same_weights(weights[6], weights[7])
+    assert not same_weights(weights[3], weights[4]) and not same_weights(weights[5], weights[6])
+    assert all(value.isfinite().all() for value in weights[7].values())
+    assert not (out / "checkpoint-8").exists()
+
+
+def test_skip_never_stops_and_stop_counts_only_consecutive_steps(world, tmp_path):
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    skip = NonFiniteGuard(world, "skip", 1, tmp_path)
+    assert [skip.step_is_finite(step, nan, one) for step in range(1, 6)] == [False] * 5
+    assert skip.step_is_finite(6, one, one) and skip.skipped == 5
+
+    stop = NonFiniteGuard(world, "stop", 3, tmp_path)
+    verdicts = [stop.step_is_finite(step, loss, one) for step, loss in enumerate([nan, nan, one, nan, nan], 1)]
+    assert verdicts == [False, False, True, False, False]  # the good step reset the count
+    with pytest.raises(NonFiniteError, match="at step 6: 3 step"):
+        stop.step_is_finite(6, one, torch.tensor(float("inf")))
+    lines = (tmp_path / "logs/nonfinite.jsonl").read_text().splitlines()
+    assert len(lines) == 5 + 5 and json.loads(lines[-1])["action"] == "stop"

@@ -1,0 +1,101 @@
+"""Bad inputs stop a run with one clear error, the same on every rank, before training: never a crash
+deep inside it, and never one rank gone while the others wait for it in a collective."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL, make_config, write_jsonl
+from faulty_runs import run
+
+from shardtune.config import load_config
+from shardtune.errors import ConfigError
+from shardtune.train.preflight import check_model
+
+
+def errors_of(log: str) -> list[str]:
+    return [line.removeprefix("shardtune: error: ") for line in log.splitlines() if line.startswith("shardtune: error")]
+
+
+def assert_every_rank_stopped_before_training(result, expected: str) -> str:
+    assert result.returncode == 2, result.log[-4000:]
+    errors = errors_of(result.log)
+    assert len(errors) == 2 and errors[0] == errors[1], result.log[-4000:]  # both ranks, the same words
+    assert expected in errors[0]
+    assert "parameters:" not in result.log and "restart" not in result.log  # no model was loaded
+    assert result.seconds < 120
+    return errors[0]
+
+
+def model_with_vocabulary(tmp_path: Path, vocab_size: int) -> Path:
+    """The tiny model's tokenizer next to a config with a smaller vocabulary: a tokenizer/model mismatch."""
+    directory = tmp_path / "small-vocab"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_MODEL / name, directory / name)
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    return directory
+
+
+def test_token_ids_beyond_the_vocabulary(tmp_path):
+    model = model_with_vocabulary(tmp_path, 256)
+    result = run(tmp_path, tmp_path / "run", 2, f"model.name_or_path={model}", "model.init=random",
+                 "training.max_steps=2")  # fmt: skip
+    error = assert_every_rank_stopped_before_training(result, "but " + str(model) + " has a vocabulary of 256 ids")
+    assert "the tokenizer does not belong to this model" in error
+
+
+def test_a_dataset_with_no_usable_row(tmp_path):
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": f"q{i}", "answer": "a"} for i in range(20)])
+    result = run(tmp_path, tmp_path / "run", 2, f"data.dataset_path={data}", "data.on_bad_row=skip",
+                 "training.max_steps=2")  # fmt: skip
+    # The rank that built the token store and the one that waited for it report the same error.
+    assert_every_rank_stopped_before_training(result, f"{data}: no training example left")
+
+
+def test_a_model_that_is_not_a_causal_lm(tmp_path):
+    encoder = tmp_path / "vit"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    result = run(tmp_path, tmp_path / "run", 2, f"model.name_or_path={encoder}", "training.max_steps=2")
+    assert_every_rank_stopped_before_training(result, "is a 'vit' model (ViTModel), not a causal language model")
+
+
+def test_model_checks(tmp_path):
+    def config(**model):
+        return make_config(tmp_path, tmp_path / "data.jsonl", model=model)
+
+    assert check_model(config(name_or_path=str(TINY_MODEL))).vocab_size == 1024
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="is not a model this machine can read"):
+        check_model(config(name_or_path=str(empty)))
+    too_long = make_config(tmp_path, tmp_path / "data.jsonl", data={"max_length": 4096})
+    with pytest.raises(ConfigError, match="data.max_length: 4096 tokens is beyond the 1024 positions"):
+        check_model(too_long)
+
+
+def test_missing_model_and_resume_paths_that_are_not_checkpoints(tmp_path):
+    """Checked when the config is read: in the launcher, before any worker starts."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": "i", "output": "o"}])
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model: {{name_or_path: {TINY_MODEL}}}\ndata: {{dataset_path: {data}}}\n")
+    with pytest.raises(ConfigError, match="model.name_or_path: directory not found"):
+        load_config(config, [f"model.name_or_path={tmp_path / 'nowhere'}"])
+    garbage, partial = tmp_path / "garbage", tmp_path / "partial"
+    garbage.mkdir(), partial.mkdir()
+    (garbage / "manifest.json").write_text("{not json")
+    (partial / "manifest.json").write_text('{"step": 3, "mode": "full", "world_size": 2, "files": {}}')
+    for path, why in [
+        (tmp_path, "is not a complete checkpoint (no manifest.json)"),
+        (garbage, "is not a shardtune checkpoint: its manifest.json does not read as JSON"),
+        (partial, "is not a complete checkpoint: trainer.json, model missing"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            load_config(config, [f"training.resume_from_checkpoint={path}"])
+        assert len(raised.value.lines) == 1
+        assert raised.value.lines[0].startswith(f"training.resume_from_checkpoint: {path} {why}")
