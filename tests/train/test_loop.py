@@ -154,8 +154,8 @@ def test_run_directory_layout(lora_run):
         assert row["target_tokens_per_s"] == pytest.approx(row["tokens_per_s"] * row["target_tokens"] / row["tokens"])
         assert row["step_time_s_min"] == row["step_time_s_median"] == row["step_time_s_max"] > 0
         assert row["slowest_rank"] == 0 and 0 < row["data_wait_s"] < row["step_time_s_max"]
-        # throughput is over the steps' time: tokens / (2 steps x step time)
-        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / (2 * row["step_time_s_max"]), rel=1e-9)
+        # throughput is over the interval's wall time up to the logging sync: at least its 2 steps' host time
+        assert row["tokens"] / row["tokens_per_s"] >= 2 * row["step_time_s_max"]
     assert metrics["peak_tflops"] == PEAK_TFLOPS
     assert metrics["tokens"] == sum(row["tokens"] for row in train_log)
 
