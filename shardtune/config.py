@@ -212,6 +212,11 @@ class ParallelConfig(_Section):
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     compile: bool = Field(False, description="torch.compile each decoder layer (after checkpointing, before FSDP)")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default",
+        description="torch.compile's mode for the layers: reduce-overhead replays CUDA graphs (fixed shapes: "
+        "data.pad_to=max_length), max-autotune* search GEMM kernels while compiling",
+    )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
 
 

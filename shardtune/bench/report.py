@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.metrics.flops import peak_flops, run_token_flops
+from shardtune.metrics.schema import LOG_FILES, read_rows
 
 
 def _summary(
@@ -49,7 +50,7 @@ def _summary(
 def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:
     """From the run's train_log.jsonl (one record per step) and metrics.json."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    rows = read_rows(run_dir / "logs" / LOG_FILES["train"], "a log row")
     measured = [row for row in rows if row["step"] > warmup]
     if not measured:
         raise ValueError(f"{run_dir}: no step after the {warmup} warm-up steps was logged")
@@ -68,7 +69,9 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
         model_config=model_config,
         seq=seq,
     )
-    return {**summary, "strategy": metrics["strategy"]}
+    # Every step's loss, warm-up included: two settings of the same run (e.g. compile modes) can be
+    # checked to train the same numbers.
+    return {**summary, "strategy": metrics["strategy"], "losses": [row["loss"] for row in rows]}
 
 
 def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:

@@ -119,17 +119,26 @@ def parallelize(
         # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
         # graph serves them all, and FSDP's hooks between layers stay outside the graphs.
         layers = decoder_layers(model)
+        mode = config.parallel.compile_mode
         for layer in layers:
-            _outer_wrapper(model, layer).compile()
-        log.info("torch.compile on %d decoder layers", len(layers))
+            _outer_wrapper(model, layer).compile(mode=None if mode == "default" else mode)
+        log.info("torch.compile (mode %s) on %d decoder layers", mode, len(layers))
     if plan.strategy == "fsdp":
         return _shard(model, config, env, compute_dtype, materialized)
     if plan.strategy == "ddp":
         _materialize_replica(model, env, materialized)
-        # DDP's constructor broadcasts parameters and buffers from rank 0: the other ranks' empty
-        # tensors get rank 0's weights. Gradients are averaged over ranks (the loss is scaled for it).
+        # DDP's constructor broadcasts parameters from rank 0: the other ranks' empty tensors get rank
+        # 0's weights. Buffers (rotary frequencies) are constants, sent once here rather than before
+        # every forward (broadcast_buffers=False also keeps the constructor from sending them).
+        # Gradients are averaged over ranks (the loss is scaled for it) in the all-reduce buckets
+        # themselves, with no copy in or out.
+        _broadcast_buffers(model, None, env)
         return DistributedDataParallel(
-            model, device_ids=[env.device.index] if env.device.type == "cuda" else None, init_sync=True
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            init_sync=True,
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
         )
     return model.to(env.device)
 
@@ -205,10 +214,11 @@ def _outer_wrapper(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.M
     return layer
 
 
-def _broadcast_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], env: DistributedEnv) -> None:
-    """Buffers (e.g. rotary frequencies) are not in the state dict; send rank 0's to everyone."""
+def _broadcast_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor] | None, env: DistributedEnv) -> None:
+    """Buffers (e.g. rotary frequencies) are not in the state dict; send rank 0's to everyone: those
+    saved in ``buffers``, or (None) those rank 0's model holds."""
     for name, buffer in model.named_buffers():
-        if env.rank == 0:
+        if env.rank == 0 and buffers is not None:
             buffer.copy_(buffers[name].to(buffer.device))
         if env.world_size > 1:
             dist.broadcast(buffer, src=0)

@@ -38,7 +38,7 @@ def cmd_expert_usage(args: argparse.Namespace) -> int:
     source = Path(args.run)
     try:
         records = read_usage(source)
-    except (FileNotFoundError, ValueError) as exc:
+    except FileNotFoundError as exc:
         raise InputError(str(exc)) from None
     first, last = _step_range(args.steps)
     chosen = [record for record in records if first <= record["step"] <= last]

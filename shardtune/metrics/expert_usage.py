@@ -18,7 +18,6 @@ router cannot tell experts apart; near 0: it is certain).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 
 from shardtune.distributed.env import DistributedEnv
-from shardtune.metrics.schema import LOG_FILES
+from shardtune.errors import InputError
+from shardtune.metrics.schema import LOG_FILES, read_rows
 from shardtune.model.moe import MoeBlock, RoutingRecord
 
 USAGE_FILE = LOG_FILES["expert_usage"]
@@ -95,23 +95,15 @@ class ExpertUsage:
 
 
 def read_usage(path: Path) -> list[dict[str, Any]]:
-    """The records of an ``expert_usage.jsonl`` (or of a run directory's), with a clear error for bad lines."""
+    """The records of an ``expert_usage.jsonl`` (or of a run directory's); ``FileNotFoundError`` when
+    there is none (a dense model), ``InputError`` for a bad or empty one."""
     if path.is_dir():
         path = path / "logs" / USAGE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no expert usage log (written by MoE runs into logs/{USAGE_FILE})")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            record["layers"][0]["counts"]  # noqa: B018 - the shape every record has
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: not an expert usage record ({exc})") from None
-        records.append(record)
+    records = read_rows(path, "an expert usage record", needs_layers=True)
     if not records:
-        raise ValueError(f"{path}: empty: no logging step has been written yet")
+        raise InputError(f"{path}: empty: no logging step has been written yet")
     return records
 
 

@@ -11,14 +11,13 @@ slowest rank around the median, and data wait), and for MoE runs the expert-usag
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from shardtune.errors import InputError
 from shardtune.metrics.expert_heatmap import write_heatmap
 from shardtune.metrics.expert_usage import read_usage, summarize
-from shardtune.metrics.schema import LOG_FILES
+from shardtune.metrics.schema import LOG_FILES, read_rows
 
 
 def add_plot_parser(commands: argparse._SubParsersAction) -> None:
@@ -31,20 +30,8 @@ def add_plot_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL log ([] when the file does not exist), with a clear error for a bad line."""
-    if not path.is_file():
-        return []
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            row["step"]  # noqa: B018 - every row has its step
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"{path}:{number}: not a log row ({exc})") from None
-        rows.append(row)
-    return rows
+    """The rows of a train or eval log ([] when the file does not exist)."""
+    return read_rows(path, "a log row") if path.is_file() else []
 
 
 def run_labels(runs: list[Path]) -> list[str]:
@@ -144,8 +131,6 @@ def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
             records = read_usage(run_logs["run"])
         except FileNotFoundError:
             continue  # a dense model
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
         path = out / ("expert_usage.png" if len(logs) == 1 else f"expert_usage-{label.replace('/', '_')}.png")
         layers, counts = summarize(records)
         write_heatmap(layers, counts, path, f"{label}, logging steps {records[0]['step']}-{records[-1]['step']}")

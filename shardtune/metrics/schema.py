@@ -9,8 +9,12 @@ renders from this module (a test keeps them equal), so the documentation cannot 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from shardtune.errors import InputError
 
 SCHEMA_VERSION = 1
 LOG_FILES = {
@@ -176,6 +180,44 @@ def make_row(kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
     row = {"schema_version": SCHEMA_VERSION, "step": step, **values}
     validate(kind, row)
     return row
+
+
+def read_rows(path: Path, what: str, needs_layers: bool = False) -> list[dict[str, Any]]:
+    """The rows of a JSONL log, each checked for what every reader relies on: a JSON object with an
+    integer ``step`` (and, with ``needs_layers``, per-layer expert ``counts``). Other fields are not
+    checked, so a plot of a run written by an older schema still draws what it has. A bad line raises
+    ``InputError`` naming the file, the line and ``what`` was expected there."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            problem = _read_problem(row, needs_layers)
+        if problem:
+            raise InputError(f"{path}:{number}: not {what} ({problem})")
+        rows.append(row)
+    return rows
+
+
+def _read_problem(row: Any, needs_layers: bool) -> str | None:
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {row!r:.80}"
+    problem = _type_error(row.get("step"), "int")
+    if problem:
+        return f"step: {problem}"
+    if needs_layers:
+        layers = row.get("layers")
+        if not isinstance(layers, list) or not layers:
+            return f"layers: expected a list of MoE layers, got {layers!r:.80}"
+        for index, layer in enumerate(layers):
+            problem = _type_error(layer.get("counts") if isinstance(layer, dict) else None, "list[int]")
+            if problem:
+                return f"layers[{index}].counts: {problem}"
+    return None
 
 
 def is_number(value: Any) -> bool:

@@ -74,6 +74,7 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     # Every step the training run logged has the same MFU, from the same formula.
     rows = [json.loads(line) for line in (out / "shardtune/logs/train_log.jsonl").read_text().splitlines()]
     assert len(rows) == 4
+    assert results["shardtune"]["losses"] == [row["loss"] for row in rows]
     for row in rows:
         assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / 1e12)
         assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / (peak_tflops * 1e12))

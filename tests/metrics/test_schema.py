@@ -67,3 +67,34 @@ def test_docs_describe_every_field_as_the_code_does():
     for fields in (TRAIN_FIELDS, EVAL_FIELDS, EXPERT_USAGE_FIELDS, LAYER_FIELDS, NONFINITE_FIELDS):
         assert markdown_table(fields) in docs
     assert f"schema version {SCHEMA_VERSION}" in docs
+
+
+def test_read_rows_names_the_file_line_and_what_a_bad_row_lacks(tmp_path):
+    from shardtune.errors import InputError
+    from shardtune.metrics.schema import read_rows
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text('{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": NaN}\n')
+    assert [row["step"] for row in read_rows(log, "a log row")] == [1, 2]
+    for line, problem in [('{"loss": 2.0}', "step: expected int, got None"), ("[1, 2]", "expected a JSON object"),
+                          ('{"step": 3', "Expecting")]:  # fmt: skip
+        log.write_text('{"step": 1}\n' + line + "\n")
+        with pytest.raises(InputError) as error:
+            read_rows(log, "a log row")
+        assert f"{log}:2: not a log row ({problem}" in str(error.value)
+    usage = tmp_path / "expert_usage.jsonl"
+    usage.write_text('{"step": 1, "layers": [{"layer": 0, "counts": [3, "x"]}]}\n')
+    with pytest.raises(InputError, match=r"expert_usage.jsonl:1: not a record \(layers\[0\].counts: expected"):
+        read_rows(usage, "a record", needs_layers=True)
+
+
+def test_a_log_line_cut_short_by_a_kill_is_dropped_on_resume_and_earlier_rows_kept(tmp_path):
+    from shardtune.metrics.sinks import JsonlSink
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "train_log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    (logs / "eval_log.jsonl").write_text('{"step": 2, "eval_loss": 1.0}\n')
+    JsonlSink(logs, resume_step=2).close()
+    assert (logs / "train_log.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    assert (logs / "eval_log.jsonl").read_text() == '{"step": 2, "eval_loss": 1.0}\n'
