@@ -83,15 +83,18 @@ h200-speed)
         parallel.compile_mode=max-autotune-no-cudagraphs
     ;;
 h200x2-ddp)
-    profiled=('logging.profile_steps=[5,6]')
-    bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 7 --nproc 1 "${compiled[@]}" "${profiled[@]}"
+    # DDP against one GPU of the same machine (--nproc 1), at seq 4096 and at the seed's setting with and
+    # without CUDA graphs. profile=1 adds a profile of two warm-up steps to the seq 4096 runs.
+    profiled=()
+    [[ ${profile:-0} == 1 ]] && profiled=('logging.profile_steps=[5,6]')
     bench 4096-ddp "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 7 --strategy ddp "${compiled[@]}" \
         "${profiled[@]}"
-    graphs=(data.pad_to=max_length parallel.compile_mode=reduce-overhead 'logging.profile_steps=[8,9]')
-    TORCH_LOGS=recompiles bench seed-graphs-1of2 "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
-        --nproc 1 "${compiled[@]}" "${graphs[@]}"
+    bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 7 --nproc 1 "${compiled[@]}" "${profiled[@]}"
+    graphs=(data.pad_to=max_length parallel.compile_mode=reduce-overhead)
     TORCH_LOGS=recompiles bench seed-graphs-ddp "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
         --strategy ddp "${compiled[@]}" "${graphs[@]}"
+    TORCH_LOGS=recompiles bench seed-graphs-1of2 "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
+        --nproc 1 "${compiled[@]}" "${graphs[@]}"
     TORCH_LOGS=recompiles bench seed-fixed-ddp "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
         --strategy ddp "${compiled[@]}" data.pad_to=max_length
     # The same steps without CUDA graphs, one GPU: its losses against seed-graphs-1of2's.

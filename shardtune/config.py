@@ -301,6 +301,21 @@ class Config(_Section):
             raise ValueError(
                 f"training.hang_timeout_s: {hang:g} must be below parallel.timeout_s ({collective:g}), or 0 to disable"
             )
+        if self.parallel.compile and self.parallel.compile_mode == "reduce-overhead":
+            # A CUDA graph replays fixed addresses and shapes: every new batch length would record
+            # (and keep) one more graph per layer.
+            if self.data.pad_to != "max_length":
+                raise ValueError(
+                    "parallel.compile_mode: reduce-overhead (CUDA graphs) needs batches of one shape: "
+                    "set data.pad_to=max_length"
+                )
+            # FSDP gathers each layer's weights into new memory every step: a recorded graph would
+            # read freed memory, so torch re-records every call.
+            if self.parallel.strategy == "fsdp":
+                raise ValueError(
+                    "parallel.compile_mode: reduce-overhead (CUDA graphs) replays fixed weight addresses, "
+                    "which FSDP re-gathers every step; use parallel.strategy=ddp, or compile_mode=default"
+                )
         return self
 
 

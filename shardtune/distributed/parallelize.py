@@ -119,6 +119,12 @@ def parallelize(
         # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
         # graph serves them all, and FSDP's hooks between layers stay outside the graphs.
         layers = decoder_layers(model)
+        if plan.strategy == "ddp":
+            # Dynamo's DDP optimizer would split each layer's graph where a gradient bucket ends, so
+            # that reduction could start inside the graph. With one graph per layer, DDP already
+            # reduces between layers; the splits only cost fusions (extra dtype copies, unfused
+            # SiLU): on 2xH200 at seq 4096 they made a DDP step 5% slower than one GPU's.
+            torch._dynamo.config.optimize_ddp = False
         mode = config.parallel.compile_mode
         for layer in layers:
             _outer_wrapper(model, layer).compile(mode=None if mode == "default" else mode)

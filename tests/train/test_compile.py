@@ -23,8 +23,37 @@ def test_an_unknown_compile_mode_is_refused_with_the_modes_there_are(tmp_path):
     from shardtune.config import ConfigError, load_config
 
     config = tmp_path / "config.yaml"
-    config.write_text("model: {name_or_path: gpt2}\ndata: {path: data.jsonl}\n")
+    config.write_text("model: {name_or_path: gpt2}\ndata: {dataset_path: data.jsonl}\n")
     with pytest.raises(ConfigError) as error:
         load_config(config, ["parallel.compile_mode=fast"], check_paths=False)
     assert "parallel.compile_mode" in str(error.value)
     assert "max-autotune-no-cudagraphs" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data.pad_to=longest"], "needs batches of one shape: set data.pad_to=max_length"),
+        (["data.pad_to=max_length", "parallel.strategy=fsdp"], "which FSDP re-gathers every step"),
+    ],
+)
+def test_cuda_graphs_are_refused_where_they_could_not_be_replayed(tmp_path, overrides, expected):
+    from shardtune.config import ConfigError, load_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text("model: {name_or_path: gpt2}\ndata: {dataset_path: data.jsonl}\n")
+    graphs = ["parallel.compile=true", "parallel.compile_mode=reduce-overhead"]
+    with pytest.raises(ConfigError, match=expected):
+        load_config(config, [*graphs, *overrides], check_paths=False)
+    assert load_config(config, [*graphs, "data.pad_to=max_length"], check_paths=False).parallel.compile
+
+
+def test_ddp_runs_each_compiled_layer_as_one_graph_and_trains_like_one_process(tmp_path):
+    # r=512: a layer's adapters (1.8 MB) pass DDP's first 1 MB bucket, where dynamo's DDP optimizer
+    # would split the layer's graph in two (and log the split under TORCH_LOGS=ddp_graphs).
+    common = ["data.pad_to=max_length", "data.max_length=64", "parallel.compile=true", "lora.r=512"]
+    one = train(tmp_path, "one", 1, *common, "training.gradient_accumulation_steps=2", steps=3)
+    ddp = train(tmp_path, "ddp", 2, *common, "parallel.strategy=ddp", steps=3, env={"TORCH_LOGS": "ddp_graphs"})
+    assert "parallelism: ddp over 2 rank(s)" in ddp["log"]
+    assert "split graph" not in ddp["log"]
+    assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-5)
