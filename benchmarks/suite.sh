@@ -6,7 +6,9 @@
 # SUITE: h100 (the seed's setting on alpaca-like data against HF Trainer + PEFT, FlexAttention for packed
 # sequences, liger-kernel), h100-long (the longest sequence on one 80 GB GPU), h200 (1 GPU against
 # HF Trainer + PEFT's best setting, and the 1-GPU references of the 2-GPU runs), h200x2 (DDP scaling,
-# FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-fixed (batch 4, packed batches of one shape), h200-speed (batch 4, GEMM autotuning, CUDA graphs). Each run's bench.json (and profile report, where one is taken) is copied to
+# FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one
+# machine), h200-speed (batch 4, packed batches of one shape), h200x2-ddp (DDP against one GPU of the same
+# machine). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -67,37 +69,22 @@ h200-profile)
     bench 4096-profile "${mistral[@]}" --seq 4096 --batch 2 --steps 2 --warmup 10 "${compiled[@]}" \
         'logging.profile_steps=[8,9]'
     ;;
-h200-fixed)
-    bench 4096-b4 "${mistral[@]}" --seq 4096 --batch 4 --steps 6 --warmup 4 "${compiled[@]}"
-    bench seed-longest "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 8 "${compiled[@]}"
-    bench seed-fixed "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 8 "${compiled[@]}" data.pad_to=max_length
-    ;;
 h200-speed)
     TORCH_LOGS=recompiles bench seed-fixed "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 8 \
         "${compiled[@]}" data.pad_to=max_length
-    TORCH_LOGS=recompiles bench seed-graphs "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 8 \
-        "${compiled[@]}" data.pad_to=max_length parallel.compile_mode=reduce-overhead
     bench 4096-b2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 "${compiled[@]}"
     bench 4096-b4 "${mistral[@]}" --seq 4096 --batch 4 --steps 6 --warmup 4 "${compiled[@]}"
-    bench 4096-autotune "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 "${compiled[@]}" \
-        parallel.compile_mode=max-autotune-no-cudagraphs
     ;;
 h200x2-ddp)
-    # DDP against one GPU of the same machine (--nproc 1), at seq 4096 and at the seed's setting with and
-    # without CUDA graphs. profile=1 adds a profile of two warm-up steps to the seq 4096 runs.
+    # DDP against one GPU of the same machine (--nproc 1), at seq 4096 and at the seed's setting (packed
+    # batches of one shape). profile=1 adds a profile of two warm-up steps to the seq 4096 runs.
     profiled=()
     [[ ${profile:-0} == 1 ]] && profiled=('logging.profile_steps=[5,6]')
     bench 4096-ddp "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 7 --strategy ddp "${compiled[@]}" \
         "${profiled[@]}"
     bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 7 --nproc 1 "${compiled[@]}" "${profiled[@]}"
-    graphs=(data.pad_to=max_length parallel.compile_mode=reduce-overhead)
-    TORCH_LOGS=recompiles bench seed-graphs-ddp "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
-        --strategy ddp "${compiled[@]}" "${graphs[@]}"
-    TORCH_LOGS=recompiles bench seed-graphs-1of2 "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
-        --nproc 1 "${compiled[@]}" "${graphs[@]}"
     TORCH_LOGS=recompiles bench seed-fixed-ddp "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 \
         --strategy ddp "${compiled[@]}" data.pad_to=max_length
-    # The same steps without CUDA graphs, one GPU: its losses against seed-graphs-1of2's.
     bench seed-fixed-1of2 "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 --nproc 1 "${compiled[@]}" \
         data.pad_to=max_length
     ;;
@@ -118,7 +105,7 @@ h200x2)
             --strategy fsdp --gradient-checkpointing "${compiled[@]}"
     ;;
 *)
-    echo "unknown suite $suite (h100, h100-long, h200, h200x2)" >&2
+    echo "unknown suite $suite (see the list at the top of $0)" >&2
     exit 2
     ;;
 esac

@@ -212,11 +212,6 @@ class ParallelConfig(_Section):
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     compile: bool = Field(False, description="torch.compile each decoder layer (after checkpointing, before FSDP)")
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        "default",
-        description="torch.compile's mode for the layers: reduce-overhead replays CUDA graphs (fixed shapes: "
-        "data.pad_to=max_length), max-autotune* search GEMM kernels while compiling",
-    )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
 
 
@@ -301,21 +296,6 @@ class Config(_Section):
             raise ValueError(
                 f"training.hang_timeout_s: {hang:g} must be below parallel.timeout_s ({collective:g}), or 0 to disable"
             )
-        if self.parallel.compile and self.parallel.compile_mode == "reduce-overhead":
-            # A CUDA graph replays fixed addresses and shapes: every new batch length would record
-            # (and keep) one more graph per layer.
-            if self.data.pad_to != "max_length":
-                raise ValueError(
-                    "parallel.compile_mode: reduce-overhead (CUDA graphs) needs batches of one shape: "
-                    "set data.pad_to=max_length"
-                )
-            # FSDP gathers each layer's weights into new memory every step: a recorded graph would
-            # read freed memory, so torch re-records every call.
-            if self.parallel.strategy == "fsdp":
-                raise ValueError(
-                    "parallel.compile_mode: reduce-overhead (CUDA graphs) replays fixed weight addresses, "
-                    "which FSDP re-gathers every step; use parallel.strategy=ddp, or compile_mode=default"
-                )
         return self
 
 
