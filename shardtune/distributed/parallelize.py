@@ -106,19 +106,20 @@ def parallelize(
 ) -> torch.nn.Module:
     """Activation memory, compile, then DDP or FSDP2, then weights from rank 0 onto every rank's device."""
     training = config.training
+    # Found once: wrappers added below (checkpointing, compile) sit around these same modules.
+    layers = decoder_layers(model)
     if training.mlp_chunk_tokens:
-        count = tile_mlps(model, decoder_layers(model), training.mlp_chunk_tokens)
+        count = tile_mlps(model, layers, training.mlp_chunk_tokens)
         log.info("tiled MLPs: %d decoder MLPs run %d tokens at a time", count, training.mlp_chunk_tokens)
     if training.gradient_checkpointing:
         count = apply_activation_checkpointing(
-            model, decoder_layers(model), training.gradient_checkpointing_every, training.activation_offloading
+            model, layers, training.gradient_checkpointing_every, training.activation_offloading
         )
         offloaded = ", their inputs kept in host memory" if training.activation_offloading else ""
         log.info("activation checkpointing on %d decoder layers%s", count, offloaded)
     if config.parallel.compile:
         # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
         # graph serves them all, and FSDP's hooks between layers stay outside the graphs.
-        layers = decoder_layers(model)
         if plan.strategy == "ddp":
             # Dynamo's DDP optimizer would split each layer's graph where a gradient bucket ends, so
             # that reduction could start inside the graph. With one graph per layer, DDP already
@@ -129,7 +130,7 @@ def parallelize(
             _outer_wrapper(model, layer).compile()
         log.info("torch.compile on %d decoder layers", len(layers))
     if plan.strategy == "fsdp":
-        return _shard(model, config, env, compute_dtype, materialized)
+        return _shard(model, layers, config, env, compute_dtype, materialized)
     if plan.strategy == "ddp":
         _materialize_replica(model, env, materialized)
         # DDP's constructor broadcasts parameters from rank 0: the other ranks' empty tensors get rank
@@ -177,7 +178,12 @@ def _to_empty(model: torch.nn.Module, device: torch.device | str) -> None:
 
 
 def _shard(
-    model: torch.nn.Module, config: Config, env: DistributedEnv, compute_dtype: torch.dtype, materialized: bool
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    config: Config,
+    env: DistributedEnv,
+    compute_dtype: torch.dtype,
+    materialized: bool,
 ) -> torch.nn.Module:
     full_state = model.state_dict() if materialized else {}
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()} if materialized else {}
@@ -192,7 +198,6 @@ def _shard(
         "reshard_after_forward": config.parallel.reshard_after_forward,
         **({"offload_policy": CPUOffloadPolicy()} if config.parallel.cpu_offload else {}),
     }
-    layers = decoder_layers(model)
     for block in find_moe_blocks(model, layers):
         # The routed experts are most of an MoE layer's weights: as a unit of their own they are
         # gathered just before they run and freed (and their gradients reduced) as soon as they are
