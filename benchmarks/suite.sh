@@ -8,7 +8,8 @@
 # HF Trainer + PEFT's best setting, and the 1-GPU references of the 2-GPU runs), h200x2 (DDP scaling,
 # FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one
 # machine), h200-speed (batch 4, packed batches of one shape), h200x2-ddp (DDP against one GPU of the same
-# machine). Each run's bench.json (and profile report, where one is taken) is copied to
+# machine), x4-scaling / x8-scaling and x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs). Each run's
+# bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -103,6 +104,29 @@ h200x2)
             --strategy fsdp "${compiled[@]}" ||
         bench llama3-8b-full-fsdp-ac --shape llama3-8b --full --seq 4096 --batch 2 --steps 6 --warmup 4 \
             --strategy fsdp --gradient-checkpointing "${compiled[@]}"
+    ;;
+x4-scaling | x8-scaling)
+    # Issue 11, run 1: LoRA scaling at seq 4096 from 1 GPU to all of the machine's, DDP and FSDP2.
+    gpus=${suite:1:1}
+    bench 4096-1of$gpus "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 5 --nproc 1 "${compiled[@]}"
+    for n in 2 4 8; do
+        ((n > gpus)) && break
+        bench 4096-ddp-$n "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 5 --nproc $n --strategy ddp \
+            "${compiled[@]}"
+        bench 4096-fsdp-$n "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 5 --nproc $n --strategy fsdp \
+            "${compiled[@]}"
+    done
+    ;;
+x4-jobs | x8-jobs)
+    # Issue 11, runs 2 and 3: the seed 002 job (LoRA r=8, alpha 16, dropout 0.05 on the 7 projections,
+    # seq 512, alpaca-like lengths, DDP on every GPU) timed over one epoch of 2,048 examples; then full
+    # fine-tuning of the llama3-8b shape with FSDP2 on every GPU.
+    gpus=${suite:1:1}
+    bench seed002-$gpus "${mistral[@]}" --seq 512 --batch 1 --data alpaca-like --epoch-examples 2048 --warmup 10 \
+        --nproc "$gpus" --strategy ddp --lora-r 8 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
+        "${compiled[@]}" lora.lora_dropout=0.05 data.pad_to=max_length
+    bench llama3-8b-full-fsdp-$gpus --shape llama3-8b --full --seq 4096 --batch 2 --steps 6 --warmup 4 \
+        --nproc "$gpus" --strategy fsdp "${compiled[@]}"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

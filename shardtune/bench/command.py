@@ -37,6 +37,13 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per device and step")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=3, help="steps run first and not measured")
+    parser.add_argument(
+        "--epoch-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of --steps: one epoch over N generated examples (synthetic or alpaca-like), timed whole",
+    )
     parser.add_argument("--full", action="store_true", help="full fine-tuning (default: LoRA)")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument(
@@ -78,6 +85,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise InputError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
     if args.warmup < 0:
         raise InputError(f"--warmup: must be 0 or more, got {args.warmup}")
+    if args.epoch_examples is not None:
+        if args.epoch_examples <= 0:
+            raise InputError(f"--epoch-examples: must be positive, got {args.epoch_examples}")
+        if args.data not in ("synthetic", "alpaca-like"):
+            raise InputError(f"--epoch-examples: generates its examples; not with --data {args.data}")
+        if args.baseline != "none":
+            raise InputError("--epoch-examples: the HF baseline runs a fixed number of steps; not with --baseline")
     model_config = shape_config(args.shape)
     out: Path = args.out or Path("runs") / f"bench-{Path(args.shape).name}"
     out.mkdir(parents=True, exist_ok=True)
@@ -99,6 +113,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _run(command, out / "shardtune.log", "shardtune train")
     results["shardtune"] = summarize_shardtune(out / "shardtune", args.warmup, model_config, args.seq)
     results["shardtune"]["command"] = " ".join(command[1:])
+    if args.epoch_examples is not None:
+        metrics = json.loads((out / "shardtune" / "metrics.json").read_text())
+        results["epoch"] = {"examples": args.epoch_examples, "steps": metrics["steps"],
+                            "train_time_s": metrics["train_time_s"], "wall_time_s": metrics["wall_time_s"]}  # fmt: skip
     if args.baseline == "hf":
         runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       f"--nproc-per-node={nproc}"]  # fmt: skip
@@ -118,12 +136,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Path, str]:
-    """The dataset file and its format: enough rows for ``sequences`` sequences of ``--seq`` tokens."""
+    """The dataset file and its format: enough rows for ``sequences`` sequences of ``--seq`` tokens, or
+    ``--epoch-examples`` rows."""
+    epoch = args.epoch_examples
     if args.data == "synthetic":
-        write_synthetic_data(out / "data.jsonl", sequences, args.seq)
+        write_synthetic_data(out / "data.jsonl", epoch or sequences, args.seq)
         return out / "data.jsonl", "text"
     if args.data == "alpaca-like":
-        write_alpaca_like_data(out / "data.jsonl", alpaca_like_rows(sequences, args.seq))
+        write_alpaca_like_data(out / "data.jsonl", epoch or alpaca_like_rows(sequences, args.seq))
         return out / "data.jsonl", "alpaca"
     path = Path(args.data)
     if not path.is_file():
@@ -140,7 +160,8 @@ def bench_config(args: argparse.Namespace, out: Path, model_dir: Path, data_path
         "data": {"dataset_path": str(data_path), "format": data_format, "max_length": args.seq,
                  "packing": True, "cache_dir": str(out / "cache")},
         "training": {"output_dir": str(out / "shardtune"), "overwrite_output_dir": True,
-                     "max_steps": args.warmup + args.steps, "per_device_train_batch_size": args.batch,
+                     "max_steps": -1 if args.epoch_examples else args.warmup + args.steps, "num_train_epochs": 1,
+                     "per_device_train_batch_size": args.batch,
                      "learning_rate": 1e-5 if args.full else 1e-4, "logging_steps": 1,
                      "gradient_checkpointing": args.gradient_checkpointing},
         "lora": {"enabled": not args.full, "r": args.lora_r, "lora_alpha": 2 * args.lora_r, "lora_dropout": 0.0,

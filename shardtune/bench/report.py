@@ -119,4 +119,9 @@ def format_report(results: dict[str, Any]) -> str:
             f"shardtune / HF Trainer + PEFT (padding: {results['hf'].get('padding', 'max_length')}): "
             f"{results['ratio']:.2f}x tokens/s, {results['target_ratio']:.2f}x target tokens/s per device"
         )
+    if "epoch" in results:
+        epoch = results["epoch"]
+        lines.append(
+            f"one epoch of {epoch['examples']:,} examples: {epoch['steps']} steps in {epoch['train_time_s']:.1f} s"
+        )
     return "\n".join(lines)

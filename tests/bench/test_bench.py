@@ -143,3 +143,21 @@ def test_bench_bad_input(tmp_path, capsys):
         f"--data {tmp_path / 'none.jsonl'}: neither synthetic, alpaca-like nor an existing file"
         in capsys.readouterr().err
     )
+
+
+def test_bench_times_one_epoch_of_a_given_number_of_examples(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "llama-tiny", "--seq", "128", "--batch", "2", "--warmup", "1", "--data", "alpaca-like"]
+    assert main([*args, "--epoch-examples", "30", "--out", str(out)]) == 0
+    results = json.loads((out / "bench.json").read_text())
+    assert len((out / "data.jsonl").read_text().splitlines()) == 30
+    rows = [json.loads(line) for line in (out / "shardtune/logs/train_log.jsonl").read_text().splitlines()]
+    metrics = json.loads((out / "shardtune/metrics.json").read_text())
+    # One epoch and no more: the last row ends it, and every step is in the log.
+    assert rows[-1]["epoch"] == 1.0 and rows[-2]["epoch"] < 1.0
+    assert results["epoch"] == {"examples": 30, "steps": len(rows), "train_time_s": metrics["train_time_s"],
+                                "wall_time_s": metrics["wall_time_s"]}  # fmt: skip
+    assert results["shardtune"]["measured_steps"] == len(rows) - 1
+    assert f"one epoch of 30 examples: {len(rows)} steps in" in capsys.readouterr().out
+    assert main([*args, "--epoch-examples", "30", "--baseline", "hf", "--out", str(tmp_path / "other")]) != 0
+    assert "--epoch-examples: the HF baseline runs a fixed number of steps" in capsys.readouterr().err
