@@ -69,8 +69,8 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
         model_config=model_config,
         seq=seq,
     )
-    # Every step's loss, warm-up included: two settings of the same run (e.g. compile modes) can be
-    # checked to train the same numbers.
+    # Every step's loss, warm-up included: two settings of the same run can be
+    # checked to train the same numbers (an optimization that changes the losses is a bug).
     return {**summary, "strategy": metrics["strategy"], "losses": [row["loss"] for row in rows]}
 
 
