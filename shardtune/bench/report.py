@@ -71,7 +71,11 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
     )
     # Every step's loss, warm-up included: two settings of the same run can be
     # checked to train the same numbers (an optimization that changes the losses is a bug).
-    return {**summary, "strategy": metrics["strategy"], "losses": [row["loss"] for row in rows]}
+    # Fetching and collating batches on the host, per step: well under the step time means the data
+    # loader never kept the device waiting.
+    data_wait = sum(row["data_wait_s"] for row in measured) / len(measured)
+    return {**summary, "strategy": metrics["strategy"], "data_wait_s_per_step": data_wait,
+            "losses": [row["loss"] for row in rows]}  # fmt: skip
 
 
 def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:
@@ -114,6 +118,10 @@ def format_report(results: dict[str, Any]) -> str:
             f"{row['step_time_s']:>9.3f}{row['tflops_per_device']:>9.1f}{mfu:>7}"
             f"{row['peak_memory_gib_per_device']:>10.1f}"
         )
+    if "data_wait_s_per_step" in results["shardtune"]:
+        run = results["shardtune"]
+        wait = run["data_wait_s_per_step"]
+        lines.append(f"shardtune data wait: {wait * 1e3:.2f} ms a step ({wait / run['step_time_s']:.1%} of a step)")
     if "ratio" in results:
         lines.append(
             f"shardtune / HF Trainer + PEFT (padding: {results['hf'].get('padding', 'max_length')}): "

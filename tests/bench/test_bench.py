@@ -75,6 +75,9 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "shardtune/logs/train_log.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     assert results["shardtune"]["losses"] == [row["loss"] for row in rows]
+    wait = results["shardtune"]["data_wait_s_per_step"]
+    assert wait == pytest.approx(sum(row["data_wait_s"] for row in rows[1:]) / 3)
+    assert 0 < wait < results["shardtune"]["step_time_s"] and "shardtune data wait: " in printed
     for row in rows:
         assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / 1e12)
         assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / (peak_tflops * 1e12))
