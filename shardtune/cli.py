@@ -200,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except InputError as exc:
+        # One write per line: stderr to a pipe is unbuffered, print() writes text and newline apart,
+        # and the ranks of a launch share the pipe, so their error lines could end up glued together.
         for line in exc.lines:
-            print(f"shardtune: error: {line}", file=sys.stderr)
+            sys.stderr.write(f"shardtune: error: {line}\n")
         return EXIT_BAD_INPUT
 
 
