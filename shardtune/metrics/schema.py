@@ -187,8 +187,13 @@ def read_rows(path: Path, what: str, needs_layers: bool = False) -> list[dict[st
     integer ``step`` (and, with ``needs_layers``, per-layer expert ``counts``). Other fields are not
     checked, so a plot of a run written by an older schema still draws what it has. A bad line raises
     ``InputError`` naming the file, the line and ``what`` was expected there."""
+    return parse_rows(path.read_text(), path, what, needs_layers)
+
+
+def parse_rows(text: str, path: Path, what: str, needs_layers: bool = False) -> list[dict[str, Any]]:
+    """``read_rows`` of a log's ``text``, already read from ``path``."""
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardtune.config import Config
-from shardtune.metrics.schema import LOG_FILES, is_number, make_row, read_rows
+from shardtune.metrics.schema import LOG_FILES, is_number, make_row, parse_rows
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +21,9 @@ class MetricSink(Protocol):
 
 def _complete_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a log file. Every record is written with its newline, so a last line without one was
-    cut short by a kill in mid-write: it is dropped (its step is past any checkpoint)."""
+    cut short by a kill in mid-write: it is left out (its step is past any checkpoint)."""
     text = path.read_text()
-    if text and not text.endswith("\n"):
-        path.write_text(text[: text.rfind("\n") + 1])
-    return read_rows(path, "a log row")
+    return parse_rows(text[: text.rfind("\n") + 1], path, "a log row")
 
 
 class JsonlSink:
@@ -40,7 +38,8 @@ class JsonlSink:
         for name in LOG_FILES.values():
             path = logs_dir / name
             if path.is_file():
-                kept = [row for row in _complete_rows(path) if resume_step and row["step"] <= resume_step]
+                # Afresh, nothing is kept and the old rows are not even read.
+                kept = [row for row in _complete_rows(path) if row["step"] <= resume_step] if resume_step else []
                 path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         # Each file stays open for the whole run (closed by close()) once it has a first record.
         self.files: dict[str, Any] = {}

@@ -98,3 +98,7 @@ def test_a_log_line_cut_short_by_a_kill_is_dropped_on_resume_and_earlier_rows_ke
     JsonlSink(logs, resume_step=2).close()
     assert (logs / "train_log.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
     assert (logs / "eval_log.jsonl").read_text() == '{"step": 2, "eval_loss": 1.0}\n'
+    # A run that starts afresh keeps no old row, and does not stop on old rows it cannot read.
+    (logs / "train_log.jsonl").write_text("not json\n")
+    JsonlSink(logs, resume_step=0).close()
+    assert (logs / "train_log.jsonl").read_text() == ""
