@@ -1,7 +1,9 @@
 """``shardtune`` command line: parse, validate, then hand over to the command's module.
 
 Bad input (config keys, values, files, data rows) exits with status 2 and one line per problem,
-before any model is loaded.
+before any model is loaded. A fault the run meets (``shardtune.errors.RunFault``: non-finite losses,
+a checkpoint that cannot be written) and Ctrl-C end with one line too, printed by global rank 0 only,
+and an exit status of their own (see ``shardtune.errors``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
-from shardtune.errors import EXIT_BAD_INPUT, InputError
+from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
@@ -74,8 +76,9 @@ def _train_here(config: Config) -> int:
     from shardtune.distributed.env import DistributedEnv
     from shardtune.run_dir import prepare_output_dir
     from shardtune.train.loop import run_training
-    from shardtune.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
 
+    catch_interrupts()
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
     if restarts and config.training.resume_from_checkpoint is None:
         # The launcher restarted the workers after a failure: carry on from the last checkpoint.
@@ -105,8 +108,15 @@ def _train_here(config: Config) -> int:
                 Path(config.training.output_dir).mkdir(parents=True, exist_ok=True)
         run_training(config, env, sys.argv)
     except Preempted as stopped:
-        log.warning("%s", stopped)
-        return PREEMPTED_EXIT_CODE
+        # Every rank stops alike; one line for the run.
+        _say_once([stopped.line()])
+        return stopped.exit_code
+    except (KeyboardInterrupt, Exception) as error:
+        # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it.
+        if not isinstance(error, KeyboardInterrupt) and not interrupted():
+            raise
+        _say_once([INTERRUPTED_LINE])
+        return EXIT_INTERRUPTED
     finally:
         env.close()
     return 0
@@ -200,11 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except InputError as exc:
-        # One write per line: stderr to a pipe is unbuffered, print() writes text and newline apart,
-        # and the ranks of a launch share the pipe, so their error lines could end up glued together.
         for line in exc.lines:
             sys.stderr.write(f"shardtune: error: {line}\n")
-        return EXIT_BAD_INPUT
+        return exc.exit_code
+    except RunFault as exc:
+        # Every rank raises the same fault with the same words (they agree on it first): one says it.
+        _say_once([f"shardtune: error: {line}" for line in exc.lines])
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _say_once([f"shardtune: SIGINT: stopped ({args.command})"])
+        return EXIT_INTERRUPTED
+
+
+def _say_once(lines: list[str]) -> None:
+    """Write ``lines`` to stderr from global rank 0 (or the only process) alone. One write per line:
+    stderr to a pipe is unbuffered, print() writes text and newline apart, and the ranks of a launch
+    share the pipe, so their lines could end up glued together."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            sys.stderr.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,27 @@
-"""Errors caused by the user's input. The CLI prints them as one line each and exits with status 2;
-anything else is a bug and keeps its traceback."""
+"""The errors the command line reports as one line each, without a traceback, and their exit statuses.
+
+Two families: ``InputError`` (bad input the user must fix: config keys, values, files, data rows; exit
+status 2) and ``RunFault`` (a fault the run met, not the user's input: each kind has its own status, so
+a script or scheduler can tell them apart). Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 # The exit status of a process stopped by an InputError. A restart cannot fix such input, so the
 # launcher does not restart workers that exit with it.
 EXIT_BAD_INPUT = 2
+# Training stopped: too many consecutive steps had a non-finite loss or gradient.
+EXIT_NONFINITE = 3
+# A checkpoint could not be written (a full disk, a read-only or vanished directory).
+EXIT_SAVE_FAILED = 4
+# Stopped by Ctrl-C (SIGINT), as a shell reports a process that SIGINT ended: 128 + 2.
+EXIT_INTERRUPTED = 130
 
 
 class InputError(Exception):
     """Bad input; each line names the key, file or row and what was expected."""
+
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, lines: list[str] | str):
         self.lines = [lines] if isinstance(lines, str) else list(lines)
@@ -22,3 +34,27 @@ class ConfigError(InputError):
 
 class DataError(InputError):
     """A dataset file or row the user must fix."""
+
+
+class RunFault(Exception):
+    """A fault the run met (not bad input); each line says what happened and what to do. Every rank
+    raises it together, so the launcher does not restart: the same fault would stop the next attempt."""
+
+    exit_code = 1
+
+    def __init__(self, lines: list[str] | str):
+        self.lines = [lines] if isinstance(lines, str) else list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+class NonFiniteError(RunFault):
+    """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
+
+    exit_code = EXIT_NONFINITE
+
+
+class CheckpointSaveError(RunFault):
+    """A checkpoint could not be written on some rank; every rank raises it together. The message
+    names the failing rank(s) and the OS error."""
+
+    exit_code = EXIT_SAVE_FAILED

@@ -8,11 +8,13 @@ mechanism, so the code under test meets it exactly as it would meet the real thi
 
 Points are named places in a run: ``save.begin`` (a rank enters a checkpoint save), ``save.shards``
 (before this rank writes its shards), ``save.written`` (after this rank's shards are on disk, before
-the commit), and every heartbeat phase of a training step (``forward_backward``, ``optimizer``, ...).
-Actions:
+the commit), every heartbeat phase of a training step (``forward_backward``, ``optimizer``, ...), and
+``eval.batch`` (after each evaluation batch). Actions:
 
 - ``kill``: SIGKILL this process (a crashed rank or lost node: no handler, no cleanup).
 - ``hang``: sleep forever (a stuck rank: a deadlock, a dead NFS mount, a GPU that stopped answering).
+- ``slow``: sleep ``seconds=S`` (default 1) every time the point is passed, not only once per step: a
+  rank that is slow but progressing (a long evaluation, a slow device).
 - ``write_error``: limit this process's file size to 0 bytes with ``setrlimit(RLIMIT_FSIZE)``; from
   then on the kernel fails every write it makes with EFBIG ("File too large"), an ``OSError`` raised
   by ``write()`` exactly where ENOSPC ("No space left on device") would be.
@@ -22,7 +24,7 @@ Actions:
   all-reduce, so only this rank sees it).
 
 ``rank`` (global rank), ``step`` and ``attempt`` (the launcher's restart count) narrow where a fault
-fires; left out, it fires everywhere. A fault fires at most once per process and step.
+fires; left out, it fires everywhere. A fault other than ``slow`` fires at most once per process and step.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 FAULT_VARIABLE = "SHARDTUNE_FAULT"
-ACTIONS = ("kill", "hang", "write_error", "nan_loss", "inf_grad")
+ACTIONS = ("kill", "hang", "slow", "write_error", "nan_loss", "inf_grad")
+OPTIONS = ("rank", "step", "attempt", "seconds")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Fault:
     rank: int | None = None
     step: int | None = None
     attempt: int | None = None
+    seconds: int = 1  # how long ``slow`` sleeps
 
     def matches(self, point: str, rank: int, step: int | None) -> bool:
         attempt = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
@@ -71,8 +75,10 @@ def parse_faults(text: str) -> list[Fault]:
         fields: dict[str, int] = {}
         for option in options:
             name, _, value = option.partition("=")
-            if name not in ("rank", "step", "attempt") or not value.lstrip("-").isdigit():
-                raise ValueError(f"{FAULT_VARIABLE}: {item!r}: unknown option {option!r} (rank=R, step=S, attempt=A)")
+            if name not in OPTIONS or not value.lstrip("-").isdigit():
+                raise ValueError(
+                    f"{FAULT_VARIABLE}: {item!r}: unknown option {option!r} (rank=R, step=S, attempt=A, seconds=N)"
+                )
             fields[name] = int(value)
         faults.append(Fault(point, action, **fields))
     return faults
@@ -107,6 +113,9 @@ class FaultInjector:
         self.poison_step = None  # nan_loss poisons only the forward passes of the phase it fired in
         for fault in self.faults:
             if not fault.matches(point, self.rank, step) or (fault, step) in self.fired:
+                continue
+            if fault.action == "slow":
+                time.sleep(fault.seconds)
                 continue
             self.fired.add((fault, step))
             print(f"shardtune: fault injection: {fault.action} at {point}, step {step}, rank {self.rank}",

@@ -53,7 +53,7 @@ from shardtune.checkpoint.shards import METADATA_FILE, NodeSavePlanner, ShardsRe
 from shardtune.config import Config, dump_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
-from shardtune.errors import ConfigError, InputError
+from shardtune.errors import CheckpointSaveError, ConfigError
 from shardtune.faults import fault_point
 
 log = logging.getLogger("shardtune")
@@ -63,10 +63,6 @@ TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 # Loading sets only the trainable parameters; the frozen ones come from the base model. Every
 # trainable key is still required: dcp.load fails on any key the checkpoint lacks.
 SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-class CheckpointSaveError(InputError):
-    """A checkpoint could not be written (full disk, lost mount, permissions); nothing was committed."""
 
 
 def config_hash(config: Config) -> str:
@@ -130,8 +126,7 @@ class Checkpointer:
             return None
         if setting != "auto":
             path = Path(setting)
-            present: list[Any] = [None] * self.env.world_size
-            dist.all_gather_object(present, (socket.gethostname(), (path / "manifest.json").is_file()))
+            present = self.env.all_gather_objects((socket.gethostname(), (path / "manifest.json").is_file()))
             lacking = sorted({host for host, found in present if not found})
             if lacking:
                 raise ConfigError(
@@ -140,8 +135,7 @@ class Checkpointer:
                 )
             return path
         local = [int(CHECKPOINT_PATTERN.match(p.name).group(1)) for p in complete_checkpoints(self.output_dir)]
-        everywhere: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(everywhere, local)
+        everywhere = self.env.all_gather_objects(local)
         common = set(everywhere[0]).intersection(*everywhere[1:])
         if not common:
             log.info(
@@ -191,8 +185,7 @@ class Checkpointer:
             failures = self._describe_failure(error)
         # Each rank lists its files only after writing them, so once rank 0 holds every list, every
         # rank's shards are on disk and the checkpoint may be committed: the gather is the barrier.
-        gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, (files, failures))
+        gathered = self.env.all_gather_objects((files, failures))
         self._raise_if_any(step, staging, [failure for _, found in gathered for failure in found], "writing shards")
         # Rank 0 composes the small files; every node's leader writes them on its own storage.
         small_files: list[Any] = [
@@ -228,8 +221,7 @@ class Checkpointer:
 
     def _agree(self, step: int, staging: Path, failures: list[str], stage: str) -> None:
         """Every rank learns of every rank's failures of this stage; all raise together if there are any."""
-        gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, failures)
+        gathered = self.env.all_gather_objects(failures)
         self._raise_if_any(step, staging, [failure for found in gathered for failure in found], stage)
 
     def _raise_if_any(self, step: int, staging: Path, failures: list[str], stage: str) -> None:
@@ -321,8 +313,7 @@ class Checkpointer:
         ]
         # Every rank learns of every rank's problems, so all stop together instead of some waiting
         # in dcp.load for ranks that gave up.
-        everyone: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(everyone, problems)
+        everyone = self.env.all_gather_objects(problems)
         lacking = [f"rank {rank}: {problem}" for rank, found in enumerate(everyone) for problem in found]
         if lacking:
             raise ConfigError(

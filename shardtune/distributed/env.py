@@ -95,13 +95,22 @@ class DistributedEnv:
         return torch.stack(gathered).cpu()
 
     def all_gather_objects(self, value: object) -> list:
-        """A picklable value from every rank, in rank order."""
+        """A picklable value from every rank, in rank order: the one place that gathers objects.
+
+        Alone, the value itself: no pickling round trip, and no collective for a caller that runs
+        before (or without) a process group, such as a check at world size 1."""
+        if self.world_size == 1:
+            return [value]
         values: list[object] = [None] * self.world_size
         dist.all_gather_object(values, value)
         return values
 
     def hostnames(self) -> list[str]:
         return [str(name) for name in self.all_gather_objects(socket.gethostname())]
+
+    def store(self) -> dist.Store:
+        """The process group's key-value store (the rendezvous store): for waits without a collective."""
+        return dist.distributed_c10d._get_default_store()
 
     def barrier(self) -> None:
         dist.barrier()

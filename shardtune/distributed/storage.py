@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import DataError
 
@@ -31,7 +29,7 @@ def is_shared_with_rank0(env: DistributedEnv, directory: Path, timeout_s: float,
     if env.world_size == 1:
         return True
     # The default group's store is the rendezvous store every rank already reached.
-    store = dist.distributed_c10d._get_default_store()
+    store = env.store()
     token_key = f"shardtune/storage-domain/{purpose}/token"
     checked_key = f"shardtune/storage-domain/{purpose}/checked"
     directory.mkdir(parents=True, exist_ok=True)
@@ -96,7 +94,6 @@ def storage_domains(env: DistributedEnv, directory: Path, timeout_s: float, purp
     domain 0; a node with its own disk is a domain of its own (nodes hold contiguous ranks)."""
     shared = is_shared_with_rank0(env, directory, timeout_s, purpose)
     key = -1 if shared else env.rank // env.local_world_size
-    keys: list[int | None] = [None] * env.world_size
-    dist.all_gather_object(keys, key)
+    keys = env.all_gather_objects(key)
     numbering = {key: index for index, key in enumerate(dict.fromkeys(keys))}
     return StorageDomains(tuple(numbering[key] for key in keys), env.rank)

@@ -50,7 +50,6 @@ def shared_dir_checks(config: Config, env: DistributedEnv, rows: list[Check], ti
     Global rank 0 leaves a marker file that the other ranks look for. A directory that some node could
     not write is not tested: the marker could not be written or would not be found, for another reason.
     """
-    import torch.distributed as dist
 
     from shardtune.distributed.storage import is_shared_with_rank0
 
@@ -64,8 +63,7 @@ def shared_dir_checks(config: Config, env: DistributedEnv, rows: list[Check], ti
             checks.append(Check(f"{name} shared", WARN, "not tested: the directory is not writable on every node"))
             continue
         shared = is_shared_with_rank0(env, directory, timeout_s, purpose=f"doctor-{name.replace(' ', '-')}")
-        seen: list[tuple[str, bool] | None] = [None] * env.world_size
-        dist.all_gather_object(seen, (node_label(), shared))
+        seen = env.all_gather_objects((node_label(), shared))
         nodes = sorted({node for node, _ in seen}, key=int)
         apart = sorted({node for node, same in seen if not same}, key=int)
         if not apart:
@@ -86,7 +84,6 @@ def shared_dir_checks(config: Config, env: DistributedEnv, rows: list[Check], ti
 def run_checks(config: Config, timeout_s: float, front: list[Check]) -> int:
     """This process's part of the checks, as one rank of the run; 1 when any check failed, else 0.
     ``front``: this node's checks made before the process group, reported with the node's others."""
-    import torch.distributed as dist
 
     from shardtune.cli import setup_logging
     from shardtune.distributed.env import DistributedEnv
@@ -99,8 +96,7 @@ def run_checks(config: Config, timeout_s: float, front: list[Check]) -> int:
         host = socket.gethostname()
         mine = [check.on(node_label(), host) for check in [*front, *node_checks(config, env)]]
         # One process per node checks the node; the others only join the collectives.
-        gathered: list[list[Check] | None] = [None] * env.world_size
-        dist.all_gather_object(gathered, mine if env.local_rank == 0 else [])
+        gathered = env.all_gather_objects(mine if env.local_rank == 0 else [])
         rows = [row for part in gathered for row in part or []]
         rows += shared_dir_checks(config, env, rows, timeout_s)
         rows += bandwidth_checks(env)

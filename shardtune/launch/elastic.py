@@ -20,6 +20,7 @@ import argparse
 import datetime
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -27,9 +28,9 @@ import time
 from dataclasses import dataclass
 
 from shardtune.config import NetworkConfig
-from shardtune.errors import EXIT_BAD_INPUT, InputError
+from shardtune.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_SAVE_FAILED, InputError
 from shardtune.launch.network import apply_network_environment
-from shardtune.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
+from shardtune.train.preemption import COMMAND_VARIABLE, PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
 log = logging.getLogger("shardtune")
 
@@ -153,6 +154,8 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
 
     nproc = spec.nproc_per_node or default_nproc()
     apply_network_environment(network)  # inherited by the workers
+    # The workers name the command that resumes a stopped run: this one, not their own.
+    os.environ[COMMAND_VARIABLE] = shlex.join(["shardtune", *sys.argv[1:]])
     # torchrun pins every worker to one CPU thread unless told otherwise; CPU-side work (data
     # collation, and the optimizer step under FSDP CPU offload) then crawls. Share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -168,6 +171,7 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
     for signum in PREEMPTION_SIGNALS:
         signal.signal(signum, _terminate_process_handler)
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(spec.shutdown_grace_s))
+    _quiet_agent_shutdown_logs()
 
     store = _host_or_join_store(spec) if spec.multi_node else None
     if spec.multi_node:
@@ -187,9 +191,9 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
             status = _run_attempt(spec, nproc, attempt, store, worker_command)
             if status == PREEMPTED_EXIT_CODE:
                 _ignore_further_signals()
-            # Bad input (and a run stopped for non-finite losses, or a checkpoint that cannot be written)
-            # fails again on restart: every rank found it, so every node stops here alike.
-            final = (0, PREEMPTED_EXIT_CODE, EXIT_BAD_INPUT)
+            # Bad input, a run stopped for non-finite losses, a checkpoint that cannot be written fail
+            # again on restart: every rank found it, so every node stops here alike. Ctrl-C is final too.
+            final = (0, PREEMPTED_EXIT_CODE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED)
             if status in final or status >= 128 or attempt == spec.max_restarts:
                 return status
             print(
@@ -205,6 +209,22 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
     finally:
         del store  # this node stops hosting (or using) the rendezvous store only now
     return status
+
+
+class _AgentShutdownFilter(logging.Filter):
+    """The agent logs every signal it passes on ("Received 2 death signal, shutting down workers",
+    "Sending process 123 closing signal SIGINT"): the workers' one line says what happened instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return "death signal" not in message and "closing signal" not in message
+
+
+def _quiet_agent_shutdown_logs() -> None:
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _AgentShutdownFilter) for existing in logger.filters):
+            logger.addFilter(_AgentShutdownFilter())
 
 
 def _ignore_further_signals() -> None:
@@ -244,11 +264,14 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
         if error.exitcode == PREEMPTED_EXIT_CODE:
             print(f"shardtune: workers stopped for preemption (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
+        if error.exitcode == EXIT_INTERRUPTED:
+            return EXIT_INTERRUPTED  # a worker got Ctrl-C: rank 0 said where the run stopped
         print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
         return error.exitcode if error.exitcode > 0 else 1
     except SignalException as signalled:
         name = signalled.sigval.name
-        if signalled.sigval in PREEMPTION_SIGNALS:
+        if signalled.sigval == signal.SIGINT:
+            return EXIT_INTERRUPTED  # Ctrl-C: the workers stopped as told, and rank 0 said where
             print(f"shardtune: {name}: workers were told to checkpoint and stop", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         print(f"shardtune: {name}: workers stopped", file=sys.stderr)

@@ -221,10 +221,15 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     # max_length: every batch has the same shape, so compiled layers never meet a new sequence length.
     pad_to_length = config.data.max_length if config.data.pad_to == "max_length" else None
     eval_results: list[dict[str, float]] = []
+    heartbeat, watchdog = start_heartbeat(
+        output_dir, env.rank, env.world_size, config.hang_timeout_s, training.heartbeat_interval_s
+    )
+    on_exit.callback(watchdog.close)
 
     def run_eval(step: int) -> None:
         if len(data.eval) == 0:
             return
+        heartbeat.beat(step, "eval")
         started = time.perf_counter()
         result = evaluate(
             model,
@@ -235,6 +240,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             precision.autocast,
             training.loss_chunk_tokens,
             config.model.liger_kernel,
+            on_batch=lambda: heartbeat.progress("eval.batch"),
         )
         result = {**result, "eval_time_s": time.perf_counter() - started}
         eval_results.append(result)
@@ -252,10 +258,11 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     peak = peak_flops(env.device_name(), config.logging.peak_tflops)
     interval = TrainInterval(env, hostnames, flops, peak)
     last_loss = float("nan")
-    heartbeat, watchdog = start_heartbeat(
-        output_dir, env.rank, env.world_size, config.hang_timeout_s, training.heartbeat_interval_s
-    )
-    on_exit.callback(watchdog.close)
+
+    def saving(step: int, phase: str) -> contextlib.AbstractContextManager:
+        """A save's heartbeat phase: beats while any rank's save writes (see ``SaveTicker``)."""
+        return heartbeat.saving(step, phase, env.store(), output_dir, watchdog.poll_s)
+
     nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
     run_started = time.perf_counter()
     profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
@@ -315,23 +322,25 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             progress.report(step, record)
 
         if training.eval_steps and step % training.eval_steps == 0 and step != total_steps:
-            heartbeat.beat(step, "eval")
             run_eval(step)
         saved = None
         if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
-            heartbeat.beat(step, "checkpoint")
-            saved = checkpointer.save(step)
+            with saving(step, "checkpoint"):
+                saved = checkpointer.save(step)
         heartbeat.beat(step, "end_of_step")
-        if step < total_steps and preemption.requested():
-            # Whatever checkpoint_mode says: a requeued job must continue exactly where this one stopped.
-            if saved is None or training.checkpoint_mode != "full":
-                saved = checkpointer.save(step, mode="full")
-            log.warning("%s: stopping after step %d; %s holds the run", preemption.signal_name, step, saved)
+        stop = preemption.requested() if step < total_steps else None
+        if stop:
+            # Ctrl-C saves only in a run that saves checkpoints anyway; a preemption always saves. Whatever
+            # checkpoint_mode says, in full: a resumed run must continue exactly where this one stopped.
+            wanted = stop != "SIGINT" or bool(training.save_steps)
+            if wanted and (saved is None or training.checkpoint_mode != "full"):
+                with saving(step, "stop_checkpoint"):
+                    saved = checkpointer.save(step, mode="full")
             for sink in sinks:
                 sink.close()
             progress.close()
             preemption.close()
-            raise Preempted(step, str(saved))
+            raise Preempted(stop, step, None if saved is None else str(saved))
     preemption.close()
     heartbeat.beat(total_steps, "final")
 
@@ -339,10 +348,12 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     run_eval(total_steps)
     progress.close()
 
-    state = full_state_dict(model)  # a collective when the weights are sharded
-    if env.is_main:
-        save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state)
-        log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
+    with saving(total_steps, "final_save"):
+        state = full_state_dict(model)  # a collective when the weights are sharded
+        if env.is_main:
+            save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state)
+            log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
+        env.barrier()  # the others wait for rank 0's write inside the save, beating with its progress
 
     train_time = interval.run_train_time_s
     tokens_per_rank = [int(t) for t in env.all_gather_floats(interval.run_tokens)]

@@ -8,9 +8,9 @@ the vector, and every rank then holds the same verdict and knows which ranks saw
 small collective and one host sync per step, the price of deciding before ``optimizer.step()``.
 
 ``training.on_nonfinite``: ``stop`` skips the update and stops the run (every rank raises
-``NonFiniteError``) once ``training.max_nonfinite_steps`` steps in a row were non-finite; ``skip`` skips
-every such update and never stops. Each skipped step is logged, and recorded in
-``logs/nonfinite.jsonl`` by global rank 0.
+``shardtune.errors.NonFiniteError``: exit status 3) once ``training.max_nonfinite_steps`` steps in a
+row were non-finite; ``skip`` skips every such update and never stops. Each skipped step is logged,
+and recorded in ``logs/nonfinite.jsonl`` by global rank 0.
 """
 
 from __future__ import annotations
@@ -23,16 +23,12 @@ import torch
 import torch.distributed as dist
 
 from shardtune.distributed.env import DistributedEnv
-from shardtune.errors import InputError
+from shardtune.errors import NonFiniteError
 from shardtune.metrics.schema import LOG_FILES, make_row
 
 log = logging.getLogger("shardtune")
 
 LOSS, GRADIENT = 1, 2
-
-
-class NonFiniteError(InputError):
-    """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 
 
 class NonFiniteGuard:

@@ -1,19 +1,30 @@
-"""Stop cleanly when the cluster asks: SIGTERM or SIGUSR1 on any rank -> every rank stops at the same
-step boundary -> a full checkpoint is committed -> the process exits with ``PREEMPTED_EXIT_CODE``,
-which the sbatch script turns into a requeue (and ``resume_from_checkpoint: auto`` picks it up).
+"""Stop cleanly when asked: by the cluster (SIGTERM, SIGUSR1) or by the user (Ctrl-C, SIGINT).
 
-A signal handler may run between any two bytecodes, so it only records the request; the training
-loop asks at each step boundary whether any rank has one (a one-integer all-reduce on the CPU
-backend: no GPU synchronization), so all ranks save the same step together.
+Inside the step loop a signal on any rank -> every rank stops at the same step boundary -> a full
+checkpoint is committed (for SIGINT only where ``training.save_steps`` is set) -> global rank 0 prints
+one line saying where it is and the exact command that resumes from it -> the process exits with
+``PREEMPTED_EXIT_CODE`` (SIGTERM, SIGUSR1: the sbatch script turns it into a requeue, and
+``resume_from_checkpoint: auto`` picks the checkpoint up) or ``EXIT_INTERRUPTED`` (SIGINT).
+
+A signal handler may run between any two bytecodes, so inside the loop it only records the request;
+the loop asks at each step boundary whether any rank has one (a one-integer all-reduce on the CPU
+backend: no GPU synchronization), so all ranks save the same step together. Outside the loop (setup,
+the final evaluation and save) Ctrl-C interrupts at once, as ``KeyboardInterrupt``; the command line
+then prints one line, also without a traceback, and exits with ``EXIT_INTERRUPTED``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING
+
+from shardtune.errors import EXIT_INTERRUPTED
 
 if TYPE_CHECKING:
     from shardtune.distributed.env import DistributedEnv
@@ -23,18 +34,67 @@ log = logging.getLogger("shardtune")
 # EX_TEMPFAIL: "try again later", which is what a preempted run asks for.
 PREEMPTED_EXIT_CODE = 75
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What the step loop defers to its next boundary. Ranks that got different signals agree on the one
+# with the highest priority: a preemption's checkpoint is needed by the requeued job.
+STOP_PRIORITY = {signal.SIGINT: 1, signal.SIGUSR1: 2, signal.SIGTERM: 3}
+# The command that started the run (the launcher's, for its workers): where the resume line starts.
+COMMAND_VARIABLE = "SHARDTUNE_COMMAND"
+
+_interrupted = False  # this process got a SIGINT (wherever it was)
 
 
 class Preempted(Exception):
-    """Raised out of the training loop once the preemption checkpoint is committed."""
+    """Raised out of the training loop once the stop is agreed (and its checkpoint committed)."""
 
-    def __init__(self, step: int, checkpoint: str):
-        super().__init__(f"preempted: stopped after step {step}, checkpoint {checkpoint} committed")
-        self.step, self.checkpoint = step, checkpoint
+    def __init__(self, signal_name: str, step: int, checkpoint: str | None):
+        super().__init__(f"{signal_name}: stopping after step {step}")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
+
+    def line(self) -> str:
+        """The one line the run ends with: where it stopped, what holds it, how to resume."""
+        if self.checkpoint is None:
+            return f"shardtune: {self}; nothing saved (Ctrl-C saves a checkpoint only with training.save_steps set)"
+        return f"shardtune: {self}; saved {self.checkpoint}; resume with: {resume_command(self.checkpoint)}"
+
+
+def resume_command(checkpoint: str) -> str:
+    """The command that started this run, resuming from ``checkpoint`` instead."""
+    words = shlex.split(os.environ.get(COMMAND_VARIABLE) or shlex.join(["shardtune", *sys.argv[1:]]))
+    words = [word for word in words if not word.startswith("training.resume_from_checkpoint=")]
+    return shlex.join([*words, f"training.resume_from_checkpoint={checkpoint}"])
+
+
+def catch_interrupts() -> None:
+    """From now on this process remembers a SIGINT, which still interrupts at once (outside the step
+    loop): an error that follows it (a collective whose peer was interrupted first) is part of the stop."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether this process got a SIGINT."""
+    return _interrupted
+
+
+# Ctrl-C outside the step loop.
+INTERRUPTED_LINE = (
+    "shardtune: SIGINT: stopped outside the training steps (setup, evaluation, final save); nothing saved"
+)
 
 
 class PreemptionWatch:
-    """Records SIGTERM / SIGUSR1 and tells every rank, at a step boundary, whether any rank got one."""
+    """Records SIGTERM, SIGUSR1 and SIGINT during the step loop, and tells every rank at a step
+    boundary which one, if any, any rank got."""
 
     def __init__(self, env: DistributedEnv):
         self.env = env
@@ -42,20 +102,27 @@ class PreemptionWatch:
         self._previous: dict[int, object] = {}
         # Handlers can only be installed from the main thread (tests may run the loop elsewhere).
         if threading.current_thread() is threading.main_thread():
-            for signum in PREEMPTION_SIGNALS:
+            for signum in STOP_PRIORITY:
                 self._previous[signum] = signal.signal(signum, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.signal_name = signal.Signals(signum).name
+        global _interrupted
+        _interrupted = _interrupted or signum == signal.SIGINT
+        name = signal.Signals(signum).name
+        if self.signal_name is None or STOP_PRIORITY[signum] > STOP_PRIORITY[signal.Signals[self.signal_name]]:
+            self.signal_name = name
 
-    def requested(self) -> bool:
-        """Whether any rank has been signalled (a collective: every rank must call it each step)."""
+    def requested(self) -> str | None:
+        """The signal any rank got (the highest priority one), or None: a collective, every rank must
+        call it each step, and all get the same answer."""
         import torch
 
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
+        priority = STOP_PRIORITY[signal.Signals[self.signal_name]] if self.signal_name else 0
+        flag = torch.tensor([priority], dtype=torch.int32)
         if self.env.world_size > 1:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        agreed = {value: signum.name for signum, value in STOP_PRIORITY.items()}
+        return agreed.get(int(flag.item()))
 
     def close(self) -> None:
         for signum, handler in self._previous.items():

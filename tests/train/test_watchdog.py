@@ -4,11 +4,16 @@ dumps every rank's stack and collectives, and ends the job instead of letting it
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
 
+import pytest
 from faulty_runs import run
 
 from shardtune.train.heartbeat import Heartbeat
-from shardtune.train.watchdog import HANG_EXIT_CODE, find_behind, summarize
+from shardtune.train.watchdog import HANG_EXIT_CODE, find_behind, start_heartbeat, summarize
 
 
 def test_a_rank_asleep_inside_a_step_is_named_with_every_stack_and_the_job_exits(tmp_path):
@@ -78,3 +83,82 @@ def test_who_is_behind_without_a_flight_recorder_and_with_missing_reports(tmp_pa
     assert behind == [] and "same step and collective" in why
     text = summarize({0: report(0, 5, 40), 1: report(1, 5, 39)}, 3, 30, tmp_path)
     assert "Behind: rank(s) 1, 2" in text and "  rank 2: no report" in text
+
+
+def test_a_long_healthy_evaluation_does_not_trip_a_short_hang_timeout(tmp_path):
+    out = tmp_path / "run"
+    # Four evaluation batches per rank of 3 s each (12 s in all) under a 5 s hang timeout: each batch beats.
+    result = run(
+        tmp_path, out, 2, "training.max_steps=1", "training.eval_subset_size=8",
+        "training.per_device_eval_batch_size=1", "training.hang_timeout_s=5",
+        fault="eval.batch:slow:seconds=3", timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.log[-4000:]
+    assert result.seconds > 12 and not (out / "hang").exists()
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "metrics.json").read_text())["eval_loss"] > 0
+
+
+def test_a_stuck_evaluation_is_reported_naming_the_phase_and_the_rank(tmp_path):
+    out = tmp_path / "run"
+    result = run(
+        tmp_path, out, 2, "training.max_steps=1", "training.eval_subset_size=4",
+        "training.per_device_eval_batch_size=1", "training.hang_timeout_s=5",
+        fault="eval.batch:hang:rank=1", timeout=240,
+    )  # fmt: skip
+    assert result.returncode == HANG_EXIT_CODE, result.log[-4000:]
+    summary = (out / "hang" / "summary.txt").read_text()
+    assert summary.splitlines()[0].startswith("shardtune: hang: no progress for 5 s") and "Behind: rank(s) 1" in summary
+    rank_lines = {int(line.split()[1]): line for line in summary.splitlines() if line.startswith("  rank ")}
+    assert "BEHIND" in rank_lines[1] and "step 1, phase eval for" in rank_lines[1]
+    assert not (out / "final").exists()
+
+
+def test_a_stuck_checkpoint_save_is_reported_naming_the_phase_and_the_rank(tmp_path):
+    out = tmp_path / "run"
+    result = run(
+        tmp_path, out, 2, "training.max_steps=4", "training.save_steps=2", "training.hang_timeout_s=5",
+        fault="save.shards:hang:rank=1:step=2", timeout=240,
+    )  # fmt: skip
+    assert result.returncode == HANG_EXIT_CODE, result.log[-4000:]
+    summary = (out / "hang" / "summary.txt").read_text()
+    rank_lines = {int(line.split()[1]): line for line in summary.splitlines() if line.startswith("  rank ")}
+    assert "Behind: rank(s) 1" in summary and "BEHIND" in rank_lines[1], summary
+    assert "step 2, phase checkpoint for" in rank_lines[1] and "step 2, phase checkpoint for" in rank_lines[0]
+    assert not (out / "checkpoint-2").exists()
+
+
+def _save_under_watch(run_dir: Path, write_every_s: float | None, seconds: float) -> None:
+    """A rank's save phase under a 2 s hang timeout, lasting ``seconds``: writing its temporary save
+    directory every ``write_every_s`` (a healthy long save), or never (a stuck one)."""
+    import torch.distributed as dist
+
+    heartbeat, watchdog = start_heartbeat(run_dir, rank=0, world_size=1, hang_timeout_s=2, interval_s=0)
+    staging = run_dir / ".checkpoint-7.tmp"
+    with heartbeat.saving(7, "checkpoint", dist.HashStore(), run_dir, watchdog.poll_s):
+        staging.mkdir()
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            if write_every_s is None:
+                time.sleep(0.1)
+                continue
+            with open(staging / "shard.distcp", "ab") as shard:
+                shard.write(b"x" * 4096)
+            time.sleep(write_every_s)
+    watchdog.close()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("healthy", [True, False], ids=["writing", "stuck"])
+def test_a_save_beats_while_it_writes_and_a_stuck_one_trips_the_watchdog(tmp_path, healthy):
+    # In a child process: the watchdog ends the process it watches.
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=_save_under_watch, args=(tmp_path, 0.3 if healthy else None, 7))
+    child.start()
+    child.join(timeout=120)
+    if healthy:
+        assert child.exitcode == 0 and not (tmp_path / "hang").exists()
+        return
+    assert child.exitcode == HANG_EXIT_CODE
+    summary = (tmp_path / "hang" / "summary.txt").read_text()
+    assert "rank 0" in summary and "step 7, phase checkpoint for" in summary
