@@ -264,8 +264,8 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
         if error.exitcode == PREEMPTED_EXIT_CODE:
             print(f"shardtune: workers stopped for preemption (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
-        if error.exitcode == EXIT_INTERRUPTED:
-            return EXIT_INTERRUPTED  # a worker got Ctrl-C: rank 0 said where the run stopped
+        if error.exitcode in (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED):
+            return error.exitcode  # every worker stopped alike, and global rank 0 said why in one line
         print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
         return error.exitcode if error.exitcode > 0 else 1
     except SignalException as signalled:
