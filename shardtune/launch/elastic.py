@@ -34,6 +34,9 @@ from shardtune.train.preemption import COMMAND_VARIABLE, PREEMPTED_EXIT_CODE, PR
 
 log = logging.getLogger("shardtune")
 
+# Statuses with which every worker stops alike, after global rank 0 said why in one line.
+SELF_REPORTED = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED)
+
 __all__ = [
     "PREEMPTED_EXIT_CODE", "NodeSpec", "add_node_arguments", "endpoint_addresses", "is_this_host", "launch_node",
     "node_spec_from_args",
@@ -213,10 +216,13 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
 
 class _AgentShutdownFilter(logging.Filter):
     """The agent logs every signal it passes on ("Received 2 death signal, shutting down workers",
-    "Sending process 123 closing signal SIGINT"): the workers' one line says what happened instead."""
+    "Sending process 123 closing signal SIGINT") and every worker's non-zero exit ("failed (exitcode: 3)
+    local_rank: 0 ..."). Where the workers stopped alike and rank 0 said why in one line, that is noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
+        if message.startswith("failed (exitcode:") and record.args:
+            return record.args[0] not in SELF_REPORTED  # type: ignore[index]
         return "death signal" not in message and "closing signal" not in message
 
 
@@ -264,7 +270,7 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
         if error.exitcode == PREEMPTED_EXIT_CODE:
             print(f"shardtune: workers stopped for preemption (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
-        if error.exitcode in (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED):
+        if error.exitcode in SELF_REPORTED:
             return error.exitcode  # every worker stopped alike, and global rank 0 said why in one line
         print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
         return error.exitcode if error.exitcode > 0 else 1

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 from faulty_runs import command, train_log, worker_env
 
@@ -124,3 +125,34 @@ def test_ctrl_c_during_setup_is_one_line_and_exit_130(tmp_path):
     lines = [line for line in stderr.splitlines() if "SIGINT" in line]
     assert len(lines) == 1, stderr[-4000:]
     assert logged_steps(out) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
+def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    process = start(tmp_path, out, "training.max_steps=8", "training.save_steps=100", fault="optimizer:slow:rank=0")
+    wait_for(lambda: logged_steps(out) >= 1, process)
+    workers = _workers_of(process.pid)
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGINT)  # one worker only; the other learns at the step boundary
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == EXIT_INTERRUPTED, stderr[-4000:]
+    assert "Traceback" not in stderr + stdout and "exitcode" not in stderr
+    lines = [line for line in stderr.splitlines() if "SIGINT" in line]
+    assert len(lines) == 1 and "resume with: shardtune train" in lines[0], stderr[-4000:]
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and f"saved {checkpoints[0]};" in lines[0]
+
+
+def _workers_of(parent: int) -> list[int]:
+    """Processes whose parent is ``parent`` (the launcher): its workers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return found
