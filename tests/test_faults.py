@@ -15,6 +15,7 @@ def test_parse_faults():
         Fault("save.shards", "kill", rank=1, step=4, attempt=0),
         Fault("forward_backward", "hang"),
     ]
+    assert parse_faults("eval.batch:slow:seconds=3:rank=1") == [Fault("eval.batch", "slow", rank=1, seconds=3)]
     assert parse_faults("") == []
     with pytest.raises(ValueError, match="expected POINT:ACTION"):
         parse_faults("save.shards:explode")
@@ -53,3 +54,13 @@ def test_write_error_makes_the_kernel_fail_every_write_of_the_process():
     child.start()
     child.join(timeout=60)
     assert queue.get(timeout=5) == errno.EFBIG
+
+
+def test_slow_sleeps_every_time_the_point_is_passed():
+    import time
+
+    injector = FaultInjector([Fault("eval.batch", "slow", seconds=1)], rank=0)
+    started = time.monotonic()
+    for _ in range(2):
+        injector.at("eval.batch", 5)  # the same point and step twice: a slow rank stays slow
+    assert time.monotonic() - started >= 2

@@ -18,6 +18,7 @@ from conftest import REPO
 from faulty_runs import command, train_log, worker_env
 
 from shardtune.errors import EXIT_INTERRUPTED
+from shardtune.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 
 def start(tmp_path: Path, out: Path, *overrides: str, fault: str | None = None) -> subprocess.Popen:
@@ -156,3 +157,15 @@ def _workers_of(parent: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
                 found.append(int(entry.name))
     return found
+
+
+def test_the_resume_command_is_the_starting_command_with_the_checkpoint(monkeypatch):
+    monkeypatch.setenv(
+        "SHARDTUNE_COMMAND", "shardtune train 'my config.yaml' --nproc 2 training.resume_from_checkpoint=auto lora.r=8"
+    )
+    stopped = Preempted("SIGINT", 3, "runs/a b/checkpoint-3")
+    assert stopped.exit_code == EXIT_INTERRUPTED and Preempted("SIGTERM", 3, "x").exit_code == PREEMPTED_EXIT_CODE
+    assert stopped.line() == (
+        "shardtune: SIGINT: stopping after step 3; saved runs/a b/checkpoint-3; resume with: shardtune train "
+        "'my config.yaml' --nproc 2 lora.r=8 'training.resume_from_checkpoint=runs/a b/checkpoint-3'"
+    )
