@@ -278,6 +278,7 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
         name = signalled.sigval.name
         if signalled.sigval == signal.SIGINT:
             return EXIT_INTERRUPTED  # Ctrl-C: the workers stopped as told, and rank 0 said where
+        if signalled.sigval in PREEMPTION_SIGNALS:
             print(f"shardtune: {name}: workers were told to checkpoint and stop", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         print(f"shardtune: {name}: workers stopped", file=sys.stderr)
