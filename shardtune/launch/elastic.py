@@ -9,9 +9,10 @@ rendezvous then finds it there and uses it too.
 
 Signals: SIGTERM and SIGUSR1 to the launcher are passed on to the workers (the agent's shutdown path),
 which commit a full checkpoint at the next step boundary and exit; the launcher then exits with
-``PREEMPTED_EXIT_CODE``. ``--max-restarts`` restarts all workers after a failure (except bad input,
-exit status 2, which a restart cannot fix); restarted workers resume from the newest complete
-checkpoint by themselves (see ``cmd_train``).
+``PREEMPTED_EXIT_CODE``. SIGINT (a terminal's Ctrl-C) likewise; the launcher then exits 130 and adds
+no line to the one the workers print. ``--max-restarts`` restarts all workers after a failure (except
+bad input and the other faults every rank meets alike, exit status 2, 3 and 4, which a restart cannot
+fix); restarted workers resume from the newest complete checkpoint by themselves (see ``cmd_train``).
 """
 
 from __future__ import annotations

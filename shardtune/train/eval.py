@@ -47,14 +47,11 @@ def evaluate(
     # Each rank takes a strided share; sorting by length first keeps padding per batch small.
     lengths = examples.lengths()
     mine = sorted(range(env.rank, len(examples), env.world_size), key=lambda i: (lengths[i], i))
-    shortest = int(np.argmin(lengths))
-    ids, targets, positions = examples.sequence(shortest)
-    padding = [(ids, np.full_like(targets, IGNORE_INDEX), positions)]
     # Sums stay on the device and are reduced once at the end: no host sync per batch.
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
     for index in range(batches_per_rank(len(examples), batch_size, env.world_size)):
         share = mine[index * batch_size : (index + 1) * batch_size]
-        sequences = [examples.sequence(i) for i in share] if share else padding
+        sequences = [examples.sequence(i) for i in share] if share else _padding(examples, lengths)
         batch = collate(sequences, pad_token_id, packed=False).to(env.device)
         totals[0] += summed_token_loss(model, batch, autocast_dtype, loss_chunk_tokens, fused_loss).double()
         totals[1] += batch.num_targets
@@ -68,3 +65,9 @@ def evaluate(
         "eval_perplexity": math.exp(min(loss, 700.0)),
         "eval_tokens": int(totals[1].item()),
     }
+
+
+def _padding(examples: SequenceArrays, lengths: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A batch that costs a forward pass and counts nothing: the shortest example, no target kept."""
+    ids, targets, positions = examples.sequence(int(np.argmin(lengths)))
+    return [(ids, np.full_like(targets, IGNORE_INDEX), positions)]
