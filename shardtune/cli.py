@@ -200,10 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except InputError as exc:
-        # One write per line: stderr to a pipe is unbuffered, print() writes text and newline apart,
-        # and the ranks of a launch share the pipe, so their error lines could end up glued together.
-        for line in exc.lines:
-            sys.stderr.write(f"shardtune: error: {line}\n")
+        from shardtune.launch.local import report_error
+
+        report_error(exc.lines)
         return EXIT_BAD_INPUT
 
 

@@ -23,11 +23,13 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 from shardtune.config import NetworkConfig
 from shardtune.errors import EXIT_BAD_INPUT, InputError
+from shardtune.launch.local import REPORTED_ERRORS_VARIABLE
 from shardtune.launch.network import apply_network_environment
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
@@ -169,6 +171,10 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
         signal.signal(signum, _terminate_process_handler)
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(spec.shutdown_grace_s))
 
+    # Workers that stop on the same input error print it once (see report_error).
+    reported_errors = tempfile.TemporaryDirectory(prefix="shardtune-errors-")
+    os.environ[REPORTED_ERRORS_VARIABLE] = reported_errors.name
+    _quiet_agent_on_bad_input()
     store = _host_or_join_store(spec) if spec.multi_node else None
     if spec.multi_node:
         os.environ.update(
@@ -204,7 +210,23 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
         return PREEMPTED_EXIT_CODE if signalled.sigval in PREEMPTION_SIGNALS else 128 + int(signalled.sigval)
     finally:
         del store  # this node stops hosting (or using) the rendezvous store only now
+        reported_errors.cleanup()
     return status
+
+
+class _BadInputNoise(logging.Filter):
+    """The agent's own lines about workers that stopped on bad input: they would follow the one line that
+    says what to fix with a failure report and the termination of the workers that had not stopped yet."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return f"(exitcode: {EXIT_BAD_INPUT})" not in message and "closing signal SIGTERM" not in message
+
+
+def _quiet_agent_on_bad_input() -> None:
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(existing, _BadInputNoise) for existing in agent_log.filters):
+        agent_log.addFilter(_BadInputNoise())
 
 
 def _ignore_further_signals() -> None:
@@ -241,6 +263,8 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
     except ChildFailedError as failure:
         # The agent has already printed each failed worker's error; name the first for the user.
         rank, error = failure.get_first_failure()
+        if error.exitcode == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT  # the workers have said why, once (see report_error)
         if error.exitcode == PREEMPTED_EXIT_CODE:
             print(f"shardtune: workers stopped for preemption (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
+
+# Set by our launcher for its workers: a directory where the first worker to report an error claims it,
+# so that N workers stopped by the same input print its line once, not N times.
+REPORTED_ERRORS_VARIABLE = "SHARDTUNE_REPORTED_ERRORS"
 
 
 def running_as_worker() -> bool:
@@ -30,3 +36,27 @@ def exit_worker(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def report_error(lines: list[str]) -> None:
+    """Print an error's lines to stderr, prefixed ``shardtune: error:``, once per launch.
+
+    Every rank checks the same inputs and stops with the same words; under our launcher only the first
+    worker to claim the message (an exclusive create of a file named by its hash) prints it, the others
+    exit with the same status silently. A message no other worker has claimed (one rank's own problem)
+    is still printed. Workers started by torchrun or srun have no shared directory: each prints its own.
+    """
+    directory = os.environ.get(REPORTED_ERRORS_VARIABLE)
+    if directory and running_as_worker():
+        attempt = os.environ.get("SHARDTUNE_RESTART_COUNT", "0")
+        digest = hashlib.sha256("\n".join([attempt, *lines]).encode()).hexdigest()[:32]
+        try:
+            os.close(os.open(Path(directory) / digest, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # the directory is gone: better twice than never
+    # One write per line: stderr to a pipe is unbuffered, print() writes text and newline apart, and the
+    # ranks of a launch share the pipe, so their lines could otherwise end up glued together.
+    for line in lines:
+        sys.stderr.write(f"shardtune: error: {line}\n")
