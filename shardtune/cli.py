@@ -44,10 +44,13 @@ def setup_logging(is_main: bool) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
-    from shardtune.launch.local import exit_worker, running_as_worker
+    from shardtune.launch.local import check_worker_count, exit_worker, running_as_worker
 
     if not running_as_worker():
         nproc = args.nproc if args.nproc is not None else default_nproc()
+        warning = check_worker_count(nproc, "--nproc")
+        if warning:
+            sys.stderr.write(f"shardtune: warning: {warning}\n")
         if nproc > 1:
             # The config is known to be good: the workers validate it again, but cannot fail on it.
             worker = ["train", args.config, *args.overrides]
@@ -75,6 +78,7 @@ def _train_here(config: Config) -> int:
     from shardtune.run_dir import prepare_output_dir
     from shardtune.train.loop import run_training
     from shardtune.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from shardtune.train.preflight import preflight
 
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
     if restarts and config.training.resume_from_checkpoint is None:
@@ -98,6 +102,8 @@ def _train_here(config: Config) -> int:
             flush=True,
         )
     try:
+        # Every rank, before anything is written or loaded: all stop with the same line (printed once).
+        preflight(config, env.device)
         if env.is_main:
             if not config.training.resume_from_checkpoint:
                 prepare_output_dir(Path(config.training.output_dir), config.training.overwrite_output_dir)

@@ -60,3 +60,27 @@ def report_error(lines: list[str]) -> None:
     # ranks of a launch share the pipe, so their lines could otherwise end up glued together.
     for line in lines:
         sys.stderr.write(f"shardtune: error: {line}\n")
+
+
+def check_worker_count(nproc: int, option: str) -> str | None:
+    """Raise an ``InputError`` for a worker count no machine can run (below 1, or more workers than visible
+    GPUs: each worker drives the GPU of its local rank); return a warning when CPU workers outnumber the
+    cores (they would only take turns), else None."""
+    import torch
+
+    from shardtune.errors import InputError
+
+    if nproc < 1:
+        raise InputError(f"{option}: must be at least 1, got {nproc}")
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise InputError(
+                f"{option}: {nproc} workers but {gpus} GPU(s) visible: each worker needs a GPU of its own; "
+                f"start at most {gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+            )
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores:
+        return f"{option}: {nproc} workers on {cores} CPU core(s): they will take turns, and the run will be slower"
+    return None
