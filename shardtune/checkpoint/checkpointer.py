@@ -324,11 +324,10 @@ class Checkpointer:
         wanted = {"model": model_state, "optimizer": optimizer_state}
         readers = {kind: ShardsReader(path / kind) for kind, state in wanted.items() if state is not None}
         # Sizes first: a truncated shard would otherwise fail inside DCP's reader, far from its name.
-        problems = resized_files(path, manifest) or [
-            problem
-            for kind, reader in readers.items()
-            for problem in describe_missing(path, kind, wanted[kind], reader, manifest)
-        ]
+        problems = resized_files(path, manifest)
+        for kind, reader in readers.items():
+            # The optimizer's state mirrors the model's: its problems would repeat the model's.
+            problems = problems or describe_missing(path, kind, wanted[kind], reader, manifest)
         # Every rank learns of every rank's problems, so all stop together instead of some waiting
         # in dcp.load for ranks that gave up.
         everyone: list[Any] = [None] * self.env.world_size

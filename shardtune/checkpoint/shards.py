@@ -90,14 +90,23 @@ def _merge(into: Metadata, other: Metadata) -> Metadata:
 
 
 class ShardMismatch(ValueError):
-    """The checkpoint's tensors are not this run's: another shape, or names it does not hold."""
+    """The checkpoint's tensors cannot be this run's: another shape, names it does not hold, or metadata
+    that does not read."""
 
 
 def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[list[str], list[str]]:
     """What this rank cannot load from here: (tensors with chunks no present shard holds, shard files
     the metadata names that do not exist), both empty when the load can go ahead. Raises ``ShardMismatch``
     when the checkpoint holds other tensors than ``state_dict`` (a run with another model or adapter)."""
-    metadata = reader.read_metadata()
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # a damaged .metadata: pickle's errors are of many kinds
+        raise ShardMismatch(
+            f"{reader.path}: its DCP metadata does not read ({_first_line(error)}): the checkpoint is damaged; "
+            "resume from an earlier checkpoint"
+        ) from None
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state_dict, metadata, is_coordinator=False)
     _check_shapes(planner.state_dict, metadata)
@@ -164,12 +173,14 @@ def resized_files(checkpoint: Path, manifest: dict[str, Any]) -> list[str]:
 
 def unreadable_shards(checkpoint: Path, kind: str, error: BaseException) -> str:
     """One line for a DCP load that failed on some rank (a shard whose content is damaged)."""
-    failures = getattr(error, "failures", None) or {}
-    causes = [f"rank {rank}: {type(failure).__name__}: {_first_line(failure)}"
-              for rank, (failure, _) in sorted(failures.items())]  # fmt: skip
-    cause = "; ".join(causes[:2]) if causes else f"{type(error).__name__}: {_first_line(error)}"
+    # The causes' own words are about unpickling and tensor formats; the kind of error and where suffice.
+    failures = getattr(error, "failures", None) or {0: (error, None)}
+    ranks: dict[str, list[str]] = {}
+    for rank, (failure, _) in sorted(failures.items()):
+        ranks.setdefault(type(failure).__name__, []).append(str(rank))
+    cause = ", ".join(f"{name} on rank {', '.join(found)}" for name, found in ranks.items())
     return (
-        f"{checkpoint / kind}: the shards do not read back ({cause}); the checkpoint is damaged: resume from an "
+        f"{checkpoint / kind}: the shards do not read back ({cause}): the checkpoint is damaged; resume from an "
         "earlier checkpoint"
     )
 

@@ -14,6 +14,7 @@ each as a row, so the doctor never passes a config that training refuses on thes
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -140,10 +141,15 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
 
 
 def check_writable(key: str, directory: Path) -> str:
-    """Create ``directory`` if needed (as the run would) and write and remove a file in it."""
+    """``directory`` can be written, or created (a file is written and removed in it, or in its nearest
+    existing parent, where the run would create it): nothing is left behind either way."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".shardtune-probe-{socket.gethostname()}-{os.getpid()}"
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        probe = existing / f".shardtune-probe-{socket.gethostname()}-{os.getpid()}"
         probe.write_bytes(b"shardtune preflight\n")
         probe.unlink()
     except OSError as error:
