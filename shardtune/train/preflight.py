@@ -174,7 +174,7 @@ def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Ca
         return check_kernels(config, device, model_type[0] if model_type else None)
 
     return [
-        ("model", model),
+        ("model config", model),
         ("weights", lambda: check_weights(config)),
         ("precision", lambda: check_precision(config, device)),
         ("kernels", kernels),

@@ -53,7 +53,7 @@ def test_write_error_on_one_rank_fails_every_rank_at_once_and_commits_nothing(tm
     result = run(tmp_path, out, 2, *SAVING, "parallel.timeout_s=120", fault="save.shards:write_error:rank=1:step=4")
     assert result.returncode == 2, result.log[-4000:]
     errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: checkpoint-4")]
-    assert len(errors) == 2 and errors[0] == errors[1], result.log[-4000:]  # both ranks, the same words
+    assert len(errors) == 1, result.log[-4000:]  # both ranks stopped with the same words, printed once
     assert "rank 1: OSError: [Errno 27] File too large" in errors[0]
     assert "Nothing was committed; the newest complete checkpoint is checkpoint-2" in errors[0]
     assert result.seconds < 100  # long before the 120 s collective timeout: nobody waited for rank 1
@@ -99,7 +99,7 @@ def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_
         result = run(tmp_path, out, 2, *SAVING, "parallel.timeout_s=120")
         assert result.returncode == 2, result.log[-4000:]
         errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: checkpoint-4")]
-        assert len(errors) == 2 and errors[0] == errors[1], result.log[-4000:]
+        assert len(errors) == 1, result.log[-4000:]
         # Which write meets the full disk first decides the wording (the OS's ENOSPC, or torch's zip writer
         # reporting a short write in words of its own): the error names the stage and the rank(s) whose write failed.
         assert re.search(r"could not be saved \(writing shards\): rank [01]: \w+Error: ", errors[0]), errors[0]
