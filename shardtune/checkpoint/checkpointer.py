@@ -323,11 +323,15 @@ class Checkpointer:
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
         wanted = {"model": model_state, "optimizer": optimizer_state}
         readers = {kind: ShardsReader(path / kind) for kind, state in wanted.items() if state is not None}
-        # Sizes first: a truncated shard would otherwise fail inside DCP's reader, far from its name.
+        # Sizes first: a truncated shard would otherwise fail inside DCP's reader, far from its name. Only
+        # files of the sizes they were saved at are then planned against.
         problems = resized_files(path, manifest)
-        for kind, reader in readers.items():
-            # The optimizer's state mirrors the model's: its problems would repeat the model's.
-            problems = problems or describe_missing(path, kind, wanted[kind], reader, manifest)
+        for kind, reader in [] if problems else readers.items():
+            try:
+                problems += describe_missing(path, kind, wanted[kind], reader, manifest)
+            except ShardMismatch as mismatch:
+                problems.append(str(mismatch))
+                break  # the optimizer's state mirrors the model's: it would differ the same way
         # Every rank learns of every rank's problems, so all stop together instead of some waiting
         # in dcp.load for ranks that gave up.
         everyone: list[Any] = [None] * self.env.world_size
@@ -369,7 +373,7 @@ def describe_missing(
     }
     try:
         uncovered, absent = missing_shards(state, reader)
-    except (FileNotFoundError, ShardMismatch) as exc:
+    except FileNotFoundError as exc:
         return [str(exc)]
     problems = [
         f"{kind}/{name} (written by {writers.get(f'{kind}/{name}', 'an unknown rank')}) is missing" for name in absent
