@@ -22,6 +22,7 @@ from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
 from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
 from shardtune.launch.elastic import add_node_arguments
+from shardtune.launch.local import say_once
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
 from shardtune.metrics.plot import add_plot_parser
@@ -46,10 +47,13 @@ def setup_logging(is_main: bool) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
-    from shardtune.launch.local import exit_worker, running_as_worker
+    from shardtune.launch.local import check_worker_count, exit_worker, running_as_worker
 
     if not running_as_worker():
         nproc = args.nproc if args.nproc is not None else default_nproc()
+        warning = check_worker_count(nproc, "--nproc")
+        if warning:
+            sys.stderr.write(f"shardtune: warning: {warning}\n")
         if nproc > 1:
             # The config is known to be good: the workers validate it again, but cannot fail on it.
             worker = ["train", args.config, *args.overrides]
@@ -77,6 +81,7 @@ def _train_here(config: Config) -> int:
     from shardtune.run_dir import prepare_output_dir
     from shardtune.train.loop import run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
+    from shardtune.train.preflight import preflight
 
     catch_interrupts()
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
@@ -101,6 +106,8 @@ def _train_here(config: Config) -> int:
             flush=True,
         )
     try:
+        # Every rank, before anything is written or loaded: all stop with the same line (printed once).
+        preflight(config, env.device)
         if env.is_main:
             if not config.training.resume_from_checkpoint:
                 prepare_output_dir(Path(config.training.output_dir), config.training.overwrite_output_dir)
@@ -109,13 +116,13 @@ def _train_here(config: Config) -> int:
         run_training(config, env, sys.argv)
     except Preempted as stopped:
         # Every rank stops alike; one line for the run.
-        _say_once([stopped.line()])
+        say_once([stopped.line()], every_rank_says_it=True)
         return stopped.exit_code
     except (KeyboardInterrupt, Exception) as error:
         # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
             raise
-        _say_once([INTERRUPTED_LINE])
+        say_once([INTERRUPTED_LINE], every_rank_says_it=True)
         return EXIT_INTERRUPTED
     finally:
         env.close()
@@ -210,25 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except InputError as exc:
-        for line in exc.lines:
-            sys.stderr.write(f"shardtune: error: {line}\n")
+        say_once([f"shardtune: error: {line}" for line in exc.lines])
         return exc.exit_code
     except RunFault as exc:
         # Every rank raises the same fault with the same words (they agree on it first): one says it.
-        _say_once([f"shardtune: error: {line}" for line in exc.lines])
+        say_once([f"shardtune: error: {line}" for line in exc.lines], every_rank_says_it=True)
         return exc.exit_code
     except KeyboardInterrupt:
-        _say_once([f"shardtune: SIGINT: stopped ({args.command})"])
+        say_once([f"shardtune: SIGINT: stopped ({args.command})"], every_rank_says_it=True)
         return EXIT_INTERRUPTED
-
-
-def _say_once(lines: list[str]) -> None:
-    """Write ``lines`` to stderr from global rank 0 (or the only process) alone. One write per line:
-    stderr to a pipe is unbuffered, print() writes text and newline apart, and the ranks of a launch
-    share the pipe, so their lines could end up glued together."""
-    if os.environ.get("RANK", "0") == "0":
-        for line in lines:
-            sys.stderr.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -214,6 +214,13 @@ class ParallelConfig(_Section):
     compile: bool = Field(False, description="torch.compile each decoder layer (after checkpointing, before FSDP)")
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
 
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.cpu_offload and self.strategy != "fsdp":
+            # DDP (and auto, which may choose it) keeps a whole replica on each device: nothing to offload.
+            raise ValueError(f"cpu_offload: needs parallel.strategy: fsdp (got {self.strategy})")
+        return self
+
 
 class NetworkConfig(_Section):
     """How the workers talk across nodes: set as NCCL_*/GLOO_* variables in every worker's environment."""
@@ -290,6 +297,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if self.training.bf16 is False and self.model.dtype == "bfloat16":
+            raise ValueError(
+                "training.bf16: false contradicts model.dtype: bfloat16; set model.dtype: float32 (or auto) for "
+                "full precision, or drop training.bf16"
+            )
         hang, collective = self.training.hang_timeout_s, self.parallel.timeout_s
         if hang and hang >= collective:
             # The collective timeout would end the run first, without the watchdog's diagnosis.

@@ -16,7 +16,13 @@ from shardtune.errors import InputError
 
 def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.nn.Module:
     """A ``final/`` directory as a model: PEFT adapter on its base model, or a full HF model."""
+    from shardtune.train.preflight import safetensors_problem
+
     model_dir = Path(model_dir)
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise InputError(f"{weights} {problem}; export or copy it again")
     adapter_config = model_dir / "adapter_config.json"
     if adapter_config.is_file():
         from peft import PeftModel

@@ -27,7 +27,10 @@ ENV = {key: value for key, value in os.environ.items() if not key.startswith("SH
 ENV.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 # Checked by the command before it starts workers, then by one worker per node.
 FRONT_CHECKS = ["rendezvous port", "workers", "network interface"]
-NODE_CHECKS = ["devices", "backends", "model", "data", "output dir", "cache dir", "memory", "disk"]
+NODE_CHECKS = [
+    "devices", "backends", "model", "data", "model config", "weights", "precision", "kernels", "output dir",
+    "cache dir", "memory", "disk",
+]  # fmt: skip
 
 
 def free_port() -> int:
@@ -108,7 +111,11 @@ def test_unwritable_output_dir_fails(tmp_path):
     result = doctor(tmp_path, "--port", str(free_port()), output_dir=blocker / "run")
     assert result.returncode == 1, result.stdout + result.stderr
     rows = table(result.stdout)
-    assert rows["0", "output dir"] == (FAIL, f"training.output_dir: cannot write {blocker / 'run'} (Not a directory)")
+    assert rows["0", "output dir"] == (
+        FAIL,
+        f"training.output_dir: cannot write {blocker / 'run'} (Not a directory); set training.output_dir to a "
+        "directory this user can create and write (on every node)",
+    )
     assert rows["all", "output dir shared"][0] == WARN  # untestable without a writable directory
     assert rows["0", "cache dir"][0] == OK
 

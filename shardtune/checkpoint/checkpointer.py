@@ -49,7 +49,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardtune.checkpoint.shards import METADATA_FILE, NodeSavePlanner, ShardsReader, missing_shards
+from shardtune.checkpoint.shards import (
+    METADATA_FILE,
+    NodeSavePlanner,
+    ShardMismatch,
+    ShardsReader,
+    merge_rank_problems,
+    missing_shards,
+    resized_files,
+    unreadable_shards,
+)
 from shardtune.config import Config, dump_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
@@ -306,27 +315,30 @@ class Checkpointer:
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
         wanted = {"model": model_state, "optimizer": optimizer_state}
         readers = {kind: ShardsReader(path / kind) for kind, state in wanted.items() if state is not None}
-        problems = [
-            problem
-            for kind, reader in readers.items()
-            for problem in describe_missing(path, kind, wanted[kind], reader, manifest)
-        ]
+        # Sizes first: a truncated shard would otherwise fail inside DCP's reader, far from its name. Only
+        # files of the sizes they were saved at are then planned against.
+        problems = resized_files(path, manifest)
+        for kind, reader in [] if problems else readers.items():
+            try:
+                problems += describe_missing(path, kind, wanted[kind], reader, manifest)
+            except ShardMismatch as mismatch:
+                problems.append(str(mismatch))
+                break  # the optimizer's state mirrors the model's: it would differ the same way
         # Every rank learns of every rank's problems, so all stop together instead of some waiting
         # in dcp.load for ranks that gave up.
-        everyone = self.env.all_gather_objects(problems)
-        lacking = [f"rank {rank}: {problem}" for rank, found in enumerate(everyone) for problem in found]
+        lacking = merge_rank_problems(self.env.all_gather_objects(problems))
         if lacking:
             raise ConfigError(
                 f"training.resume_from_checkpoint: {path} cannot be loaded here: " + "; ".join(lacking[:4])
                 + (f" (and {len(lacking) - 4} more)" if len(lacking) > 4 else "")
             )  # fmt: skip
-        dcp.load(model_state, storage_reader=readers["model"])
+        _read_shards(model_state, readers["model"], path, "model")
         set_model_state_dict(self.model, model_state, options=SET_TRAINABLE)
         trainer = json.loads((path / "trainer.json").read_text())
         self.sampler.load_state_dict(trainer["sampler"])
         self.scheduler.load_state_dict(trainer["scheduler"])
         if optimizer_state is not None:
-            dcp.load(optimizer_state, storage_reader=readers["optimizer"])
+            _read_shards(optimizer_state, readers["optimizer"], path, "optimizer")
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=TRAINABLE_ONLY)
             rng_file = path / "rng" / f"rank-{self.env.rank}.pt"
             if manifest["world_size"] == self.env.world_size and rng_file.is_file():
@@ -369,6 +381,14 @@ def describe_missing(
             + ". Resume on the nodes that wrote it, or copy every node's copy of the checkpoint into one directory"
         )
     return problems
+
+
+def _read_shards(state: dict[str, Any], reader: ShardsReader, path: Path, kind: str) -> None:
+    """``dcp.load``; a shard that does not read (damaged content) stops every rank with one line."""
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as error:  # DCP's exception is a BaseException
+        raise ConfigError(f"training.resume_from_checkpoint: {unreadable_shards(path, kind, error)}") from None
 
 
 def _write_synced(path: Path, text: str) -> None:

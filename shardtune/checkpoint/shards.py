@@ -89,13 +89,31 @@ def _merge(into: Metadata, other: Metadata) -> Metadata:
     return dataclasses.replace(into, state_dict_metadata=tensors, storage_data=storage, planner_data=planner_data)
 
 
+class ShardMismatch(ValueError):
+    """The checkpoint's tensors cannot be this run's: another shape, names it does not hold, or metadata
+    that does not read."""
+
+
 def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[list[str], list[str]]:
     """What this rank cannot load from here: (tensors with chunks no present shard holds, shard files
-    the metadata names that do not exist), both empty when the load can go ahead."""
-    metadata = reader.read_metadata()
+    the metadata names that do not exist), both empty when the load can go ahead. Raises ``ShardMismatch``
+    when the checkpoint holds other tensors than ``state_dict`` (a run with another model or adapter)."""
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # a damaged .metadata: pickle's errors are of many kinds
+        raise ShardMismatch(
+            f"{reader.path}: its DCP metadata does not read ({_first_line(error)}): the checkpoint is damaged; "
+            "resume from an earlier checkpoint"
+        ) from None
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state_dict, metadata, is_coordinator=False)
-    plan = planner.create_local_plan()
+    _check_shapes(planner.state_dict, metadata)
+    try:
+        plan = planner.create_local_plan()
+    except (RuntimeError, ValueError) as error:  # DCP's planner: a key the checkpoint lacks, or another size
+        raise ShardMismatch(f"{_first_line(error)}{ANOTHER_CONFIG}") from None
     read: dict[str, int] = {}
     needed_files: set[str] = set()
     for item in plan.items:
@@ -110,3 +128,73 @@ def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[li
                 uncovered.append(fqn)
     absent = sorted(name for name in needed_files if not (Path(reader.path) / name).is_file())
     return uncovered, absent
+
+
+ANOTHER_CONFIG = (
+    ": the checkpoint was saved by a run with another model or adapter config (e.g. lora.r, lora.target_modules); "
+    "resume with the config it was saved with (its config.yaml), or start a new run in another training.output_dir"
+)
+
+
+def _check_shapes(state_dict: dict[str, Any], metadata: Metadata) -> None:
+    """Every tensor this run would load has the shape the checkpoint saved it with."""
+    differing = []
+    for fqn, value in state_dict.items():
+        saved = metadata.state_dict_metadata.get(fqn)
+        tensors = isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata)
+        if tensors and tuple(saved.size) != tuple(value.shape):
+            differing.append(f"{fqn} saved as {list(saved.size)}, here {list(value.shape)}")
+    if differing:
+        more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
+        raise ShardMismatch(f"{len(differing)} tensor(s) differ in shape: {differing[0]}{more}{ANOTHER_CONFIG}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def resized_files(checkpoint: Path, manifest: dict[str, Any]) -> list[str]:
+    """The files the manifest lists whose size here differs from the size recorded when they were written
+    (a truncated copy, a disk that lost its tail): each named with the rank and host that wrote it. Read
+    before anything is loaded; a file absent here is ``missing_shards``' concern."""
+    problems = []
+    for rank, entries in manifest["files"].items():
+        for entry in entries:
+            file = checkpoint / entry["path"]
+            if file.is_file() and (size := file.stat().st_size) != entry["bytes"]:
+                problems.append(
+                    f"{file} is {size:,} bytes, but the manifest records {entry['bytes']:,} as written by rank {rank} "
+                    f"on {entry['host']}: it was truncated or changed after the save; copy it again from "
+                    f"{entry['host']}, or resume from an earlier checkpoint"
+                )
+    return problems
+
+
+def unreadable_shards(checkpoint: Path, kind: str, error: BaseException) -> str:
+    """One line for a DCP load that failed on some rank (a shard whose content is damaged)."""
+    # The causes' own words are about unpickling and tensor formats; the kind of error and where suffice.
+    failures = getattr(error, "failures", None) or {0: (error, None)}
+    ranks: dict[str, list[str]] = {}
+    for rank, (failure, _) in sorted(failures.items()):
+        ranks.setdefault(type(failure).__name__, []).append(str(rank))
+    cause = ", ".join(f"{name} on rank {', '.join(found)}" for name, found in ranks.items())
+    return (
+        f"{checkpoint / kind}: the shards do not read back ({cause}): the checkpoint is damaged; resume from an "
+        "earlier checkpoint"
+    )
+
+
+def merge_rank_problems(problems: list[list[str]]) -> list[str]:
+    """Each rank's problems (index = rank) as one list: a problem every rank found once, plain; one found by
+    some ranks, prefixed by them."""
+    ranks: dict[str, list[int]] = {}
+    for rank, found in enumerate(problems):
+        for problem in found:
+            ranks.setdefault(problem, []).append(rank)
+    return [
+        problem
+        if len(found) == len(problems)
+        else f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}: {problem}"
+        for problem, found in ranks.items()
+    ]

@@ -33,8 +33,8 @@ from shardtune.errors import DataError
 
 log = logging.getLogger("shardtune")
 
-# Bump when a change to this package changes the tokens it produces for the same inputs.
-PIPELINE_VERSION = 1
+# Bump when a change to this package changes the tokens (or the summary) it produces for the same inputs.
+PIPELINE_VERSION = 2
 TOKENIZE_CHUNK = 1024
 
 
@@ -44,6 +44,7 @@ class SplitSummary:
     kept: int = 0
     truncated: int = 0
     dropped: Counter = field(default_factory=Counter)
+    dropped_rows: dict[str, list[str]] = field(default_factory=dict)  # reason -> the rows (file:line) dropped
     tokens: int = 0
     target_tokens: int = 0
     sequences: int = 0
@@ -54,6 +55,7 @@ class SplitSummary:
             "kept": self.kept,
             "truncated": self.truncated,
             "dropped": dict(sorted(self.dropped.items())),
+            "dropped_rows": dict(sorted(self.dropped_rows.items())),
             "tokens": self.tokens,
             "target_tokens": self.target_tokens,
             "sequences": self.sequences,
@@ -82,7 +84,7 @@ class _RowReader:
         self.tokenizer = tokenizer
         self.rows_read = 0
         self.bad_rows: Counter = Counter()
-        self.first_bad: dict[str, str] = {}
+        self.bad_row_locations: dict[str, list[str]] = {}
 
     def read(self, spec: SourceSpec) -> list[_Example]:
         examples = []
@@ -105,7 +107,7 @@ class _RowReader:
         if self.data.on_bad_row == "error":
             raise DataError(f"{where}: {reason} (set data.on_bad_row: skip to skip such rows)")
         self.bad_rows[reason] += 1
-        self.first_bad.setdefault(reason, where)
+        self.bad_row_locations.setdefault(reason, []).append(where)
 
 
 def _sample(items: list, count: int, rng: random.Random) -> list:
@@ -142,7 +144,7 @@ def select_rows(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[lis
     read = {
         "rows_read": reader.rows_read,
         "bad_rows": dict(reader.bad_rows),
-        "first_bad_row": reader.first_bad,
+        "bad_row_locations": reader.bad_row_locations,
         "sources": sources,
     }
     return train, eval_rows, read
@@ -155,9 +157,12 @@ def _tokenize_split(
     kept = []
     for start in range(0, len(examples), TOKENIZE_CHUNK):
         chunk = examples[start : start + TOKENIZE_CHUNK]
-        for example, outcome in tokenizer.tokenize([item.rendered for item in chunk]):
+        for item, (example, outcome) in zip(chunk, tokenizer.tokenize([item.rendered for item in chunk]), strict=True):
             if example is None:
                 summary.dropped[outcome.value] += 1
+                rows = summary.dropped_rows.setdefault(outcome.value, [])
+                if item.where not in rows:  # a row weighted to appear twice is one row to fix
+                    rows.append(item.where)
                 continue
             summary.truncated += outcome == Outcome.TRUNCATED
             summary.tokens += len(example.input_ids)
@@ -177,7 +182,7 @@ def build_splits(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[di
     train, train_summary = _tokenize_split(train_rows, example_tokenizer, config.data.packing, config.data.max_length)
     eval_split, eval_summary = _tokenize_split(eval_rows, example_tokenizer, False, config.data.max_length)
     if len(train) == 0:
-        raise DataError(f"{', '.join(config.data.paths)}: no training example left (summary: {read})")
+        raise DataError(no_training_example(config, read, train_summary, eval_summary))
     summary = {
         **read,
         "train": train_summary.as_dict(),
@@ -186,6 +191,40 @@ def build_splits(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[di
         "prepare_time_s": round(time.perf_counter() - started, 3),
     }
     return {"train": train, "eval": eval_split}, summary, {}
+
+
+DROP_REASONS = {
+    Outcome.TOO_LONG.value: "longer than data.max_length with data.truncation: drop",
+    Outcome.NO_TARGET_TOKENS.value: "no target token left (e.g. the response cut off by data.max_length)",
+}
+
+
+def no_training_example(config: Config, read: dict[str, Any], train: SplitSummary, evaluation: SplitSummary) -> str:
+    """Why no training example is left, counted by reason, with the first row of each and what to change."""
+    data = config.data
+    counts: list[str] = []
+    first: list[str] = []
+    if read["rows_read"] == 0:
+        counts.append("the file holds no rows" if len(data.paths) == 1 else "the files hold no rows")
+    for reason, count in sorted(read["bad_rows"].items()):
+        counts.append(f"{count} bad ({reason})")
+        first.append(read["bad_row_locations"][reason][0])
+    for reason, count in sorted(train.dropped.items()):
+        counts.append(f"{count} {DROP_REASONS.get(reason, reason)}")
+        first.append(train.dropped_rows[reason][0])
+    if evaluation.rows and not data.eval_path:
+        counts.append(f"{evaluation.rows} held out for evaluation (data.eval_split_ratio)")
+    selected = sum(source["rows"] for source in read["sources"])
+    if selected and not train.rows:
+        counts.append("no row selected by data.dataset_weights")
+    fix = "fix or replace the rows"
+    if train.dropped.get(Outcome.TOO_LONG.value) or train.dropped.get(Outcome.NO_TARGET_TOKENS.value):
+        fix += f", or raise data.max_length ({data.max_length})"
+    where = f" (first: {', '.join(first)})" if first else ""
+    return (
+        f"{', '.join(data.paths)}: no training example left of {read['rows_read']:,} rows read: "
+        f"{'; '.join(counts)}{where}; {fix}"
+    )
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -245,9 +284,22 @@ def describe(summary: dict[str, Any]) -> str:
     """One line for the log: what preparation read, kept and dropped."""
     train, evaluation = summary["train"], summary["eval"]
     dropped = {**train["dropped"], **{f"bad row: {k}": v for k, v in summary["bad_rows"].items()}}
+    rows = {
+        **{f"bad row ({reason})": rows for reason, rows in summary["bad_row_locations"].items()},
+        **{f"{name} {reason}": rows for name, split in (("train", train), ("eval", evaluation))
+           for reason, rows in split["dropped_rows"].items()},
+    }  # fmt: skip
+    listed = [f"{reason}: {_some(where)}" for reason, where in rows.items()]
     return (
         f"{summary['rows_read']:,} rows read; train: {train['kept']:,} examples kept "
         f"({train['truncated']:,} truncated, dropped {dropped or 'none'}), {train['tokens']:,} tokens, "
         f"{train['target_tokens']:,} target tokens, {train['sequences']:,} sequences"
         f"{' (packed)' if summary['packing'] else ''}; eval: {evaluation['kept']:,} examples"
+        + (f"; rows dropped: {'; '.join(listed)}" if listed else "")
     )
+
+
+def _some(rows: list[str], shown: int = 10) -> str:
+    """The first rows of a list, and how many more there are (every one is in the store's summary.json)."""
+    more = f" and {len(rows) - shown} more (summary.json)" if len(rows) > shown else ""
+    return ", ".join(rows[:shown]) + more

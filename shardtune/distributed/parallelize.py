@@ -77,8 +77,6 @@ def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv
             share = replicated / memory
             strategy = "ddp" if share <= DDP_MEMORY_SHARE else "fsdp"
             reason = f"auto: replicated state is {share:.0%} of device memory"
-    if config.parallel.cpu_offload and strategy != "fsdp":
-        raise ConfigError("parallel.cpu_offload: needs parallel.strategy: fsdp")
     if strategy == "fsdp":
         shards = env.world_size
         return ParallelPlan(strategy, reason, param_bytes // shards, grad_bytes // shards, optimizer_bytes // shards)

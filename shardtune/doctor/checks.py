@@ -88,17 +88,17 @@ def endpoint_check(host: str, port: int, addresses: list[str]) -> Check:
 # -- devices and backends --------------------------------------------------------------------------
 def workers_check(nproc: int) -> Check:
     """Each worker of a node takes a GPU of its own: the GPU of its local rank, selected as it starts."""
+    from shardtune.launch.local import check_worker_count
+
+    try:
+        warning = check_worker_count(nproc, "--nproc")
+    except InputError as error:
+        return Check("workers", FAIL, "; ".join(error.lines), fix="change --nproc")
+    if warning:
+        return Check("workers", WARN, warning, fix="start at most one worker per core (--nproc)")
     if not torch.cuda.is_available():
         return Check("workers", OK, f"{plural(nproc, 'worker')} on the CPU")
-    count = torch.cuda.device_count()
-    if nproc > count:
-        return Check(
-            "workers",
-            FAIL,
-            f"{plural(nproc, 'worker')} but {plural(count, 'GPU')} visible",
-            fix=f"start at most {count} workers per node (--nproc), or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
-        )
-    return Check("workers", OK, f"{plural(nproc, 'worker')}, one per GPU, of {count}")
+    return Check("workers", OK, f"{plural(nproc, 'worker')}, one per GPU, of {torch.cuda.device_count()}")
 
 
 def devices_check() -> list[Check]:
@@ -278,40 +278,35 @@ def resume_check(training: TrainingConfig) -> list[Check]:
     ]
 
 
-def writable_check(name: str, key: str, directory: Path) -> Check:
-    """Create ``directory`` if needed (as training would) and write and remove a file in it."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".doctor-{socket.gethostname()}-{os.getpid()}"
-        probe.write_bytes(b"shardtune doctor\n")
-        probe.unlink()
-    except OSError as exc:
-        return Check(
-            name,
-            FAIL,
-            f"{key}: cannot write {directory} ({exc.strerror or exc})",
-            fix=f"set {key} to a directory this user can create and write on every node",
-        )
-    return Check(name, OK, f"{directory} is writable")
-
-
-def output_dir_check(training: TrainingConfig) -> list[Check]:
+def previous_run_check(training: TrainingConfig) -> list[Check]:
+    """A fresh run refuses an output directory that holds another run (a FAIL row; none when free)."""
     output_dir = Path(training.output_dir)
     existing = [name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
     if existing and not training.overwrite_output_dir and training.resume_from_checkpoint is None:
         return [
             Check(
-                "output dir",
+                "previous run",
                 FAIL,
                 f"training.output_dir: {output_dir} already holds a run ({', '.join(existing)})",
                 fix="choose another training.output_dir, set training.overwrite_output_dir=true, or "
                 "training.resume_from_checkpoint=auto",
             )
         ]
-    return [writable_check("output dir", "training.output_dir", output_dir)]
+    return []
 
 
-def preflight_checks(config: Config) -> list[Check]:
+def run_preflight_checks(config: Config, device: torch.device) -> list[Check]:
+    """The checks ``shardtune train`` makes before it writes or loads anything, one row each."""
+    from shardtune.train.preflight import preflight_checks
+
+    return [
+        row
+        for name, check in preflight_checks(config, device)
+        for row in guarded(name, lambda check=check, name=name: [Check(name, OK, check())])
+    ]
+
+
+def interface_checks(config: Config) -> list[Check]:
     """What must hold before a process group can form on this node: gloo will not even start on an
     interface that is not there."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -327,8 +322,8 @@ def node_checks(config: Config, env: DistributedEnv) -> list[Check]:
         *guarded("model", lambda: model_path_check(config.model)),
         *guarded("data", lambda: data_check(config.data)),
         *guarded("resume checkpoint", lambda: resume_check(config.training)),
-        *guarded("output dir", lambda: output_dir_check(config.training)),
-        writable_check("cache dir", "data.cache_dir", config.data.resolved_cache_dir),
+        *previous_run_check(config.training),
+        *run_preflight_checks(config, env.device),
     ]
     try:
         shape = model_shape(config, env)

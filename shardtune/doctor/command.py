@@ -138,7 +138,7 @@ def _is_worker(args: argparse.Namespace) -> bool:
 def cmd_doctor(args: argparse.Namespace) -> int:
     # Paths are checked by the nodes, each for itself, and reported in the table; bad keys stop here.
     config = load_config(args.config, args.overrides, check_paths=False)
-    from shardtune.doctor.checks import preflight_checks, workers_check
+    from shardtune.doctor.checks import interface_checks, workers_check
     from shardtune.launch.elastic import default_nproc, launch_node, node_spec_from_args
 
     if _is_worker(args):
@@ -147,7 +147,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             front = [Check(**row) for row in json.loads((state / FRONT_CHECKS).read_text())]
         else:
             # No command above these workers (torchrun, srun tasks): they check the node first themselves.
-            front = [check.on(node_label(), socket.gethostname()) for check in preflight_checks(config)]
+            front = [check.on(node_label(), socket.gethostname()) for check in interface_checks(config)]
             local_rank = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
             if failed(front):
                 if local_rank == "0":
@@ -172,7 +172,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise InputError(f"--port {args.port} differs from the --rdzv-endpoint's port {endpoint_port}; drop one")
     port = args.port or endpoint_port or DEFAULT_PORT
     nproc = spec.nproc_per_node or default_nproc()
-    front = [*rendezvous_checks(spec, port, args.port is not None), workers_check(nproc), *preflight_checks(config)]
+    front = [*rendezvous_checks(spec, port, args.port is not None), workers_check(nproc), *interface_checks(config)]
     front = [check.on(str(spec.node_rank), socket.gethostname()) for check in front]
     if failed(front):
         # Workers that cannot meet, cannot each have a GPU or cannot open a socket would fail less clearly.

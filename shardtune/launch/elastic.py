@@ -25,11 +25,13 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 from shardtune.config import NetworkConfig
 from shardtune.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_SAVE_FAILED, InputError
+from shardtune.launch.local import REPORTED_ERRORS_VARIABLE
 from shardtune.launch.network import apply_network_environment
 from shardtune.train.preemption import COMMAND_VARIABLE, PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
@@ -177,6 +179,9 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(spec.shutdown_grace_s))
     _quiet_agent_shutdown_logs()
 
+    # Workers that stop on the same input error print it once (see say_once).
+    reported_errors = tempfile.TemporaryDirectory(prefix="shardtune-errors-")
+    os.environ[REPORTED_ERRORS_VARIABLE] = reported_errors.name
     store = _host_or_join_store(spec) if spec.multi_node else None
     if spec.multi_node:
         os.environ.update(
@@ -212,18 +217,20 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
         return PREEMPTED_EXIT_CODE if signalled.sigval in PREEMPTION_SIGNALS else 128 + int(signalled.sigval)
     finally:
         del store  # this node stops hosting (or using) the rendezvous store only now
+        reported_errors.cleanup()
     return status
 
 
 class _AgentShutdownFilter(logging.Filter):
     """The agent logs every signal it passes on ("Received 2 death signal, shutting down workers",
     "Sending process 123 closing signal SIGINT") and every worker's non-zero exit ("failed (exitcode: 3)
-    local_rank: 0 ..."). Where the workers stopped alike and rank 0 said why in one line, that is noise."""
+    local_rank: 0 ..."). Where the workers stopped alike and said why in one line (bad input, a run
+    fault, Ctrl-C), that is noise after it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = str(record.msg)
-        if message.startswith("failed (exitcode:") and record.args:
-            return record.args[0] not in SELF_REPORTED  # type: ignore[index]
+        message = record.getMessage()
+        if any(f"(exitcode: {code})" in message for code in SELF_REPORTED):
+            return False
         return "death signal" not in message and "closing signal" not in message
 
 
@@ -268,6 +275,8 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
     except ChildFailedError as failure:
         # The agent has already printed each failed worker's error; name the first for the user.
         rank, error = failure.get_first_failure()
+        if error.exitcode == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT  # the workers have said why, once (see say_once)
         if error.exitcode == PREEMPTED_EXIT_CODE:
             print(f"shardtune: workers stopped for preemption (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
+
+# Set by our launcher for its workers: a directory where the first worker to report an error claims it,
+# so that N workers stopped by the same input print its line once, not N times.
+REPORTED_ERRORS_VARIABLE = "SHARDTUNE_REPORTED_ERRORS"
 
 
 def running_as_worker() -> bool:
@@ -30,3 +36,54 @@ def exit_worker(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def say_once(lines: list[str], every_rank_says_it: bool = False) -> None:
+    """Write ``lines`` (an error, or how a run stopped) to stderr once per launch, not once per worker.
+
+    ``every_rank_says_it``: the ranks agreed on the words first (a run fault, a stop): global rank 0
+    alone writes them, under any launcher. Otherwise (input errors, which a rank may meet alone) the
+    first worker of our launcher to claim the message (an exclusive create of a file named by its hash)
+    writes it and the others stay silent; a message no other worker claimed is still written. Workers
+    started by torchrun or srun have no shared directory: each writes its own.
+    """
+    if every_rank_says_it:
+        if os.environ.get("RANK", "0") != "0":
+            return
+    elif (directory := os.environ.get(REPORTED_ERRORS_VARIABLE)) and running_as_worker():
+        attempt = os.environ.get("SHARDTUNE_RESTART_COUNT", "0")
+        digest = hashlib.sha256("\n".join([attempt, *lines]).encode()).hexdigest()[:32]
+        try:
+            os.close(os.open(Path(directory) / digest, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # the directory is gone: better twice than never
+    # One write per line: stderr to a pipe is unbuffered, print() writes text and newline apart, and the
+    # ranks of a launch share the pipe, so their lines could otherwise end up glued together.
+    for line in lines:
+        sys.stderr.write(line + "\n")
+
+
+def check_worker_count(nproc: int, option: str) -> str | None:
+    """Raise an ``InputError`` for a worker count no machine can run (below 1, or more workers than visible
+    GPUs: each worker drives the GPU of its local rank); return a warning when CPU workers outnumber the
+    cores (they would only take turns), else None."""
+    import torch
+
+    from shardtune.errors import InputError
+
+    if nproc < 1:
+        raise InputError(f"{option}: must be at least 1, got {nproc}")
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise InputError(
+                f"{option}: {nproc} workers but {gpus} GPU(s) visible: each worker needs a GPU of its own; "
+                f"start at most {gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+            )
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores:
+        return f"{option}: {nproc} workers on {cores} CPU core(s): they will take turns, and the run will be slower"
+    return None

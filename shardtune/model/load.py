@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -39,8 +40,21 @@ def training_attention(config: Config, device: torch.device) -> str:
     example per sequence, or padding) plain causal sdpa is the fastest kernel. FlexAttention's kernels are
     Triton's, for GPUs.
     """
-    if config.model.attn_implementation != "auto":
-        return config.model.attn_implementation
+    chosen = config.model.attn_implementation
+    if chosen == "flash_attention_2":
+        # Checked here, before any weight is read: transformers would only fail inside from_pretrained.
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(
+                "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed: "
+                "pip install flash-attn, or set model.attn_implementation: sdpa"
+            )
+        if device.type != "cuda":
+            raise ConfigError(
+                "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only; set model.attn_implementation: "
+                "sdpa on this machine"
+            )
+    if chosen != "auto":
+        return chosen
     return "flex_attention" if config.data.packing and device.type == "cuda" else "sdpa"
 
 

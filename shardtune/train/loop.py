@@ -80,10 +80,8 @@ class Precision:
     def resolve(cls, config: Config, device: torch.device) -> Precision:
         compute = resolve_dtype(config.model.dtype, device)
         bf16 = config.training.bf16 if config.training.bf16 is not None else compute == torch.bfloat16
-        if compute == torch.bfloat16 and not bf16:
-            raise ConfigError("training.bf16: false contradicts model.dtype: bfloat16; set one of them differently")
-        if bf16:
-            compute = torch.bfloat16
+        # bf16: false with model.dtype: bfloat16 is refused with the config; with auto it means fp32.
+        compute = torch.bfloat16 if bf16 else torch.float32 if config.model.dtype == "auto" else compute
         storage = compute if config.lora.enabled else torch.float32
         return cls(compute, storage, torch.bfloat16 if bf16 else None)
 

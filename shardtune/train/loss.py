@@ -31,6 +31,12 @@ from shardtune.errors import ConfigError
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
 
 
+def logit_transforms(text_config) -> list[str]:
+    """The keys of a model's config that change its logits after the LM head (the preflight refuses a chunked
+    or fused loss for such a model before anything loads; ``_loss_head`` checks again on the model itself)."""
+    return [key for key in LOGIT_TRANSFORMS if getattr(text_config, key, None) not in (None, 1, 1.0)]
+
+
 def summed_token_loss(
     model: torch.nn.Module,
     batch: Batch,
@@ -102,8 +108,7 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tenso
 def _loss_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int, fused: bool) -> Iterator[None]:
     causal_lm = _causal_lm(model)
     head = causal_lm.get_output_embeddings()
-    config = causal_lm.config.get_text_config()
-    transforms = [key for key in LOGIT_TRANSFORMS if getattr(config, key, None) not in (None, 1, 1.0)]
+    transforms = logit_transforms(causal_lm.config.get_text_config())
     if transforms or not isinstance(head, torch.nn.Linear):
         why = f"it transforms logits after the head ({', '.join(transforms)})" if transforms else "no linear head"
         key = "model.liger_kernel" if fused else "training.loss_chunk_tokens"

@@ -6,16 +6,30 @@ takes the process down); ``max_length`` beyond the model's positions breaks lear
 embeddings; a directory that holds no causal LM fails inside ``from_pretrained`` with a message about
 auto classes. Every rank runs the same checks on the same inputs before its first collective, so all
 ranks stop together, with the same message, and none waits in a collective for one that gave up.
+
+``preflight`` runs every check that needs only the config, this machine and the model's config, before the
+run writes or loads anything; ``shardtune doctor`` runs the same checks (``preflight_checks``) and reports
+each as a row, so the doctor never passes a config that training refuses on these grounds.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from shardtune.config import Config
+from shardtune.config import Config, looks_local
 from shardtune.data.prepare import PreparedData
-from shardtune.errors import ConfigError, DataError
+from shardtune.errors import ConfigError, DataError, InputError
+from shardtune.train.loss import logit_transforms
 
 # Where configs of different families keep the number of positions the model was built for.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -50,7 +64,135 @@ def check_model(config: Config) -> PretrainedConfig:
                     f"{model.name_or_path} was built for ({key}); set data.max_length to at most {positions}"
                 )
             break
+    transforms = logit_transforms(text_config)
+    if transforms:
+        for key, value in (("model.liger_kernel", config.model.liger_kernel),
+                           ("training.loss_chunk_tokens", config.training.loss_chunk_tokens)):  # fmt: skip
+            if value:
+                raise ConfigError(
+                    f"{key}: not for {model.name_or_path}: it transforms its logits after the LM head "
+                    f"({', '.join(transforms)}), which a fused or chunked loss would skip; turn {key} off"
+                )
     return text_config
+
+
+def check_weights(config: Config) -> str:
+    """Every safetensors file of a local pretrained model is whole: its header reads and the file is as
+    long as the header says. A truncated download or copy fails here, naming the file, instead of deep
+    inside ``from_pretrained``."""
+    model = config.model
+    path = Path(model.name_or_path).expanduser()
+    if model.init != "pretrained" or not looks_local(model.name_or_path) or not path.is_dir():
+        return "not checked (random init, or weights from the hub)"
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        problem = safetensors_problem(file)
+        if problem:
+            raise ConfigError(f"model.name_or_path: {file} {problem}; download or copy the model again")
+    return f"{len(files)} safetensors file(s) whole"
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file, or None. Reads the header only: 8 bytes of header
+    length, the JSON header, then the tensors, whose last byte the header's offsets give."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return f"is not a safetensors file: {size} bytes, shorter than a header"
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                return f"is truncated or not a safetensors file: its header claims {length} bytes of {size}"
+            header = json.loads(handle.read(length))
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    except (ValueError, UnicodeDecodeError):
+        return "is not a safetensors file: its header is not JSON"
+    if not isinstance(header, dict):
+        return "is not a safetensors file: its header is not a JSON object"
+    tensors = [entry for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)]
+    ends = [entry["data_offsets"][1] for entry in tensors if len(entry.get("data_offsets", [])) == 2]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return (
+            f"is {'truncated' if size < expected else 'longer than its header says'}: {size} bytes, expected {expected}"
+        )
+    return None
+
+
+def check_precision(config: Config, device: torch.device) -> str:
+    from shardtune.model.load import resolve_dtype
+
+    dtype = resolve_dtype(config.model.dtype, device)
+    return f"model.dtype {config.model.dtype}: {str(dtype).removeprefix('torch.')} on {device.type}"
+
+
+def check_kernels(config: Config, device: torch.device, model_type: str | None) -> str:
+    """The attention implementation and liger-kernel the config asks for can run here."""
+    from shardtune.model.load import training_attention
+
+    attention = training_attention(config, device)
+    if config.model.liger_kernel and model_type:  # without a model type, the model check has failed
+        from shardtune.model.liger import check_liger_kernel
+
+        check_liger_kernel(device, model_type)
+    return f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
+
+
+def check_writable(key: str, directory: Path) -> str:
+    """``directory`` can be written, or created (a file is written and removed in it, or in its nearest
+    existing parent, where the run would create it): nothing is left behind either way."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        probe = existing / f".shardtune-probe-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"shardtune preflight\n")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"{key}: cannot write {directory} ({error.strerror or error}); set {key} to a directory this user "
+            "can create and write (on every node)"
+        ) from None
+    return f"{directory} is writable"
+
+
+def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Callable[[], str]]]:
+    """The checks of a run that need no data, no weights and no other process, each named, each raising an
+    ``InputError`` that names the key and what to do, and returning what it found otherwise."""
+    model_type: list[str] = []
+
+    def model() -> str:
+        text_config = check_model(config)
+        model_type.append(text_config.model_type)
+        return f"{config.model.name_or_path}: {text_config.model_type}, a causal LM"
+
+    def kernels() -> str:
+        return check_kernels(config, device, model_type[0] if model_type else None)
+
+    return [
+        ("model config", model),
+        ("weights", lambda: check_weights(config)),
+        ("precision", lambda: check_precision(config, device)),
+        ("kernels", kernels),
+        ("output dir", lambda: check_writable("training.output_dir", Path(config.training.output_dir))),
+        ("cache dir", lambda: check_writable("data.cache_dir", config.data.resolved_cache_dir)),
+    ]
+
+
+def preflight(config: Config, device: torch.device) -> None:
+    """Run every check of ``preflight_checks``; raise one ``ConfigError`` with a line per failed check."""
+    problems: list[str] = []
+    for _, check in preflight_checks(config, device):
+        try:
+            check()
+        except InputError as error:
+            problems += error.lines
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_token_ids(data: PreparedData, model_config: PretrainedConfig, config: Config, pad_id: int | None) -> None:

@@ -46,8 +46,8 @@ def test_bad_rows_skipped_and_counted(tmp_path, tokenizer):
     summary = data.summary
     assert summary["rows_read"] == 7
     assert sum(summary["bad_rows"].values()) == 3
-    assert summary["first_bad_row"]["missing field 'output' (fields: ['instruction'])"] == f"{path}:4"
-    assert summary["first_bad_row"]["empty response in 'output'"] == f"{path}:6"
+    assert summary["bad_row_locations"]["missing field 'output' (fields: ['instruction'])"] == [f"{path}:4"]
+    assert summary["bad_row_locations"]["empty response in 'output'"] == [f"{path}:6"]
     assert summary["train"]["kept"] == len(data.train) == 4
     stored = json.loads((data.store / "summary.json").read_text())
     assert stored["bad_rows"] == summary["bad_rows"]

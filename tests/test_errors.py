@@ -1,0 +1,268 @@
+"""Every failure a user can cause or meet, from the command line: one line naming the file or key and what
+to do, printed once however many workers met it, no traceback, exit status 2 (1 for the doctor's verdict)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_MODEL, write_jsonl
+from faulty_runs import command, worker_env
+from test_doctor import free_port, table
+
+from shardtune.doctor.report import FAIL
+
+HOST = socket.gethostname()
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def errors(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("shardtune: error: ")]
+
+
+def shardtune(*args: str, single_core: bool = False) -> Result:
+    """``python -m shardtune ARGS``, as a user types it; ``single_core``: this process and its workers see one core."""
+    one_core = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if single_core else None
+    result = subprocess.run(
+        [sys.executable, "-m", "shardtune", *args], cwd=REPO, env=worker_env(), capture_output=True, text=True,
+        timeout=300, preexec_fn=one_core,
+    )  # fmt: skip
+    return Result(result.returncode, result.stdout, result.stderr)
+
+
+def train(tmp_path: Path, nproc: int, *overrides: str, out: Path | None = None, **options) -> Result:
+    """``shardtune train`` of the quickstart config (as ``faulty_runs`` runs it), into ``out``."""
+    arguments = command(tmp_path, out or tmp_path / "run", nproc, *overrides)[3:]
+    return shardtune(*arguments, **options)
+
+
+def assert_one_line(result: Result, *lines: str, status: int = 2) -> None:
+    """The run stopped with exactly ``lines`` as its errors, each once, and no traceback."""
+    assert result.returncode == status, result.stderr[-4000:]
+    assert result.errors == [f"shardtune: error: {line}" for line in lines], result.stderr[-4000:]
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A short one-process run with a full checkpoint at step 2 and its final/ adapter; copy before changing."""
+    tmp_path = tmp_path_factory.mktemp("saved")
+    result = train(tmp_path, 1, "training.max_steps=2", "training.save_steps=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp_path / "run"
+
+
+def resume(tmp_path: Path, run: Path, nproc: int = 2) -> Result:
+    return train(tmp_path, nproc, "training.max_steps=4", "training.resume_from_checkpoint=auto", out=run)
+
+
+def test_a_truncated_checkpoint_shard_is_named_with_the_host_that_wrote_it(tmp_path, saved_run):
+    run = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    shard = run / "checkpoint-2" / "model" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    result = resume(tmp_path, run)
+    assert_one_line(
+        result,
+        f"training.resume_from_checkpoint: {run / 'checkpoint-2'} cannot be loaded here: {shard} is {size // 2:,} "
+        f"bytes, but the manifest records {size:,} as written by rank 0 on {HOST}: it was truncated or changed after "
+        f"the save; copy it again from {HOST}, or resume from an earlier checkpoint",
+    )
+    assert "resumed from" not in result.stderr
+
+
+def test_a_checkpoint_shard_damaged_in_place_is_one_line(tmp_path, saved_run):
+    run = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    shard = run / "checkpoint-2" / "model" / "__0_0.distcp"
+    with open(shard, "r+b") as handle:  # the size stays; the content is gone
+        handle.write(bytes(shard.stat().st_size // 2))
+    assert_one_line(
+        resume(tmp_path, run),
+        f"training.resume_from_checkpoint: {run / 'checkpoint-2' / 'model'}: the shards do not read back "
+        "(UnpicklingError on rank 0, 1): the checkpoint is damaged; resume from an earlier checkpoint",
+    )
+
+
+def test_a_checkpoint_of_other_shapes_names_the_tensor(tmp_path, world):
+    """Whatever lets a checkpoint of another lora.r reach the load, the load itself says what differs."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardtune.checkpoint.shards import ShardMismatch, ShardsReader, missing_shards
+
+    dcp.save({"layer.lora_A.weight": torch.zeros(8, 64), "layer.bias": torch.zeros(64)}, checkpoint_id=tmp_path)
+    wanted = {"layer.lora_A.weight": torch.zeros(16, 64), "layer.bias": torch.zeros(64)}
+    with pytest.raises(ShardMismatch) as raised:
+        missing_shards(wanted, ShardsReader(tmp_path))
+    assert str(raised.value).startswith(
+        "1 tensor(s) differ in shape: layer.lora_A.weight saved as [8, 64], here [16, 64]: the checkpoint was saved "
+        "by a run with another model or adapter config (e.g. lora.r, lora.target_modules)"
+    )
+    with pytest.raises(ShardMismatch, match="Missing key in checkpoint state_dict: layer.lora_B.weight"):
+        missing_shards({**wanted, "layer.lora_A.weight": torch.zeros(8, 64), "layer.lora_B.weight": torch.zeros(1)},
+                       ShardsReader(tmp_path))  # fmt: skip
+
+
+def truncated_copy(source: Path, target: Path, name: str) -> tuple[Path, int]:
+    """A copy of ``source`` whose safetensors file ``name`` lost its second half; returns it and the full size."""
+    shutil.copytree(source, target)
+    weights = target / name
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)
+    return weights, size
+
+
+def test_truncated_model_weights_are_named_before_anything_is_written(tmp_path):
+    weights, size = truncated_copy(TINY_MODEL, tmp_path / "model", "model.safetensors")
+    result = train(tmp_path, 1, f"model.name_or_path={tmp_path / 'model'}")
+    assert_one_line(
+        result,
+        f"model.name_or_path: {weights} is truncated: {size // 2} bytes, expected {size}; download or copy the "
+        "model again",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_truncated_adapter_is_named_by_generate(tmp_path, saved_run):
+    adapter, size = truncated_copy(saved_run / "final", tmp_path / "final", "adapter_model.safetensors")
+    result = shardtune("generate", str(tmp_path / "final"), "--instruction", "Say hi.")
+    assert_one_line(result, f"{adapter} is truncated: {size // 2} bytes, expected {size}; export or copy it again")
+
+
+def test_unwritable_output_and_cache_dirs_stop_every_worker_with_one_line_each(tmp_path):
+    # Tests run as root, who may write anywhere: a directory below a regular file cannot exist for anyone.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    out, cache = blocker / "run", blocker / "cache"
+    expected = [
+        f"training.output_dir: cannot write {out} (Not a directory); set training.output_dir to a directory this "
+        "user can create and write (on every node)",
+        f"data.cache_dir: cannot write {cache} (Not a directory); set data.cache_dir to a directory this user can "
+        "create and write (on every node)",
+    ]
+    assert_one_line(train(tmp_path, 2, f"data.cache_dir={cache}", out=out), *expected)
+
+    # The doctor runs the same preflight: the same words, as failed rows of its table.
+    doctor = shardtune(
+        "doctor", "examples/quickstart.yaml", f"training.output_dir={out}", f"data.cache_dir={cache}",
+        "--port", str(free_port()),
+    )  # fmt: skip
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    rows = table(doctor.stdout)
+    assert rows["0", "output dir"] == (FAIL, expected[0]) and rows["0", "cache dir"] == (FAIL, expected[1])
+
+
+FLASH = (
+    "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed: "
+    "pip install flash-attn, or set model.attn_implementation: sdpa"
+)
+
+
+@pytest.mark.skipif(bool(__import__("importlib").util.find_spec("flash_attn")), reason="flash-attn is installed")
+def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
+    assert_one_line(train(tmp_path, 1, "model.attn_implementation=flash_attention_2"), FLASH)
+    assert not (tmp_path / "run").exists()
+    doctor = shardtune(
+        "doctor", "examples/quickstart.yaml", f"training.output_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}", "model.attn_implementation=flash_attention_2",
+        "--port", str(free_port()),
+    )  # fmt: skip
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert table(doctor.stdout)["0", "kernels"] == (FAIL, FLASH)
+
+
+def test_no_usable_row_counts_the_reasons_once_for_two_workers(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(data, [
+        {"instruction": "no output"},  # line 1: bad
+        {"instruction": "word " * 300, "output": "cut off"},  # line 2: the response lies beyond max_length
+        {"instruction": "no output either"},  # line 3: bad
+    ])  # fmt: skip
+    result = train(tmp_path, 2, f"data.dataset_path={data}", "data.on_bad_row=skip", "data.eval_split_ratio=0")
+    assert_one_line(
+        result,
+        f"{data}: no training example left of 3 rows read: 2 bad (missing field 'output' (fields: ['instruction'])); "
+        f"1 no target token left (e.g. the response cut off by data.max_length) (first: {data}:1, {data}:2); fix or "
+        "replace the rows, or raise data.max_length (128)",
+    )
+
+
+def test_the_summary_lists_every_dropped_row(tmp_path, tokenizer):
+    from conftest import make_config
+
+    from shardtune.data.prepare import describe, prepare_dataset
+
+    good = {"instruction": "Add 1 and 1.", "output": "2"}
+    rows = [good, {"instruction": "x"}, {"instruction": "word " * 300, "output": "y"}, good, {"instruction": "z"}]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    config = make_config(tmp_path, data, data={"on_bad_row": "skip", "truncation": "drop"})
+    summary = prepare_dataset(config, tokenizer).summary
+    missing = "missing field 'output' (fields: ['instruction'])"
+    assert summary["bad_row_locations"] == {missing: [f"{data}:2", f"{data}:5"]}
+    assert summary["train"]["dropped_rows"] == {"too_long": [f"{data}:3"]}
+    assert describe(summary).endswith(
+        f"; rows dropped: bad row ({missing}): {data}:2, {data}:5; train too_long: {data}:3"
+    )
+
+
+def test_worker_counts(tmp_path):
+    assert_one_line(train(tmp_path, 0), "--nproc: must be at least 1, got 0")
+    # Two workers on one core: a warning, once; then an output directory below a file stops both with one line.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    result = train(tmp_path, 2, out=blocker / "run", single_core=True)
+    assert result.stderr.count("shardtune: warning:") == 1
+    assert "shardtune: warning: --nproc: 2 workers on 1 CPU core(s): they will take turns" in result.stderr
+    assert result.returncode == 2 and len(result.errors) == 1 and "Traceback" not in result.stderr
+
+
+def tiny_model_with(tmp_path: Path, **settings) -> Path:
+    directory = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **settings}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["model.dtype=bfloat16", "training.bf16=false"],
+            "training.bf16: false contradicts model.dtype: bfloat16; set model.dtype: float32 (or auto) for full "
+            "precision, or drop training.bf16",
+        ),
+        (
+            ["parallel.cpu_offload=true", "parallel.strategy=ddp"],
+            "parallel.cpu_offload: needs parallel.strategy: fsdp (got ddp)",
+        ),
+        (
+            ["parallel.cpu_offload=true"],
+            "parallel.cpu_offload: needs parallel.strategy: fsdp (got auto)",
+        ),
+        (
+            ["training.loss_chunk_tokens=64", "model.name_or_path={softcapped}"],
+            "training.loss_chunk_tokens: not for {softcapped}: it transforms its logits after the LM head "
+            "(final_logit_softcapping), which a fused or chunked loss would skip; turn training.loss_chunk_tokens off",
+        ),
+    ],
+    ids=["bf16-contradiction", "cpu-offload-ddp", "cpu-offload-auto", "logit-softcapping"],
+)
+def test_config_only_contradictions_stop_before_anything_is_written(tmp_path, overrides, line):
+    softcapped = tiny_model_with(tmp_path, final_logit_softcapping=30.0)
+    overrides = [override.format(softcapped=softcapped) for override in overrides]
+    assert_one_line(train(tmp_path, 2, *overrides), line.format(softcapped=softcapped))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
