@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 ROUTINGS = ("balanced", "skewed", "random")
 ATTENTION_OUTPUT_NAMES = ("o_proj",)
 _SIMULATED_TOKENS = 8192
-_BISECTION_STEPS = 40
+_BISECTION_STEPS = 24
 
 
 def skewed_max_mean(num_experts: int, top_k: int) -> float:
@@ -57,10 +57,15 @@ def _quantiles(num_experts: int) -> torch.Tensor:
     return torch.special.ndtri((torch.arange(num_experts, dtype=torch.float64) + 0.5) / num_experts)
 
 
+@functools.cache
+def _standard_logits(num_experts: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(_SIMULATED_TOKENS, num_experts, generator=generator, dtype=torch.float64)
+
+
 def simulated_max_mean(num_experts: int, top_k: int, spread: float) -> float:
     """max/mean load of top_k routing over standard normal logits scaled by exp(spread x quantile)."""
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(_SIMULATED_TOKENS, num_experts, generator=generator, dtype=torch.float64)
+    logits = _standard_logits(num_experts)
     chosen = (logits * torch.exp(spread * _quantiles(num_experts))).topk(top_k, dim=-1).indices
     counts = torch.bincount(chosen.reshape(-1), minlength=num_experts).double()
     return float(counts.max() / counts.mean())
@@ -99,10 +104,10 @@ def set_init_routing(model: torch.nn.Module, blocks: list[MoeBlock], routing: st
             generator = torch.Generator().manual_seed(seed * 100_003 + block.layer)
             hidden = weight.shape[1]
             gaussian = torch.randn(hidden, block.num_experts, generator=generator, dtype=torch.float64)
-            if block.num_experts <= hidden:  # orthonormal: independent standard normal logits
-                rows = torch.linalg.qr(gaussian).Q.T
-            else:  # more experts than dimensions (toy shapes only): unit rows, as independent as they get
-                rows = (gaussian / gaussian.norm(dim=0)).T
+            # Orthonormal rows: independent standard normal logits. Only toy shapes have more experts
+            # than dimensions; their unit rows are as independent as rows get.
+            orthonormal = block.num_experts <= hidden
+            rows = torch.linalg.qr(gaussian).Q.T if orthonormal else (gaussian / gaussian.norm(dim=0)).T
             if routing == "skewed":
                 order = torch.randperm(block.num_experts, generator=generator)
                 scale = torch.exp(skew_spread(block.num_experts, block.top_k) * _quantiles(block.num_experts)[order])
