@@ -34,9 +34,13 @@ def test_glm_shapes_by_hand():
     dense, sparse = attention + 3 * 5120 * 12288, attention + 5120 * 160 + 9 * 3 * 5120 * 1536
     assert active_matmul_params(glm47) == 3 * dense + 89 * sparse + 151552 * 5120
     # --layers keeps the dense first layer: 1 dense + 3 sparse.
-    assert active_matmul_params(shape_config("glm-4.5-air", layers=4)) == (
-        attention_air := 2 * 4096 * 12288 + 2 * 4096 * 1024
-    ) + 3 * 4096 * 10944 + 3 * (attention_air + 4096 * 128 + 9 * 3 * 4096 * 1408) + 151552 * 4096
+    assert (
+        active_matmul_params(shape_config("glm-4.5-air", layers=4))
+        == (attention_air := 2 * 4096 * 12288 + 2 * 4096 * 1024)
+        + 3 * 4096 * 10944
+        + 3 * (attention_air + 4096 * 128 + 9 * 3 * 4096 * 1408)
+        + 151552 * 4096
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.7", "mixtral-8x7b"])
@@ -68,3 +72,31 @@ def test_lora_counts_frozen_weights_at_4_adapters_at_6_and_attention_in_full():
     assert flops.adapter_params == 13_369_344 + routed * 8 // 128
     assert flops.per_token == 4 * matmul + 6 * (13_369_344 + routed // 16) + attention
     assert run_token_flops(config, 4096, False, 30_000_000_000).per_token == 6 * matmul + attention
+
+
+def test_routed_expert_adapters_are_told_apart(tmp_path):
+    """Of LoRA on attention, shared and routed experts (tiny GLM-4.5 layout: 3 layers, the first dense, 8
+    routed experts of which 2 per token), only the routed experts' adapters count at top_k / num_experts."""
+    from tiny_moe import ARCHITECTURES, write_tiny_moe
+    from transformers import AutoConfig
+
+    from shardtune.config import LoraConfig
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.metrics.flops import routed_expert_trainable
+    from shardtune.model.lora import apply_lora, count_parameters
+    from shardtune.model.moe import find_moe_blocks
+
+    directory = write_tiny_moe(tmp_path / "glm", "glm4_moe")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    groups = ["attention", "shared_experts", "routed_experts"]
+    model = apply_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, moe_targets=groups))
+    trainable, _ = count_parameters(model)
+    spec = ARCHITECTURES["glm4_moe"]
+    hidden, moe_inter, experts = 64, spec["moe_intermediate_size"], spec["n_routed_experts"]
+    # PEFT's per-expert update of fused (experts, out, in) tensors, in the 2 sparse layers.
+    routed = 2 * 4 * experts * ((hidden + 2 * moe_inter) + (moe_inter + hidden))
+    assert routed_expert_trainable(blocks) == routed < trainable
+    flops = run_token_flops(model.config, 64, True, trainable, routed)
+    top_k = AutoConfig.from_pretrained(directory).num_experts_per_tok
+    assert flops.adapter_params == trainable - routed + routed * top_k // experts
