@@ -120,7 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "nproc": nproc,
         "data": args.data,
         "layers": model_config.get_text_config().num_hidden_layers,
-        "routing": args.routing,
+        "routing": args.routing if is_moe(model_config) else None,
     }
     command = [sys.executable, "-m", "shardtune", "train", str(config_path), "--nproc", str(nproc), *args.overrides]
     _run(command, out / "shardtune.log", "shardtune train")

@@ -84,8 +84,12 @@ def skew_spread(num_experts: int, top_k: int) -> float:
     return high
 
 
-def set_init_routing(model: torch.nn.Module, blocks: list[MoeBlock], routing: str, seed: int) -> None:
-    """``model.init_routing``: set a freshly drawn model up for a ``balanced`` or ``skewed`` expert load."""
+def set_init_routing(
+    model: torch.nn.Module, blocks: list[MoeBlock], routing: str, seed: int, materialized: bool = True
+) -> None:
+    """``model.init_routing``: set a freshly drawn model up for a ``balanced`` or ``skewed`` expert load.
+    Every rank calls it, so all stop alike on a model it does not fit; only ``materialized`` weights (those
+    a replica will receive) change."""
     if routing == "random":
         return
     if not blocks:
@@ -95,6 +99,8 @@ def set_init_routing(model: torch.nn.Module, blocks: list[MoeBlock], routing: st
     ]
     if not projections:
         raise ConfigError(f"model.init_routing: no attention output projection (o_proj) in {type(model).__name__}")
+    if not materialized:
+        return
     layers = model.config.get_text_config().num_hidden_layers
     with torch.no_grad():
         for projection in projections:

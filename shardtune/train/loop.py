@@ -177,8 +177,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     if config.model.liger_kernel:
         apply_liger_kernels(model, env.device)
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
-    if env.is_main:  # the other ranks' replicas receive rank 0's weights
-        set_init_routing(model, moe_blocks, config.model.init_routing, training.seed)
+    # The other ranks' replicas receive rank 0's weights.
+    set_init_routing(model, moe_blocks, config.model.init_routing, training.seed, materialized=env.is_main)
     if training.moe_aux_loss_coef > 0 and not moe_blocks:
         raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
     if config.lora.enabled:

@@ -143,3 +143,14 @@ def test_profile_share_sorts_kernels_by_kind(tmp_path, capsys):
     assert "  gemm          0.001 s   80.0%" in printed and "  attention     0.000 s    5.0%" in printed
     assert "  other         0.000 s   15.0%" in printed
     assert printed.index("elementwise_kernel") < printed.index("index_put_kernel")
+
+
+def test_calibrated_routing_needs_moe_layers(tmp_path, capsys, tiny_model_dir, alpaca_file):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"model: {{name_or_path: {tiny_model_dir}, init: random, init_routing: skewed}}\n"
+        f"data: {{dataset_path: {alpaca_file}, max_length: 128, cache_dir: {tmp_path / 'cache'}}}\n"
+        f"training: {{output_dir: {tmp_path / 'run'}, max_steps: 1}}\n"
+    )
+    assert main(["train", str(config)]) == 2
+    assert "model.init_routing: skewed needs MoE layers; LlamaForCausalLM has none" in capsys.readouterr().err
