@@ -11,7 +11,9 @@ sequences shardtune trains. Attention is transformers' default, sdpa; shardtune'
 (compile, liger-kernel, chunked loss, ...) do not apply here.
 
 Each step is timed with the device synchronized at its end; ``OUT_DIR/steps.json`` gets the times, the
-real (non-padding) and target tokens of each step on all ranks, peak memory and versions.
+real (non-padding) and target tokens of each step on all ranks, peak memory and versions. MoE models get
+the routers of ``model.init_routing`` (the same as the shardtune run's; their digest goes to steps.json)
+and ``OUT_DIR/expert_usage.jsonl``, their routing counted per step as shardtune's training counts it.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main(argv: list[str]) -> int:
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
     # The same routers as the shardtune run: model.init_routing's weights depend only on the seed.
     set_init_routing(model, moe_blocks, config.model.init_routing, config.training.seed)
+    routers = router_weights_digest(moe_blocks) if moe_blocks else None  # as set up, before any training
     if config.lora.enabled:
         # The same PEFT adapters as the shardtune run (plain get_peft_model; the same target modules).
         model = apply_lora(model, config.lora)
@@ -197,7 +200,7 @@ def main(argv: list[str]) -> int:
             "peak_memory_gib": peak,
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "peak_tflops": config.logging.peak_tflops,
-            "router_weights_sha256": router_weights_digest(moe_blocks) if moe_blocks else None,
+            "router_weights_sha256": routers,
             "versions": {
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
