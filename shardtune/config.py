@@ -37,6 +37,11 @@ class ModelConfig(_Section):
     )
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = "pretrained"
+    init_routing: Literal["random", "balanced", "skewed"] = Field(
+        "random",
+        description="with init: random, MoE models: router weights for an even or a trained-like long-tailed "
+        "expert load (shardtune/bench/routing.py); random: as drawn",
+    )
     revision: str | None = None
     experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = Field(
         None, description="MoE expert computation; null: transformers' default (grouped_mm where it runs)"
@@ -44,6 +49,12 @@ class ModelConfig(_Section):
     liger_kernel: bool = Field(
         False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"
     )
+
+    @model_validator(mode="after")
+    def _check_init_routing(self) -> ModelConfig:
+        if self.init_routing != "random" and self.init != "random":
+            raise ValueError(f"init_routing: {self.init_routing} sets up random weights; needs init: random")
+        return self
 
 
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("messages",), "text": ("text",)}

@@ -29,6 +29,7 @@ from shardtune.errors import InputError
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    from shardtune.bench.routing import ROUTINGS
     from shardtune.bench.shapes import SHAPES
 
     parser = commands.add_parser("bench", help="throughput and memory on a real-shaped model (random weights)")
@@ -43,6 +44,16 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="instead of --steps: one epoch over N generated examples (synthetic or alpaca-like), timed whole",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, metavar="N", help="the shape with its first N decoder layers only"
+    )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="skewed",
+        help="MoE router weights: skewed (a trained-like long tail, the default), balanced (an even expert load) "
+        "or random (as drawn: a few experts take most tokens); see shardtune/bench/routing.py",
     )
     parser.add_argument("--full", action="store_true", help="full fine-tuning (default: LoRA)")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -92,14 +103,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise InputError(f"--epoch-examples: generates its examples; not with --data {args.data}")
         if args.baseline != "none":
             raise InputError("--epoch-examples: the HF baseline runs a fixed number of steps; not with --baseline")
-    model_config = shape_config(args.shape)
+    model_config = shape_config(args.shape, layers=args.layers)
     out: Path = args.out or Path("runs") / f"bench-{Path(args.shape).name}"
     out.mkdir(parents=True, exist_ok=True)
     nproc = args.nproc or default_nproc()
     model_dir = write_model_dir(out / "model", model_config, args.tokenizer)
     data_path, data_format = write_data(args, out, sequences=(args.warmup + args.steps) * args.batch * nproc)
     config_path = out / "config.yaml"
-    config = bench_config(args, out, model_dir, data_path, data_format)
+    config = bench_config(args, out, model_dir, data_path, data_format, model_config)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     results = {
@@ -108,6 +119,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "batch_per_device": args.batch,
         "nproc": nproc,
         "data": args.data,
+        "layers": model_config.get_text_config().num_hidden_layers,
+        "routing": args.routing if is_moe(model_config) else None,
     }
     command = [sys.executable, "-m", "shardtune", "train", str(config_path), "--nproc", str(nproc), *args.overrides]
     _run(command, out / "shardtune.log", "shardtune train")
@@ -151,12 +164,21 @@ def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Pat
     return path.resolve(), args.data_format
 
 
-def bench_config(args: argparse.Namespace, out: Path, model_dir: Path, data_path: Path, data_format: str) -> dict:
+def is_moe(model_config) -> bool:
+    from shardtune.metrics.flops import routed_experts
+
+    return routed_experts(model_config.get_text_config()) is not None
+
+
+def bench_config(
+    args: argparse.Namespace, out: Path, model_dir: Path, data_path: Path, data_format: str, model_config
+) -> dict:
     targets = args.lora_targets if args.lora_targets in (None, "all-linear") else args.lora_targets.split(",")
     return {
         # Synthetic sequences are one document each: plain causal attention, sdpa's fastest kernel.
         "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto",
-                  "attn_implementation": "sdpa" if args.data == "synthetic" else "auto"},
+                  "attn_implementation": "sdpa" if args.data == "synthetic" else "auto",
+                  "init_routing": args.routing if is_moe(model_config) else "random"},
         "data": {"dataset_path": str(data_path), "format": data_format, "max_length": args.seq,
                  "packing": True, "cache_dir": str(out / "cache")},
         "training": {"output_dir": str(out / "shardtune"), "overwrite_output_dir": True,

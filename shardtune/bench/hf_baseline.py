@@ -11,11 +11,14 @@ sequences shardtune trains. Attention is transformers' default, sdpa; shardtune'
 (compile, liger-kernel, chunked loss, ...) do not apply here.
 
 Each step is timed with the device synchronized at its end; ``OUT_DIR/steps.json`` gets the times, the
-real (non-padding) and target tokens of each step on all ranks, peak memory and versions.
+real (non-padding) and target tokens of each step on all ranks, peak memory and versions. MoE models get
+the routers of ``model.init_routing`` (the same as the shardtune run's; their digest goes to steps.json)
+and ``OUT_DIR/expert_usage.jsonl``, their routing counted per step as shardtune's training counts it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -26,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from shardtune.data.tokenize import IGNORE_INDEX
+from shardtune.metrics.expert_usage import USAGE_FILE, ExpertUsage
+from shardtune.model.moe import RoutingRecorder, load_balancing_loss
 
 
 def hf_labels(targets: np.ndarray) -> np.ndarray:
@@ -35,16 +40,58 @@ def hf_labels(targets: np.ndarray) -> np.ndarray:
     return labels
 
 
+class RoutingStatistics:
+    """The MoE routing of every training forward, counted as shardtune's runs count it (``RoutingRecorder``
+    and ``ExpertUsage``, over the real tokens of each micro-batch), one ``expert_usage.jsonl`` record a step."""
+
+    def __init__(self, model: torch.nn.Module, blocks: list, device: torch.device):
+        self.recorder = RoutingRecorder(blocks)
+        self.usage = ExpertUsage(blocks, device)
+        self.rows: list[dict] = []
+        self._recording = contextlib.ExitStack()
+        model.register_forward_pre_hook(self._start, with_kwargs=True)
+        model.register_forward_hook(self._finish)
+
+    def _start(self, module, args, kwargs) -> None:
+        self._recording.enter_context(self.recorder.recording(kwargs.get("attention_mask")))
+
+    @torch.no_grad()
+    def _finish(self, module, args, output) -> None:
+        self._recording.close()
+        records = self.recorder.records
+        if records:
+            self.usage.add(records, load_balancing_loss(records))
+        self.recorder.records = []
+
+    def end_step(self, step: int) -> None:
+        """Reduce the step's counts over the Trainer's ranks (every rank calls it) into one record."""
+        self.rows.append(self.usage.reduce(_TrainerRanks(), step))
+
+
+class _TrainerRanks:
+    """What ``ExpertUsage.reduce`` needs of a ``DistributedEnv``: a sum over the Trainer's ranks, if several."""
+
+    @staticmethod
+    def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+
 def main(argv: list[str]) -> int:
     import peft
     import transformers
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from shardtune.bench.routing import router_weights_digest, set_init_routing
     from shardtune.config import load_config
     from shardtune.data.prepare import prepare_dataset
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.metrics.flops import routed_expert_trainable
     from shardtune.metrics.memory import peak_memory_gib
     from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
     from shardtune.model.lora import apply_lora
+    from shardtune.model.moe import find_moe_blocks
 
     config_path, out, padding = argv[0], Path(argv[1]), argv[2]
     # One example per sequence, as the seeds trained; transformers' default attention.
@@ -56,10 +103,15 @@ def main(argv: list[str]) -> int:
     data = prepare_dataset(config, tokenizer, timeout_s=config.data.prepare_timeout_s)
     dtype = resolve_dtype(config.model.dtype, device)
     model = load_model(config.model, dtype, config.training.seed, random_init_device=device if cuda else None)
+    moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    # The same routers as the shardtune run: model.init_routing's weights depend only on the seed.
+    set_init_routing(model, moe_blocks, config.model.init_routing, config.training.seed)
+    routers = router_weights_digest(moe_blocks) if moe_blocks else None  # as set up, before any training
     if config.lora.enabled:
         # The same PEFT adapters as the shardtune run (plain get_peft_model; the same target modules).
         model = apply_lora(model, config.lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    routed_trainable = routed_expert_trainable(moe_blocks)
     total = sum(p.numel() for p in model.parameters())
 
     class Examples(torch.utils.data.Dataset):
@@ -105,6 +157,7 @@ def main(argv: list[str]) -> int:
     )
 
     steps: list[dict] = []
+    routing = RoutingStatistics(model, moe_blocks, device) if moe_blocks else None
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -121,6 +174,8 @@ def main(argv: list[str]) -> int:
             del pending[: args.gradient_accumulation_steps]
             steps.append({"step": state.global_step, "seconds": seconds,
                           "tokens": sum(t for t, _ in taken), "target_tokens": sum(t for _, t in taken)})  # fmt: skip
+            if routing is not None:
+                routing.end_step(state.global_step)
 
     trainer = Trainer(model=model, args=arguments, train_dataset=Examples(), data_collator=pad, callbacks=[StepTimer()])
     if cuda:
@@ -140,10 +195,12 @@ def main(argv: list[str]) -> int:
             "padding": padding,
             "use_lora": config.lora.enabled,
             "trainable_params": trainable,
+            "routed_expert_trainable_params": routed_trainable,
             "total_params": total,
             "peak_memory_gib": peak,
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "peak_tflops": config.logging.peak_tflops,
+            "router_weights_sha256": routers,
             "versions": {
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
@@ -151,6 +208,8 @@ def main(argv: list[str]) -> int:
             },
         }
         (out / "steps.json").write_text(json.dumps(record, indent=2))
+        if routing is not None:
+            (out / USAGE_FILE).write_text("".join(json.dumps(row) + "\n" for row in routing.rows))
     return 0
 
 

@@ -1,5 +1,6 @@
 """What a benchmark run measured: tokens/s per device (all tokens and target tokens), step time, TFLOP/s
-and MFU (``shardtune.metrics.flops``), peak memory per device."""
+and MFU (``shardtune.metrics.flops``), peak memory per device, and for MoE models the expert load the
+routers produced (``expert_usage.jsonl``, as training logs it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardtune.metrics.expert_usage import USAGE_FILE, read_usage
 from shardtune.metrics.flops import peak_flops, run_token_flops
 from shardtune.metrics.schema import LOG_FILES, read_rows
 
@@ -23,12 +25,13 @@ def _summary(
     peak_memory_gib: float,
     lora: bool,
     trainable: int,
+    routed_trainable: int,
     total: int,
     model_config,
     seq: int,
 ) -> dict[str, Any]:
     """The measures of a run from its totals over the measured steps (shardtune and the HF baseline alike)."""
-    flops = run_token_flops(model_config, seq, lora, trainable, total)
+    flops = run_token_flops(model_config, seq, lora, trainable, routed_trainable)
     per_device = tokens / seconds / devices
     tflops = per_device * flops.per_token / 1e12
     peak = peak_flops(device, peak_tflops)
@@ -45,6 +48,22 @@ def _summary(
         "trainable_params": trainable,
         "total_params": total,
     }
+
+
+def expert_load(usage_path: Path, warmup: int) -> dict[str, float] | None:
+    """The max/mean expert load of the measured steps (``expert_usage.jsonl`` records after ``warmup``),
+    averaged over layers and steps, and its largest single value; None for a dense model."""
+    if not usage_path.is_file():
+        return None
+    ratios = [
+        layer["max_mean_ratio"]
+        for record in read_usage(usage_path)
+        if record["step"] > warmup
+        for layer in record["layers"]
+    ]
+    if not ratios:
+        raise ValueError(f"{usage_path}: no routing record after the {warmup} warm-up steps")
+    return {"max_mean": sum(ratios) / len(ratios), "max_mean_worst": max(ratios)}
 
 
 def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> dict[str, Any]:
@@ -65,6 +84,7 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
         peak_memory_gib=max(metrics["peak_memory_gib_per_rank"]),
         lora=metrics["use_lora"],
         trainable=metrics["trainable_params"],
+        routed_trainable=metrics["routed_expert_trainable_params"],
         total=metrics["total_params"],
         model_config=model_config,
         seq=seq,
@@ -75,6 +95,7 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
     # loader never kept the device waiting.
     data_wait = sum(row["data_wait_s"] for row in measured) / len(measured)
     return {**summary, "strategy": metrics["strategy"], "data_wait_s_per_step": data_wait,
+            "expert_load": expert_load(run_dir / "logs" / USAGE_FILE, warmup),
             "losses": [row["loss"] for row in rows]}  # fmt: skip
 
 
@@ -95,17 +116,19 @@ def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str
         peak_memory_gib=record["peak_memory_gib"],
         lora=record["use_lora"],
         trainable=record["trainable_params"],
+        routed_trainable=record["routed_expert_trainable_params"],
         total=record["total_params"],
         model_config=model_config,
         seq=seq,
     )
-    return {**summary, "versions": record["versions"]}
+    return {**summary, "versions": record["versions"], "expert_load": expert_load(out_dir / USAGE_FILE, warmup),
+            "router_weights_sha256": record["router_weights_sha256"]}  # fmt: skip
 
 
 def format_report(results: dict[str, Any]) -> str:
     lines = [
         f"{results['shape']}: seq {results['seq']}, {results['batch_per_device']} sequences per device, "
-        f"{results['nproc']} device(s), data {results.get('data', 'synthetic')}",
+        f"{results['nproc']} device(s), data {results.get('data', 'synthetic')}, {results.get('layers')} layers",
         f"{'':<12}{'tokens/s/dev':>14}{'target tok/s':>14}{'step s':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}",
     ]
     for name in ("shardtune", "hf"):
@@ -118,6 +141,14 @@ def format_report(results: dict[str, Any]) -> str:
             f"{row['step_time_s']:>9.3f}{row['tflops_per_device']:>9.1f}{mfu:>7}"
             f"{row['peak_memory_gib_per_device']:>10.1f}"
         )
+    loads = {
+        name: results[name]["expert_load"] for name in ("shardtune", "hf") if results.get(name, {}).get("expert_load")
+    }
+    if loads:
+        measured = ", ".join(
+            f"{name} {load['max_mean']:.2f} (worst layer {load['max_mean_worst']:.2f})" for name, load in loads.items()
+        )
+        lines.append(f"expert load, max/mean over layers and measured steps ({results['routing']} routing): {measured}")
     if "data_wait_s_per_step" in results["shardtune"]:
         run = results["shardtune"]
         wait = run["data_wait_s_per_step"]

@@ -61,6 +61,20 @@ SHAPES = {
             "tie_word_embeddings": False,
         },
     ),
+    # zai-org/GLM-4.7 (its config.json): 92 layers (the first 3 dense), 160 routed + 1 shared expert (8 active),
+    # 358B total / 33B active parameters (without the multi-token-prediction layer transformers does not build).
+    "glm-4.7": (
+        "glm4_moe",
+        {
+            "vocab_size": 151552, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+            "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+            "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True,
+            "max_position_embeddings": 202752, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
     # mistralai/Mixtral-8x7B-v0.1: 32 layers, 8 experts (2 active), 46.7B / 12.9B.
     "mixtral-8x7b": (
         "mixtral",
@@ -85,22 +99,33 @@ SHAPES = {
         {
             "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "num_experts": 16, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
         },
     ),
 }  # fmt: skip
 
 
-def shape_config(name: str, **overrides) -> PretrainedConfig:
-    """A named shape, or the config of a ``config.json`` path or a model directory."""
+def shape_config(name: str, layers: int | None = None, **overrides) -> PretrainedConfig:
+    """A named shape, or the config of a ``config.json`` path or a model directory, with ``overrides``;
+    ``layers`` keeps only the first that many decoder layers (the dense first layers of GLM-4.5 and
+    DeepSeek-style models stay)."""
+    if layers is not None and layers <= 0:
+        raise InputError(f"--layers: must be positive, got {layers}")
     if name in SHAPES:
         model_type, values = SHAPES[name]
-        return AutoConfig.for_model(model_type, **{**values, **overrides})
+        layer_count = {"num_hidden_layers": layers} if layers else {}
+        return AutoConfig.for_model(model_type, **{**values, **layer_count, **overrides})
     path = Path(name)
     if path.is_file() or (path / "config.json").is_file():
         config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
         for key, value in overrides.items():
             setattr(config, key, value)
+        if layers is not None:
+            text = config.get_text_config()
+            text.num_hidden_layers = layers
+            # Per-layer lists (attention kinds of hybrid models) follow the layers kept.
+            if isinstance(getattr(text, "layer_types", None), list):
+                text.layer_types = text.layer_types[:layers]
         return config
     raise InputError(
         f"--shape {name}: neither a named shape ({', '.join(SHAPES)}) nor a config.json or model directory"

@@ -1,15 +1,19 @@
 """Model FLOPs per trained token and model FLOPs utilization (MFU), in the Megatron/NeMo convention.
 
-Full fine-tuning: 6 FLOPs per matmul parameter and token (forward 2, input gradients 2, weight
-gradients 2) plus the attention scores, 12 x layers x attention width x sequence length (QK^T and AV,
-forward and backward, counted over the whole sequence as Megatron, NeMo and torchtitan do, though a
-causal mask skips half). The matmul parameters are those a token passes through: every weight except
-the input embedding (a lookup), and for MoE models only the experts a token is routed to (top_k routed
-plus the shared ones), not all of them.
+Per token, over the weights a token passes through (every matmul weight except the input embedding, a
+lookup; for MoE models only the router, the top_k routed experts and the shared experts of a sparse layer,
+not all experts):
 
-LoRA: frozen weights skip their weight gradients, so a step costs (2 + P_lora / P_frozen) / 3 of full
-fine-tuning's FLOPs (P_lora the adapter's parameters, P_frozen the model's). Recomputation under
-activation checkpointing is not counted: MFU measures useful work. Peak: dense bf16 of the device.
+- full fine-tuning: 6 FLOPs per weight (forward 2, input gradients 2, weight gradients 2);
+- LoRA: 4 per frozen weight (forward and input gradients; no weight gradients) and 6 per adapter weight
+  a token passes through (all of them, except that adapters with one slice per routed expert count
+  top_k / num_experts of their size);
+- plus the attention scores, 12 x layers x attention width x sequence length (QK^T and AV, forward and
+  backward, counted over the whole sequence as Megatron, NeMo and torchtitan do, though a causal mask
+  skips half); LoRA needs all of it, since gradients flow through every layer's attention.
+
+Recomputation under activation checkpointing is not counted: these are model FLOPs (useful work), not
+hardware FLOPs. Peak: dense bf16 of the device.
 """
 
 from __future__ import annotations
@@ -22,18 +26,50 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H20": 1
 
 @dataclass(frozen=True)
 class TokenFlops:
-    matmul_params: int  # parameters a token passes through (active ones for MoE)
+    matmul_params: int  # model weights a token passes through (active ones for MoE)
     layers: int
     attention_width: int  # heads x head_dim
     # Tokens per sequence; a token-weighted mean (sum of squared lengths / sum of lengths) for sequences
     # of mixed lengths, which makes per_token x tokens the exact sum of every sequence's attention cost.
     sequence_length: float
-    lora_fraction: float | None  # P_lora / P_frozen for LoRA, None for full fine-tuning
+    adapter_params: int | None  # LoRA: adapter weights a token passes through; None for full fine-tuning
 
     @property
     def per_token(self) -> float:
-        full = 6 * self.matmul_params + 12 * self.layers * self.attention_width * self.sequence_length
-        return full if self.lora_fraction is None else full * (2 + self.lora_fraction) / 3
+        attention = 12 * self.layers * self.attention_width * self.sequence_length
+        if self.adapter_params is None:
+            return 6 * self.matmul_params + attention
+        return 4 * self.matmul_params + 6 * self.adapter_params + attention
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def routed_experts(config) -> int | None:
+    """The number of routed experts of an MoE config, None for a dense one."""
+    return next((getattr(config, key) for key in EXPERT_COUNT_KEYS if getattr(config, key, None)), None)
+
+
+def sparse_layers(config) -> list[bool]:
+    """Per decoder layer, whether its MLP is a sparse MoE block: not one of GLM-4.5's / DeepSeek's first
+    ``first_k_dense_replace`` dense layers, on Qwen-MoE's ``decoder_sparse_step`` and not in its
+    ``mlp_only_layers``."""
+    dense_first = getattr(config, "first_k_dense_replace", None) or 0
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense_listed = set(getattr(config, "mlp_only_layers", None) or [])
+    return [i >= dense_first and (i + 1) % step == 0 and i not in dense_listed for i in range(config.num_hidden_layers)]
+
+
+def sparse_mlp_params(config) -> int:
+    """Weights a token passes through in one sparse MoE block: the router, its top_k routed experts and the
+    shared experts (DeepSeek / GLM: n_shared_experts of the routed experts' width; Qwen2-MoE: one of
+    shared_expert_intermediate_size with its sigmoid gate)."""
+    hidden = config.hidden_size
+    expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = (getattr(config, "n_shared_experts", None) or 0) * 3 * hidden * expert_width
+    if getattr(config, "shared_expert_intermediate_size", None):
+        shared += 3 * hidden * config.shared_expert_intermediate_size + hidden
+    return hidden * routed_experts(config) + config.num_experts_per_tok * 3 * hidden * expert_width + shared
 
 
 def active_matmul_params(config) -> int:
@@ -45,24 +81,16 @@ def active_matmul_params(config) -> int:
     q_width = config.num_attention_heads * head_dim
     kv_width = config.num_key_value_heads * head_dim
     attention = 2 * hidden * q_width + 2 * hidden * kv_width
-    expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
-    experts = next((getattr(config, key) for key in expert_keys if getattr(config, key, None)), None)
     dense_mlp = 3 * hidden * config.intermediate_size
-    if not experts:
+    if not routed_experts(config):
         per_layer = [attention + dense_mlp] * layers
     else:
-        expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        shared = getattr(config, "n_shared_experts", None) or 0
-        active = config.num_experts_per_tok + shared
-        sparse = attention + hidden * experts + active * 3 * hidden * expert_width
-        dense_layers = getattr(config, "first_k_dense_replace", 0) or 0
-        step = getattr(config, "decoder_sparse_step", 1) or 1
-        sparse_layers = [i >= dense_layers and (i + 1) % step == 0 for i in range(layers)]
-        per_layer = [sparse if is_sparse else attention + dense_mlp for is_sparse in sparse_layers]
+        sparse = attention + sparse_mlp_params(config)
+        per_layer = [sparse if is_sparse else attention + dense_mlp for is_sparse in sparse_layers(config)]
     return sum(per_layer) + config.vocab_size * hidden
 
 
-def token_flops(config, sequence_length: float, lora_params: int | None, frozen_params: int | None) -> TokenFlops:
+def token_flops(config, sequence_length: float, adapter_params: int | None) -> TokenFlops:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return TokenFlops(
@@ -70,13 +98,31 @@ def token_flops(config, sequence_length: float, lora_params: int | None, frozen_
         layers=text.num_hidden_layers,
         attention_width=text.num_attention_heads * head_dim,
         sequence_length=sequence_length,
-        lora_fraction=None if lora_params is None else lora_params / max(frozen_params or 1, 1),
+        adapter_params=adapter_params,
     )
 
 
-def run_token_flops(model_config, sequence_length: float, lora: bool, trainable: int, total: int) -> TokenFlops:
-    """The FLOP model of a run: LoRA runs count their trainable parameters as the adapter, the rest as frozen."""
-    return token_flops(model_config, sequence_length, trainable if lora else None, total - trainable if lora else None)
+def routed_expert_trainable(blocks) -> int:
+    """Trainable parameters inside the routed experts of MoE blocks (``shardtune.model.moe.MoeBlock``),
+    adapters included: per-expert adapters a token uses top_k / num_experts of."""
+    return sum(
+        parameter.numel()
+        for block in blocks
+        for name, parameter in block.block.named_parameters()
+        if parameter.requires_grad and name.split(".", 1)[0] == "experts"
+    )
+
+
+def run_token_flops(
+    model_config, sequence_length: float, lora: bool, trainable: int, routed_trainable: int = 0
+) -> TokenFlops:
+    """The FLOP model of a run: LoRA runs count their trainable parameters as the adapter (those inside
+    routed experts at top_k / num_experts), full fine-tuning all active weights at 6."""
+    if not lora:
+        return token_flops(model_config, sequence_length, None)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    used = text.num_experts_per_tok / routed_experts(text) if routed_trainable else 1.0
+    return token_flops(model_config, sequence_length, round(trainable - routed_trainable * (1 - used)))
 
 
 def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import transformers
 
+from shardtune.bench.routing import set_init_routing
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config
@@ -38,7 +39,7 @@ from shardtune.distributed.parallelize import (
 from shardtune.distributed.storage import is_builder
 from shardtune.errors import ConfigError
 from shardtune.faults import install_faults
-from shardtune.metrics.flops import peak_flops, run_token_flops
+from shardtune.metrics.flops import peak_flops, routed_expert_trainable, run_token_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
@@ -174,12 +175,15 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     if config.model.liger_kernel:
         apply_liger_kernels(model, env.device)
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    # The other ranks' replicas receive rank 0's weights.
+    set_init_routing(model, moe_blocks, config.model.init_routing, training.seed, materialized=env.is_main)
     if training.moe_aux_loss_coef > 0 and not moe_blocks:
         raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
+    routed_trainable = routed_expert_trainable(moe_blocks)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     plan = plan_parallelism(model, config, env)
     log.info("%s", plan.describe(env.world_size))
@@ -252,7 +256,9 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         run_eval(0)
 
     # Per-step sums of the logging interval; one all-gather per logging step (see TrainInterval).
-    flops = run_token_flops(unwrap(model).config, config.data.max_length, config.lora.enabled, trainable, total)
+    flops = run_token_flops(
+        unwrap(model).config, config.data.max_length, config.lora.enabled, trainable, routed_trainable
+    )
     peak = peak_flops(env.device_name(), config.logging.peak_tflops)
     interval = TrainInterval(env, hostnames, flops, peak)
     last_loss = float("nan")
@@ -384,6 +390,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         "strategy": plan.strategy,
         "trainable_params": trainable,
         "total_params": total,
+        "routed_expert_trainable_params": routed_trainable,
         "global_batch_size": global_batch_size,
         "train_loss": last_loss,
         "data": {"store": str(data.store), **data.summary},

@@ -17,7 +17,7 @@ from shardtune.metrics.stragglers import SLOW_RANK_ENV
 from shardtune.metrics.train_interval import TrainInterval
 
 # 1,000 matmul weights, 2 layers, attention width 8, full fine-tuning.
-FLOPS = TokenFlops(matmul_params=1000, layers=2, attention_width=8, sequence_length=0, lora_fraction=None)
+FLOPS = TokenFlops(matmul_params=1000, layers=2, attention_width=8, sequence_length=0, adapter_params=None)
 
 
 def batch_of(*lengths: int):

@@ -1,0 +1,156 @@
+"""``model.init_routing`` / ``shardtune bench --routing``: router weights of random models for an even or a
+trained-like expert load, the same in shardtune's run and the HF baseline's, and the load both measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.bench.routing import (
+    router_weights_digest,
+    set_init_routing,
+    simulated_max_mean,
+    skew_spread,
+    skewed_max_mean,
+)
+from shardtune.cli import main
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.model.moe import RoutingRecorder, find_moe_blocks
+
+
+def _loads(routing: str, seed: int = 0) -> list[float]:
+    """max/mean load per layer of a 6-layer Qwen3-MoE (32 experts, top 4) on fresh random tokens."""
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=32,
+        num_experts_per_tok=4, max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    set_init_routing(model, blocks, routing, seed)
+    recorder = RoutingRecorder(blocks)
+    tokens = torch.randint(0, 4096, (4, 512), generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad(), recorder.recording(None):
+        model(tokens)
+    loads = []
+    for record in recorder.records:
+        counts = torch.bincount(record.chosen.reshape(-1), minlength=32).double()
+        loads.append(float(counts.max() / counts.mean()))
+    return loads
+
+
+def test_balanced_and_skewed_loads_hold_on_tokens_the_weights_never_saw():
+    random, balanced, skewed = _loads("random"), _loads("balanced"), _loads("skewed")
+    # Drawn routers send a sequence's tokens to the same experts, more so with depth.
+    assert max(random) > 3.0
+    assert all(load < 1.4 for load in balanced)
+    target = skewed_max_mean(32, 4)  # 1 + 7/10
+    assert target == pytest.approx(1.7)
+    assert all(abs(load - target) < 0.35 for load in skewed) and sum(skewed) / 6 == pytest.approx(target, abs=0.15)
+
+
+def test_skew_spread_reaches_the_target_of_each_shape():
+    for experts, top_k, target in [(128, 8, 2.5), (160, 8, 2.9), (8, 2, 1.3)]:
+        assert skewed_max_mean(experts, top_k) == pytest.approx(target)
+        assert simulated_max_mean(experts, top_k, skew_spread(experts, top_k)) == pytest.approx(target, abs=0.01)
+
+
+def test_routing_weights_depend_on_the_seed_only():
+    def digest(routing: str, seed: int) -> str:
+        config = AutoConfig.for_model(
+            "qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8,
+            num_experts_per_tok=2, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        blocks = find_moe_blocks(model, decoder_layers(model))
+        set_init_routing(model, blocks, routing, seed)
+        return router_weights_digest(blocks)
+
+    assert digest("skewed", 3) == digest("skewed", 3)
+    assert len({digest("skewed", 3), digest("skewed", 4), digest("balanced", 3), digest("random", 3)}) == 4
+
+
+def test_bench_routing_and_layers_on_both_sides(tmp_path, capsys):
+    """Skewed routing (the default) on a 3-layer qwen3-moe-tiny: both runs measure the same load from the
+    same routers; balanced gives a lower one and --layers a model of that many layers, FLOPs included."""
+    args = ["bench", "--shape", "qwen3-moe-tiny", "--seq", "128", "--batch", "4", "--steps", "2", "--warmup", "1"]
+    out = tmp_path / "skewed"
+    assert main([*args, "--layers", "3", "--baseline", "hf", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "bench.json").read_text())
+    assert results["routing"] == "skewed" and results["layers"] == 3
+    assert json.loads((out / "model" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert "init_routing: skewed" in (out / "config.yaml").read_text()
+    # The HF baseline's routers are those of model.init_routing with the run's seed, as shardtune's are.
+    from shardtune.bench.shapes import shape_config
+
+    torch.manual_seed(42)
+    model = AutoModelForCausalLM.from_config(shape_config("qwen3-moe-tiny", layers=3))
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    set_init_routing(model, blocks, "skewed", 42)
+    assert results["hf"]["router_weights_sha256"] == router_weights_digest(blocks)
+    for name in ("shardtune", "hf"):
+        load = results[name]["expert_load"]
+        assert 1.4 < load["max_mean"] < 2.1 and load["max_mean"] <= load["max_mean_worst"]
+        usage = out / ("shardtune/logs" if name == "shardtune" else "hf") / "expert_usage.jsonl"
+        records = [json.loads(line) for line in usage.read_text().splitlines()]
+        assert [record["step"] for record in records] == [1, 2, 3] and len(records[0]["layers"]) == 3
+        ratios = [layer["max_mean_ratio"] for record in records[1:] for layer in record["layers"]]
+        assert load["max_mean"] == pytest.approx(sum(ratios) / len(ratios))
+        # 3 layers of 64 + attention 2 x 64 x 64 + 2 x 64 x 32, router 64 x 16 + 2 of 16 experts of 3 x 64 x 32.
+        per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 64 * 16 + 2 * 3 * 64 * 32
+        matmul = 3 * per_layer + 8192 * 64
+        flops = 4 * matmul + 6 * results[name]["trainable_params"] + 12 * 3 * 64 * 128
+        assert results[name]["flops_per_token"] == pytest.approx(flops, rel=1e-12)
+    assert "expert load, max/mean over layers and measured steps (skewed routing): shardtune " in printed
+
+    balanced = tmp_path / "balanced"
+    assert main([*args, "--routing", "balanced", "--out", str(balanced)]) == 0
+    load = json.loads((balanced / "bench.json").read_text())["shardtune"]["expert_load"]["max_mean"]
+    assert load < 1.4 < results["shardtune"]["expert_load"]["max_mean"]
+
+
+def test_init_routing_needs_random_weights(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text("model: {name_or_path: x, init_routing: balanced}\ndata: {dataset_path: d.jsonl}\n")
+    assert main(["train", str(config)]) == 2
+    assert "init_routing: balanced sets up random weights; needs init: random" in capsys.readouterr().err
+
+
+def test_profile_share_sorts_kernels_by_kind(tmp_path, capsys):
+    import gzip
+
+    from shardtune.bench import profile_share
+
+    kernels = [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 600), ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 100),
+        ("void cutlass::device_kernel<at::cuda::detail::GroupedGemm>", 100), ("flash_fwd_kernel", 50),
+        ("void at::native::elementwise_kernel<128, 4>", 100), ("void at::native::index_put_kernel", 50),
+    ]  # fmt: skip
+    events = [{"cat": "kernel", "name": name, "dur": duration} for name, duration in kernels]
+    events.append({"cat": "cpu_op", "name": "aten::mm", "dur": 5000})  # host events are not device time
+    trace = tmp_path / "rank0.trace.json.gz"
+    with gzip.open(trace, "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    assert profile_share.main([str(trace)]) == 0
+    printed = capsys.readouterr().out
+    assert "  gemm          0.001 s   80.0%" in printed and "  attention     0.000 s    5.0%" in printed
+    assert "  other         0.000 s   15.0%" in printed
+    assert printed.index("elementwise_kernel") < printed.index("index_put_kernel")
+
+
+def test_calibrated_routing_needs_moe_layers(tmp_path, capsys, tiny_model_dir, alpaca_file):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"model: {{name_or_path: {tiny_model_dir}, init: random, init_routing: skewed}}\n"
+        f"data: {{dataset_path: {alpaca_file}, max_length: 128, cache_dir: {tmp_path / 'cache'}}}\n"
+        f"training: {{output_dir: {tmp_path / 'run'}, max_steps: 1}}\n"
+    )
+    assert main(["train", str(config)]) == 2
+    assert "model.init_routing: skewed needs MoE layers; LlamaForCausalLM has none" in capsys.readouterr().err
