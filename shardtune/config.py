@@ -38,12 +38,20 @@ class ModelConfig(_Section):
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = "pretrained"
     revision: str | None = None
-    experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = Field(
-        None, description="MoE expert computation; null: transformers' default (grouped_mm where it runs)"
+    experts_implementation: Literal["auto", "fused", "eager", "grouped_mm", "batched_mm"] = Field(
+        "auto",
+        description="MoE expert computation in training: fused (shardtune's grouped-GEMM block), or "
+        "transformers' eager, grouped_mm or batched_mm; auto (or null): fused where the architecture is "
+        "supported, else transformers' default",
     )
     liger_kernel: bool = Field(
         False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"
     )
+
+    @field_validator("experts_implementation", mode="before")
+    @classmethod
+    def _null_is_auto(cls, value: object) -> object:
+        return "auto" if value is None else value  # null was the default of earlier releases' config.yaml
 
 
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("messages",), "text": ("text",)}

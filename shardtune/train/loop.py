@@ -47,6 +47,7 @@ from shardtune.metrics.train_interval import TrainInterval
 from shardtune.model.liger import apply_liger_kernels
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype, training_attention
 from shardtune.model.lora import apply_lora, count_parameters
+from shardtune.model.fused_moe import use_fused_experts
 from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
@@ -180,6 +181,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
+    moe_blocks = use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
