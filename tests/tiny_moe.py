@@ -62,6 +62,7 @@ DEEPSEEK_V3 = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
+    "num_key_value_heads": 4,  # MLA: keys and values per head
     "num_hidden_layers": 3,
 }
 ALL_ARCHITECTURES = {**ARCHITECTURES, "deepseek_v3": DEEPSEEK_V3}
