@@ -202,6 +202,11 @@ class LoraConfig(_Section):
         DEFAULT_MOE_TARGETS,
         description=f"MoE models, when target_modules is null: any of {', '.join(MOE_LORA_TARGETS)}",
     )
+    shared_expert_adapter: bool = Field(
+        False,
+        description="routed_experts: one adapter shared by all experts of a layer (the fused experts "
+        "implementation), saved in PEFT's per-expert layout with every expert's copy equal",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LoraConfig:

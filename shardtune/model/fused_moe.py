@@ -57,9 +57,7 @@ class Routing:
 
 
 def _softmax_routing(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
-    return Routing(
-        "softmax", router.top_k, bool(router.norm_topk_prob) if normalize is None else normalize
-    )
+    return Routing("softmax", router.top_k, bool(router.norm_topk_prob) if normalize is None else normalize)
 
 
 def _sigmoid_routing(router: torch.nn.Module) -> Routing:
@@ -112,9 +110,7 @@ def resolve_experts_implementation(requested: str | None, blocks: list[MoeBlock]
     return "transformers"
 
 
-def use_fused_experts(
-    model: torch.nn.Module, layers: list[torch.nn.Module], requested: str | None
-) -> list[MoeBlock]:
+def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], requested: str | None) -> list[MoeBlock]:
     """Swap every sparse MoE block of ``model`` for a FusedMoeBlock when the implementation resolves to
     ``fused``, log the implementation in use, and return the model's MoE blocks as they now are.
 
@@ -122,6 +118,12 @@ def use_fused_experts(
     """
     blocks = find_moe_blocks(model, layers)
     implementation = resolve_experts_implementation(requested, blocks)
+    shared = any(getattr(module, "shared_across_experts", False) for module in model.modules())
+    if shared and implementation != "fused":
+        raise ConfigError(
+            "lora.shared_expert_adapter: needs model.experts_implementation fused (or auto), "
+            f"not {requested}: transformers' experts would train each expert's copy apart"
+        )
     if implementation != "fused":
         if blocks and implementation != "transformers":
             log.info("moe experts: transformers' %s", implementation)
@@ -195,13 +197,14 @@ class FusedMoeBlock(torch.nn.Module):
 
 def _adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
     """The module under PEFT's ParamWrappers and, per wrapped parameter name, the active adapters'
-    (lora_A weight, lora_B weight, scaling, rank). Merged or disabled adapters are left out: their
-    effect is in the base weight already, or off."""
+    (lora_A weight, lora_B weight, scaling, rank, shared by the experts). Merged or disabled adapters
+    are left out: their effect is in the base weight already, or off."""
     adapters: dict[str, list[tuple]] = {}
     while hasattr(module, "parameter_name") and hasattr(module, "lora_A"):
         if not module.disable_adapters and not module.merged:
+            shared = getattr(module, "shared_across_experts", False)  # see lora.share_expert_adapters
             adapters[module.parameter_name] = [
-                (module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name], module.r[name])
+                (module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name], module.r[name], shared)
                 for name in module.active_adapters
                 if name in module.lora_A
             ]
@@ -225,7 +228,7 @@ def route(
     with torch.autocast(device, enabled=False):
         tokens32 = tokens.float()
         logits = F.linear(tokens32, router.weight.float())
-        for lora_a, lora_b, scaling, _ in adapters.get("weight", []):
+        for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
             logits = logits + F.linear(F.linear(tokens32, lora_a.float()), lora_b.float()) * scaling
         if routing.scoring == "softmax":
             probabilities = logits.softmax(dim=-1)
@@ -284,11 +287,16 @@ def _projection(
 
     ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
     rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
-    get_delta_weight: ΔW_e = B_e @ A_e * scaling).
+    get_delta_weight: ΔW_e = B_e @ A_e * scaling). A shared adapter is the same for every expert.
     """
     num_experts = weight.shape[0]
     result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), offsets)
-    for lora_a, lora_b, scaling, rank in adapters:
+    for lora_a, lora_b, scaling, rank, shared in adapters:
+        if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
+            a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
+            b = lora_b.view(lora_b.shape[0], rank, num_experts).mean(dim=-1).to(dtype)  # (out, r)
+            result = result + F.linear(F.linear(rows, a) * scaling, b)
+            continue
         a = lora_a.to(dtype).view(num_experts, rank, -1)  # (E, r, in)
         b = lora_b.to(dtype).view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
         pad = -rank % 8  # grouped GEMMs want 16-byte aligned rows: pad the rank with zeros

@@ -44,10 +44,10 @@ from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.metrics.train_interval import TrainInterval
+from shardtune.model.fused_moe import use_fused_experts
 from shardtune.model.liger import apply_liger_kernels
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype, training_attention
 from shardtune.model.lora import apply_lora, count_parameters
-from shardtune.model.fused_moe import use_fused_experts
 from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world

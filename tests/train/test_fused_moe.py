@@ -20,7 +20,7 @@ from shardtune.distributed.activations import apply_activation_checkpointing
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
-from shardtune.model.lora import apply_lora
+from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks, load_balancing_loss
 
 ARCHS = list(ALL_ARCHITECTURES)
@@ -33,7 +33,7 @@ def moe_dirs(tmp_path_factory):
     return {arch: write_tiny_moe(root / arch, arch) for arch in ARCHS}
 
 
-def build(directory, lora_targets: list[str] | None = None) -> torch.nn.Module:
+def build(directory, lora_targets: list[str] | None = None, shared: bool = False) -> torch.nn.Module:
     """transformers' eager experts with routers that route unevenly (random weights, random GLM-style
     correction biases), and random LoRA weights (PEFT starts B at zero: no gradient would reach A)."""
     torch.manual_seed(0)
@@ -46,10 +46,13 @@ def build(directory, lora_targets: list[str] | None = None) -> torch.nn.Module:
         if hasattr(block.router, "e_score_correction_bias"):
             block.router.e_score_correction_bias.normal_(std=0.1)
     if lora_targets:
-        model = apply_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0, moe_targets=lora_targets))
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0, moe_targets=lora_targets, shared_expert_adapter=shared)
+        model = apply_lora(model, config)
         for name, param in model.named_parameters():
             if "lora_" in name:
                 torch.nn.init.normal_(param, std=0.3)
+        if shared:
+            share_expert_adapters(model)  # the random blocks made equal again
     return model.train()
 
 
@@ -276,5 +279,60 @@ def test_training_losses_and_expert_usage_equal_transformers_eager(moe_dirs, tmp
     assert [[layer["counts"] for layer in row["layers"]] for row in usage[1]] == [
         [layer["counts"] for layer in row["layers"]] for row in usage[0]
     ]
-    balance = [[row["moe_balance_loss"] for row in jsonl(run["out"] / "logs/train_log.jsonl")] for run in (eager, fused)]
+    balance = [
+        [row["moe_balance_loss"] for row in jsonl(run["out"] / "logs/train_log.jsonl")] for run in (eager, fused)
+    ]
     assert balance[1] == pytest.approx(balance[0], rel=1e-5)
+
+
+def expert_blocks(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each routed-expert LoRA weight of ``model`` as (experts, ...) blocks, with its ParamWrapper's rank."""
+    blocks = {}
+    for name, module in model.named_modules():
+        if getattr(module, "shared_across_experts", False):
+            experts, rank = module.num_experts, module.r["default"]
+            blocks[f"{name}.lora_A"] = module.lora_A["default"].weight.view(experts, rank, -1)
+            blocks[f"{name}.lora_B"] = module.lora_B["default"].weight.view(-1, rank, experts).permute(2, 0, 1)
+    return blocks
+
+
+def block_grad(model: torch.nn.Module, block: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``block`` (a view of a LoRA weight), in the same (experts, ...) layout."""
+    param = next(p for p in model.parameters() if p.data_ptr() == block.data_ptr() and p.shape.numel() == block.numel())
+    return param.grad.as_strided(block.shape, block.stride())
+
+
+def test_shared_expert_adapter_is_one_adapter_in_peft_format(moe_dirs, tmp_path):
+    from peft import PeftModel
+
+    from shardtune.model.lora import targets_as_given
+
+    reference = build(moe_dirs["glm4_moe"], ["attention", "routed_experts"], shared=True)
+    fused = fused_copy(reference)
+    assert len(expert_blocks(fused)) == 8  # A and B of gate_up and down in 2 MoE layers
+    inputs, labels = padded_batch()
+    expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
+    for name in ("logits", "loss", "input"):  # equal per-expert copies: the same function as PEFT's
+        assert_same(got[name], expected[name], name)
+    # The shared adapter's gradient is split equally over the copies: each copy gets the same gradient,
+    # and the copies together get what PEFT's per-expert adapters get together.
+    for (name, mine), theirs in zip(expert_blocks(fused).items(), expert_blocks(reference).values(), strict=True):
+        grad, reference_grad = block_grad(fused, mine), block_grad(reference, theirs)
+        assert torch.equal(grad, grad[:1].expand_as(grad)), name
+        assert_same(grad.sum(dim=0), reference_grad.sum(dim=0), name)
+    before = {name: block.detach().clone() for name, block in expert_blocks(fused).items()}
+    torch.optim.AdamW([p for p in fused.parameters() if p.requires_grad], lr=0.1).step()
+    for name, block in expert_blocks(fused).items():
+        assert torch.equal(block, block[:1].expand_as(block)), name  # still one adapter
+        assert not torch.equal(block, before[name]), name
+    with pytest.raises(ConfigError, match="lora.shared_expert_adapter: needs model.experts_implementation fused"):
+        use_fused_experts(copy.deepcopy(reference), decoder_layers(reference), "eager")
+    with pytest.raises(ConfigError, match="lora.shared_expert_adapter: needs routed_experts in lora.moe_targets"):
+        build(moe_dirs["glm4_moe"], ["attention"], shared=True)
+
+    fused.eval().save_pretrained(tmp_path / "adapter")
+    with targets_as_given():
+        adapted = PeftModel.from_pretrained(build(moe_dirs["glm4_moe"]).eval(), tmp_path / "adapter").eval()
+    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert_same(adapted(input_ids=ids).logits, fused(input_ids=ids).logits)
