@@ -226,10 +226,9 @@ def route(
     router, adapters = _adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
-        tokens32 = tokens.float()
-        logits = F.linear(tokens32, router.weight.float())
+        logits = Fp32Linear.apply(tokens, router.weight)
         for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
-            logits = logits + F.linear(F.linear(tokens32, lora_a.float()), lora_b.float()) * scaling
+            logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
         if routing.scoring == "softmax":
             probabilities = logits.softmax(dim=-1)
             weights, chosen = probabilities.topk(routing.top_k, dim=-1)
@@ -249,6 +248,23 @@ def route(
         if routing.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, weights * routing.scaling, chosen
+
+
+class Fp32Linear(torch.autograd.Function):
+    """x @ w^T computed in fp32 from operands kept for backward in their own (bf16) dtype: an fp32 copy
+    of every layer's input would otherwise stay alive until backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
 
 
 def routed_experts(
@@ -327,6 +343,14 @@ class SiluMul(torch.autograd.Function):
         return torch.cat([grad_gate, grad * silu], dim=-1)
 
 
+# torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
+_GPU_KERNEL = (
+    (lambda capability: capability >= (8, 0))
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
+    else (lambda capability: capability[0] == 9)
+)
+
+
 def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs these operands: bf16 on GPUs (and compiled anywhere); CPUs also
     run fp32 eagerly. Rows and columns must be 16-byte aligned."""
@@ -334,7 +358,7 @@ def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if rows.dtype != torch.bfloat16 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
         return False
-    if rows.device.type == "cuda" and torch.cuda.get_device_capability(rows.device) < (9, 0):
+    if rows.device.type == "cuda" and not _GPU_KERNEL(torch.cuda.get_device_capability(rows.device)):
         return False
     size = rows.element_size()
     return (rows.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
