@@ -121,8 +121,8 @@ def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], req
     shared = any(getattr(module, "shared_across_experts", False) for module in model.modules())
     if shared and implementation != "fused":
         raise ConfigError(
-            "lora.shared_expert_adapter: needs model.experts_implementation fused (or auto), "
-            f"not {requested}: transformers' experts would train each expert's copy apart"
+            "lora.shared_expert_adapter: needs model.experts_implementation fused (or auto), which this "
+            f"model does not run ({implementation}): transformers' experts would train each expert's copy apart"
         )
     if implementation != "fused":
         if blocks and implementation != "transformers":
@@ -135,9 +135,11 @@ def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], req
             if child is block.block:
                 parent.register_module(name, fused)
     log.info(
-        "moe experts: fused (shardtune's grouped-GEMM block) on %d MoE layers; kernel: %s",
+        "moe experts: fused (shardtune's grouped-GEMM block) on %d MoE layers; grouped GEMMs: %s",
         len(blocks),
-        "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "a loop over experts",
+        "torch._grouped_mm for bf16 (and eager fp32 on CPUs), a loop over experts otherwise"
+        if hasattr(torch, "_grouped_mm")
+        else "a loop over experts (this torch has no torch._grouped_mm)",
     )
     return find_moe_blocks(model, layers)
 
@@ -180,7 +182,7 @@ class FusedMoeBlock(torch.nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing)
         self._record(logits, chosen)
-        output = self.experts(tokens, weights, chosen)
+        output = self.experts(tokens, chosen, weights)  # transformers' experts signature
         if hasattr(self, "shared_experts"):
             output = output + self.shared_experts(tokens)
         return output.reshape(shape)
@@ -268,7 +270,7 @@ class Fp32Linear(torch.autograd.Function):
 
 
 def routed_experts(
-    experts: torch.nn.Module, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    experts: torch.nn.Module, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs."""
     experts, adapters = _adapters(experts)

@@ -263,7 +263,7 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
 
 @pytest.mark.parametrize(
     ("arch", "targets"),
-    [("glm4_moe", "[attention]"), ("qwen3_moe", "[attention,routed_experts]")],
+    [pytest.param("glm4_moe", "[attention]", marks=pytest.mark.slow), ("qwen3_moe", "[attention,routed_experts]")],
 )
 def test_training_losses_and_expert_usage_equal_transformers_eager(moe_dirs, tmp_path, arch, targets):
     common = [
