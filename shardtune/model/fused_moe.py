@@ -187,6 +187,9 @@ class FusedMoeBlock(torch.nn.Module):
             output = output + self.shared_experts(tokens)
         return output.reshape(shape)
 
+    # Outside the compiled graph: dynamo (torch 2.11) cannot let a tensor made inside a checkpointed
+    # region escape into a Python list, so a compiled layer breaks its graph here (once per MoE block).
+    @torch.compiler.disable
     def _record(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
         if self.routing_log is None:
             return
@@ -283,12 +286,12 @@ def routed_experts(
     offsets = torch.searchsorted(
         expert_of_row, torch.arange(num_experts, device=flat.device, dtype=flat.dtype), right=True, out_int32=True
     )  # offsets[e]: rows of experts 0..e
-    rows = tokens.to(dtype).index_select(0, order // top_k)  # (pairs, H), the only copy of the inputs
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, expert_of_row, dtype)
     hidden = SiluMul.apply(projected)
     outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, expert_of_row, dtype)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    per_pair = outputs.index_select(0, inverse).view(count, top_k, -1)  # back to (token, choice)
+    per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, -1)  # back to (token, choice)
     # (tokens, 1, k) @ (tokens, k, H): the weighted sum of each token's k rows, accumulated in fp32.
     return torch.bmm(weights.unsqueeze(1).to(dtype), per_pair).squeeze(1)
 
@@ -324,6 +327,39 @@ def _projection(
         low = grouped_mm(rows, a.transpose(-2, -1), offsets) * scaling  # (pairs, r)
         result = result + grouped_mm(low, b.contiguous().transpose(-2, -1), offsets)
     return result
+
+
+class GatherRows(torch.autograd.Function):
+    """Row p of the expert-sorted layout is token order[p] // top_k. The backward of a plain
+    index_select is a scatter-add (atomics, slow in bf16); here it is a gather back to (token, choice)
+    order and a sum over each token's top_k rows in fp32."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return tokens.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        per_choice = grad.index_select(0, inverse).view(-1, ctx.top_k, grad.shape[-1])
+        return per_choice.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class Permute(torch.autograd.Function):
+    """x[index] for a permutation ``index``; its backward is the gather by the inverse permutation, not
+    index_select's scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 class SiluMul(torch.autograd.Function):
