@@ -2,7 +2,8 @@
 experts compute, for every supported architecture (Qwen3-MoE, Mixtral, Glm4Moe, DeepSeek-V3), in fp32:
 forward, loss and every gradient, with padded and packed batches, with experts that get no token or every
 token, with LoRA on the routed experts (PEFT's format, loadable and mergeable by PEFT), compiled and
-checkpointed, and in training runs."""
+checkpointed, and in training runs (FSDP with two workers: tests/distributed/test_moe_parallel.py, whose
+runs take the fused default). The training comparison marked slow runs with ``-m slow``."""
 
 from __future__ import annotations
 
