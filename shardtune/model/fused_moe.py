@@ -128,6 +128,14 @@ def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], req
         if blocks and implementation != "transformers":
             log.info("moe experts: transformers' %s", implementation)
         return blocks
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        # transformers collects router logits from the router modules' forwards, which fused blocks do
+        # not run; its auxiliary loss is not shardtune's objective anyway (training.moe_aux_loss_coef).
+        config.output_router_logits = False
+        log.info(
+            "moe experts: the model's output_router_logits is off (training.moe_aux_loss_coef sets the balance loss)"
+        )
     for block in blocks:
         fused = FusedMoeBlock(block.block, SUPPORTED_BLOCKS[type(block.block).__name__](block.router))
         parent = _parent_of(model, block.block)
@@ -231,7 +239,12 @@ def route(
     router, adapters = _adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
-        logits = Fp32Linear.apply(tokens, router.weight)
+        if torch.compiler.is_compiling():
+            # Compiled, the partitioner decides what backward keeps (it recomputes casts); and logits
+            # of an autograd.Function inside a checkpointed graph cannot leave it through routing_log.
+            logits = F.linear(tokens.float(), router.weight.float())
+        else:
+            logits = Fp32Linear.apply(tokens, router.weight)
         for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
             logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
         if routing.scoring == "softmax":

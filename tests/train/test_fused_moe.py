@@ -2,7 +2,8 @@
 experts compute, for every supported architecture (Qwen3-MoE, Mixtral, Glm4Moe, DeepSeek-V3), in fp32:
 forward, loss and every gradient, with padded and packed batches, with experts that get no token or every
 token, with LoRA on the routed experts (PEFT's format, loadable and mergeable by PEFT), compiled and
-checkpointed, and in training runs."""
+checkpointed, and in training runs (FSDP with two workers: tests/distributed/test_moe_parallel.py, whose
+runs take the fused default). The training comparison marked slow runs with ``-m slow``."""
 
 from __future__ import annotations
 
@@ -240,7 +241,9 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
     assert ModelConfig(name_or_path="m", experts_implementation=None).experts_implementation == "auto"
     caplog.set_level("INFO", logger="shardtune")
     model = build(moe_dirs["mixtral"])
+    model.config.output_router_logits = True  # transformers' own aux loss: collected from router forwards
     use_fused_experts(model, decoder_layers(model), "auto")
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1024)
     assert "moe experts: fused (shardtune's grouped-GEMM block) on 2 MoE layers" in caplog.text
     eager = build(moe_dirs["mixtral"])
     blocks = use_fused_experts(eager, decoder_layers(eager), "eager")
