@@ -9,7 +9,7 @@
 # FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one
 # machine), h200-speed (batch 4, packed batches of one shape), h200x2-ddp (DDP against one GPU of the same
 # machine), x4-scaling / x8-scaling and x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
-# MoE targets against HF Trainer + PEFT on 1 GPU; profile=1 adds a profile) and h200-moe-profile (the GEMM
+# MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1 adds a profile) and h200-moe-profile (the GEMM
 # share of the Qwen3-30B-A3B LoRA step's device time). Each run's
 # bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
@@ -132,26 +132,31 @@ x4-jobs | x8-jobs)
     bench llama3-8b-full-fsdp-$gpus --shape llama3-8b --full --seq 4096 --batch 2 --steps 6 --warmup 4 \
         --nproc "$gpus" --strategy fsdp "${compiled[@]}"
     ;;
-h200-moe)
+h200-moe | h200-moe-qwen3 | h200-moe-large)
     # Issue 20's targets, each against HF Trainer + PEFT in the same run, 1 H200 (141 GB), seq 4096, batch 2,
     # activation checkpointing (HF's baseline needs it to fit), skewed routing (bench's default: a trained
-    # model's long-tailed load), LoRA r=16. About 9 minutes in all; profile=1 adds a profile of two warm-up
+    # model's long-tailed load), LoRA r=16. h200-moe-qwen3 (the Qwen3-30B-A3B runs) and h200-moe-large (GLM-4.5-Air,
+    # Mixtral) each fit one 10-minute device call; h200-moe runs both. profile=1 adds a profile of two warm-up
     # steps to the first run (its GEMM share: h200-moe-profile).
     # BENCH_OVERRIDES: section.key=value settings added to every run, e.g. "parallel.compile=true".
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
     moe=(--seq 4096 --batch 2 --gradient-checkpointing --steps 3 --warmup 3 --baseline hf "${extra[@]}")
     profiled=()
     [[ ${profile:-0} == 1 ]] && profiled=('logging.profile_steps=[2,3]')
-    bench moe-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}" "${profiled[@]}"
-    bench moe-qwen3-experts --shape qwen3-30b-a3b "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
-    # GLM-4.5-Air: 1 dense + 19 sparse layers. bf16 weights: 2.5 GB embedding and head, 0.24 GB the dense
-    # layer, 4.7 GB each sparse one (128 experts of 3 x 4096 x 1408, attention 0.11 GB): 92 GB, which
-    # leaves HF's baseline about 45 GB for activations, logits and the loss (Qwen3-30B-A3B needed 19 GB
-    # beyond its 61 GB of weights). 24 layers (111 GB) is the most that could fit at all.
-    bench moe-glm-air-20l --shape glm-4.5-air --layers 20 "${moe[@]}"
-    # Mixtral-8x7B whole: 46.7B parameters, 93 GB in bf16; its small vocabulary keeps the logits at 1 GB.
-    bench moe-mixtral --shape mixtral-8x7b "${moe[@]}"
-    bench moe-qwen3-attn-random --shape qwen3-30b-a3b "${moe[@]}" --routing random
+    if [[ $suite != h200-moe-large ]]; then
+        bench moe-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}" "${profiled[@]}"
+        bench moe-qwen3-experts --shape qwen3-30b-a3b "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
+        bench moe-qwen3-attn-random --shape qwen3-30b-a3b "${moe[@]}" --routing random
+    fi
+    if [[ $suite != h200-moe-qwen3 ]]; then
+        # GLM-4.5-Air: 1 dense + 19 sparse layers. bf16 weights: 2.5 GB embedding and head, 0.24 GB the dense
+        # layer, 4.7 GB each sparse one (128 experts of 3 x 4096 x 1408, attention 0.11 GB): 92 GB, which
+        # leaves HF's baseline about 45 GB for activations, logits and the loss (Qwen3-30B-A3B needed 19 GB
+        # beyond its 61 GB of weights). 24 layers (111 GB) is the most that could fit at all.
+        bench moe-glm-air-20l --shape glm-4.5-air --layers 20 "${moe[@]}"
+        # Mixtral-8x7B whole: 46.7B parameters, 93 GB in bf16; its small vocabulary keeps the logits at 1 GB.
+        bench moe-mixtral --shape mixtral-8x7b "${moe[@]}"
+    fi
     ;;
 h200-moe-profile)
     # Where shardtune's Qwen3-30B-A3B LoRA-on-attention step goes: two profiled steps after warm-up, and the

@@ -43,8 +43,11 @@ class ModelConfig(_Section):
         "expert load (shardtune/bench/routing.py); random: as drawn",
     )
     revision: str | None = None
-    experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = Field(
-        None, description="MoE expert computation; null: transformers' default (grouped_mm where it runs)"
+    experts_implementation: Literal["auto", "fused", "eager", "grouped_mm", "batched_mm"] = Field(
+        "auto",
+        description="MoE expert computation in training: fused (shardtune's grouped-GEMM block), or "
+        "transformers' eager, grouped_mm or batched_mm; auto (or null): fused where the architecture is "
+        "supported, else transformers' default",
     )
     liger_kernel: bool = Field(
         False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"
@@ -55,6 +58,11 @@ class ModelConfig(_Section):
         if self.init_routing != "random" and self.init != "random":
             raise ValueError(f"init_routing: {self.init_routing} sets up random weights; needs init: random")
         return self
+
+    @field_validator("experts_implementation", mode="before")
+    @classmethod
+    def _null_is_auto(cls, value: object) -> object:
+        return "auto" if value is None else value  # null was the default of earlier releases' config.yaml
 
 
 FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("messages",), "text": ("text",)}
@@ -204,6 +212,11 @@ class LoraConfig(_Section):
     moe_targets: list[Literal[MOE_LORA_TARGETS]] = Field(  # type: ignore[valid-type]
         DEFAULT_MOE_TARGETS,
         description=f"MoE models, when target_modules is null: any of {', '.join(MOE_LORA_TARGETS)}",
+    )
+    shared_expert_adapter: bool = Field(
+        False,
+        description="routed_experts: one adapter shared by all experts of a layer (the fused experts "
+        "implementation), saved in PEFT's per-expert layout with every expert's copy equal",
     )
 
     @model_validator(mode="after")

@@ -45,10 +45,33 @@ ARCHITECTURES = {
 }
 
 
+# DeepSeek-V3's layout (MLA attention; group-limited routing: the best of 2 groups of 4 experts, with a
+# routed scaling factor). Kept apart from ARCHITECTURES, whose tests cover the routing statistics.
+DEEPSEEK_V3 = {
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,  # MLA: keys and values per head
+    "num_hidden_layers": 3,
+}
+ALL_ARCHITECTURES = {**ARCHITECTURES, "deepseek_v3": DEEPSEEK_V3}
+
+
 def write_tiny_moe(directory: Path, architecture: str) -> Path:
     """A model directory (config + tokenizer, no weights: train it with model.init=random)."""
     directory.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model(architecture, **{**COMMON, **ARCHITECTURES[architecture]})
+    config = AutoConfig.for_model(architecture, **{**COMMON, **ALL_ARCHITECTURES[architecture]})
     config.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TINY_MODEL / name, directory / name)

@@ -25,6 +25,7 @@ from shardtune.config import Config
 from shardtune.distributed.activations import apply_activation_checkpointing, tile_mlps
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import FusedMoeBlock
 from shardtune.model.moe import find_moe_blocks
 
 log = logging.getLogger("shardtune")
@@ -125,7 +126,11 @@ def parallelize(
             # SiLU): on 2xH200 at seq 4096 they made a DDP step 5% slower than one GPU's.
             torch._dynamo.config.optimize_ddp = False
         for layer in layers:
-            _outer_wrapper(model, layer).compile()
+            # A fused MoE block hands its routing to the recorder outside the graph (a graph break),
+            # and dynamo runs a checkpointed region with a graph break entirely eagerly: such layers
+            # are compiled inside their checkpoint wrapper, whose recomputation replays the graphs.
+            breaks_graph = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
+            (layer if breaks_graph else _outer_wrapper(model, layer)).compile()
         log.info("torch.compile on %d decoder layers", len(layers))
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

@@ -16,6 +16,7 @@ from transformers import (
 
 from shardtune.config import Config, ModelConfig
 from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import TRANSFORMERS_IMPLEMENTATIONS
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,13 @@ def load_model(
         # auto outside training (export, evaluation of padded examples): plain sdpa.
         "attn_implementation": "sdpa" if config.attn_implementation == "auto" else config.attn_implementation,
         "trust_remote_code": config.trust_remote_code,
-        **({"experts_implementation": config.experts_implementation} if config.experts_implementation else {}),
+        # fused (and auto) blocks are swapped in by training (shardtune.model.fused_moe); other uses of
+        # the model run transformers' default.
+        **(
+            {"experts_implementation": config.experts_implementation}
+            if config.experts_implementation in TRANSFORMERS_IMPLEMENTATIONS
+            else {}
+        ),
     }
     if config.init == "random" or not materialize:
         model_config = AutoConfig.from_pretrained(

@@ -138,13 +138,41 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
         target_parameters=target_parameters or None,
         task_type="CAUSAL_LM",
     )
+    routed = bool(blocks) and config.target_modules is None and "routed_experts" in config.moe_targets
+    if config.shared_expert_adapter and not routed:
+        raise ConfigError("lora.shared_expert_adapter: needs routed_experts in lora.moe_targets")
     try:
         # PEFT keeps adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype): they are
         # the only weights that change, so they get full-precision updates.
         with as_given:
-            return peft.get_peft_model(model, lora_config)
+            peft_model = peft.get_peft_model(model, lora_config)
     except ValueError as exc:
         raise ConfigError(f"lora.target_modules: {exc}") from exc
+    if config.shared_expert_adapter:
+        share_expert_adapters(peft_model)
+    return peft_model
+
+
+def share_expert_adapters(model: torch.nn.Module) -> None:
+    """Make each routed-expert adapter one adapter shared by the layer's experts.
+
+    PEFT's layout keeps a rank-r block per expert (lora_A: (r * experts, in), lora_B: (out, r *
+    experts)). Every expert's block starts as a copy of the first; the fused experts compute with their
+    mean (``shared_across_experts``), so each block gets the same gradient and stays equal to the others.
+    The saved adapter is thus PEFT's own format, which loads and merges anywhere unchanged.
+    """
+    for module in model.modules():
+        if not (hasattr(module, "parameter_name") and hasattr(module, "lora_A")) or module.num_experts < 2:
+            continue
+        experts = module.num_experts
+        with torch.no_grad():
+            for name in module.lora_A:
+                rank = module.r[name]
+                a = module.lora_A[name].weight.view(experts, rank, -1)
+                a.copy_(a[:1].expand_as(a))
+                b = module.lora_B[name].weight.view(-1, rank, experts)
+                b.copy_(b[..., :1].expand_as(b))
+        module.shared_across_experts = True
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

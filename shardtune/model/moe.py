@@ -129,12 +129,15 @@ class RoutingRecord:
 
 @dataclass
 class RoutingRecorder:
-    """Forward hooks on every router: while ``recording()``, each router's decision becomes a record.
+    """While ``recording()``, each router's decision becomes a record.
 
-    Hooks ignore forwards outside ``recording()`` (evaluation) and the recomputation that activation
-    checkpointing runs inside backward, so every token is recorded exactly once per training forward.
-    The hooks only keep references: they run no differentiable op, so a checkpointed layer saves the
-    same tensors in its forward and in its recomputation.
+    Blocks computed by transformers are seen through forward hooks on their routers. Blocks that route
+    themselves (shardtune's fused block: a ``routing_log`` attribute) append (logits, chosen) to that
+    list while it is a list, and the recorder turns those entries into records when recording ends.
+    Forwards outside ``recording()`` (evaluation) and the recomputation that activation checkpointing
+    runs inside backward record nothing, so every token is recorded exactly once per training forward.
+    Recording runs no differentiable op, so a checkpointed layer saves the same tensors in its forward
+    and in its recomputation.
     """
 
     blocks: list[MoeBlock]
@@ -144,7 +147,17 @@ class RoutingRecorder:
 
     def __post_init__(self) -> None:
         for block in self.blocks:
-            block.router.register_forward_hook(self._hook(block))
+            if not hasattr(block.block, "routing_log"):
+                block.router.register_forward_hook(self._hook(block))
+        # A compiled, checkpointed layer would otherwise replay the recording in backward (or, without
+        # this option in older torch, break the layer's graph there): recording is forward-only.
+        import torch._dynamo
+
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+    def _self_recording(self) -> list[MoeBlock]:
+        return [block for block in self.blocks if hasattr(block.block, "routing_log")]
 
     def _hook(self, block: MoeBlock):
         def record(module: torch.nn.Module, inputs: tuple, output: object) -> None:
@@ -163,14 +176,21 @@ class RoutingRecorder:
 
     @contextlib.contextmanager
     def recording(self, real_tokens: torch.Tensor | None) -> Iterator[list[RoutingRecord]]:
-        """Record the routers of one forward; ``real_tokens`` (batch, seq) masks out padding."""
+        """Record the routers of one forward; ``real_tokens`` (batch, seq) masks out padding. The
+        records of self-recording blocks join ``records`` when the forward is over."""
         self.records = []
         self._mask = None if real_tokens is None else real_tokens.reshape(-1).bool()
         self._active = True
+        for block in self._self_recording():
+            block.block.routing_log = []
         try:
             yield self.records
         finally:
             self._active = False
+            for block in self._self_recording():
+                for logits, chosen in block.block.routing_log:
+                    self.records.append(RoutingRecord(block, logits, chosen, self._mask))
+                block.block.routing_log = None
 
 
 def load_balancing_loss(records: list[RoutingRecord]) -> torch.Tensor:

@@ -45,6 +45,7 @@ from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.metrics.train_interval import TrainInterval
+from shardtune.model.fused_moe import use_fused_experts
 from shardtune.model.liger import apply_liger_kernels
 from shardtune.model.load import load_model, load_tokenizer, resolve_dtype, training_attention
 from shardtune.model.lora import apply_lora, count_parameters
@@ -181,6 +182,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
+    moe_blocks = use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
     routed_trainable = routed_expert_trainable(moe_blocks)

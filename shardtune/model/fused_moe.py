@@ -1,0 +1,474 @@
+"""shardtune's MoE block for training (``model.experts_implementation: fused``).
+
+Each sparse MoE block of a supported architecture is swapped for a :class:`FusedMoeBlock` that keeps the
+original's children under their names (router, experts, shared experts), so parameter names, PEFT's
+adapters, checkpoints and exports are unchanged; only the computation differs:
+
+- the router runs in fp32 with its architecture's exact rule (:class:`Routing`);
+- the (token, choice) pairs are sorted by expert once, on the device: ``torch.sort`` of the flattened
+  expert ids and ``searchsorted`` for the per-expert offsets, so nothing waits for the host and every
+  shape is static (``torch.compile`` traces the block as one graph);
+- gate/up and down projections are grouped GEMMs over the sorted rows (``torch._grouped_mm``; a loop
+  over experts where that kernel does not take the dtype), with LoRA on the routed experts computed as
+  two more grouped low-rank products on the same rows from PEFT's own ``lora_A``/``lora_B`` (W + ΔW is
+  never formed);
+- SiLU(gate) * up is one autograd function that keeps only the GEMM output for backward;
+- the weighted sum back to token order is one batched GEMM (fp32 accumulation) over each token's
+  ``top_k`` rows.
+
+Blocks record their routing themselves (``routing_log``, read by ``RoutingRecorder``) since their
+router module's forward no longer runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardtune.errors import ConfigError
+from shardtune.model.moe import MoeBlock, find_moe_blocks
+
+log = logging.getLogger("shardtune")
+
+TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How one architecture's router turns logits into (weights, experts) per token.
+
+    ``softmax``: softmax over all experts, top-k, renormalized over the k when ``normalize`` (Qwen3-MoE
+    with ``norm_topk_prob``; Mixtral always). ``sigmoid``: per-expert sigmoid scores; the choice adds
+    the score-correction bias and keeps the ``topk_group`` best of ``groups`` expert groups (a group's
+    score is the sum of its two best); weights are the chosen plain scores, renormalized when
+    ``normalize``, times ``scaling`` (GLM-4.5/4.7, DeepSeek-V3).
+    """
+
+    scoring: str
+    top_k: int
+    normalize: bool
+    groups: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+
+def _softmax_routing(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
+    return Routing("softmax", router.top_k, bool(router.norm_topk_prob) if normalize is None else normalize)
+
+
+def _sigmoid_routing(router: torch.nn.Module) -> Routing:
+    return Routing(
+        "sigmoid",
+        router.top_k,
+        bool(router.norm_topk_prob),
+        groups=router.num_group,
+        topk_group=router.topk_group,
+        scaling=float(router.routed_scaling_factor),
+    )
+
+
+# The transformers blocks whose router rule is written out in Routing, by class name; each is checked
+# against transformers' own forward in tests/train/test_fused_moe.py.
+SUPPORTED_BLOCKS = {
+    "Qwen3MoeSparseMoeBlock": _softmax_routing,
+    "MixtralSparseMoeBlock": lambda router: _softmax_routing(router, normalize=True),
+    "Glm4MoeMoE": _sigmoid_routing,
+    "DeepseekV3MoE": _sigmoid_routing,
+}
+
+
+def _unsupported(block: MoeBlock) -> str | None:
+    """Why ``block`` cannot be fused, or None."""
+    name = type(block.block).__name__
+    if name not in SUPPORTED_BLOCKS:
+        return f"{name} is not one of {', '.join(SUPPORTED_BLOCKS)}"
+    experts = block.experts
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+        return f"{type(experts).__name__} stores transposed or biased expert weights"
+    if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"{type(experts).__name__} does not use SiLU"
+    return None
+
+
+def resolve_experts_implementation(requested: str | None, blocks: list[MoeBlock]) -> str:
+    """What ``model.experts_implementation`` means for this model: ``auto`` is ``fused`` wherever every
+    MoE block is supported (on GPUs and CPUs alike: the same code, so CI tests what GPUs run), and
+    transformers' default otherwise."""
+    requested = requested or "auto"
+    if not blocks or requested in TRANSFORMERS_IMPLEMENTATIONS:
+        return requested
+    reason = next((why for why in map(_unsupported, blocks) if why), None)
+    if reason is None:
+        return "fused"
+    if requested == "fused":
+        raise ConfigError(f"model.experts_implementation: fused cannot run this model: {reason}; choose grouped_mm")
+    log.info("moe experts: transformers' default (%s)", reason)
+    return "transformers"
+
+
+def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], requested: str | None) -> list[MoeBlock]:
+    """Swap every sparse MoE block of ``model`` for a FusedMoeBlock when the implementation resolves to
+    ``fused``, log the implementation in use, and return the model's MoE blocks as they now are.
+
+    Call it after PEFT has wrapped the model (the experts' outermost wrapper gets the fused forward).
+    """
+    blocks = find_moe_blocks(model, layers)
+    implementation = resolve_experts_implementation(requested, blocks)
+    shared = any(getattr(module, "shared_across_experts", False) for module in model.modules())
+    if shared and implementation != "fused":
+        raise ConfigError(
+            "lora.shared_expert_adapter: needs model.experts_implementation fused (or auto), which this "
+            f"model does not run ({implementation}): transformers' experts would train each expert's copy apart"
+        )
+    if implementation != "fused":
+        if blocks and implementation != "transformers":
+            log.info("moe experts: transformers' %s", implementation)
+        return blocks
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        # transformers collects router logits from the router modules' forwards, which fused blocks do
+        # not run; its auxiliary loss is not shardtune's objective anyway (training.moe_aux_loss_coef).
+        config.output_router_logits = False
+        log.info(
+            "moe experts: the model's output_router_logits is off (training.moe_aux_loss_coef sets the balance loss)"
+        )
+    for block in blocks:
+        fused = FusedMoeBlock(block.block, SUPPORTED_BLOCKS[type(block.block).__name__](block.router))
+        parent = _parent_of(model, block.block)
+        for name, child in list(parent.named_children()):
+            if child is block.block:
+                parent.register_module(name, fused)
+    log.info(
+        "moe experts: fused (shardtune's grouped-GEMM block) on %d MoE layers; grouped GEMMs: %s",
+        len(blocks),
+        "torch._grouped_mm for bf16 (and eager fp32 on CPUs), a loop over experts otherwise"
+        if hasattr(torch, "_grouped_mm")
+        else "a loop over experts (this torch has no torch._grouped_mm)",
+    )
+    return find_moe_blocks(model, layers)
+
+
+def _parent_of(model: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    for module in model.modules():
+        if any(child is target for child in module.children()):
+            return module
+    raise ValueError(f"{type(target).__name__} is not inside {type(model).__name__}")
+
+
+class FusedMoeBlock(torch.nn.Module):
+    """A sparse MoE block computed as described in this module's docstring."""
+
+    def __init__(self, original: torch.nn.Module, routing: Routing):
+        super().__init__()
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        self.routing = routing
+        self.replaced = type(original).__name__
+        self.router_name = "gate" if hasattr(self, "gate") else "router"
+        self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
+        # (fp32 logits, chosen experts) of each training forward while a RoutingRecorder records.
+        self.routing_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.train(original.training)
+        # The experts run through their outermost module's call, so that hooks on it (FSDP2 gathers the
+        # experts as a unit of their own) fire; its forward becomes the grouped computation, which reads
+        # PEFT's adapters itself instead of PEFT's forward building W + ΔW.
+        outer = self.experts
+        outer.forward = types.MethodType(routed_experts, outer)
+
+    def extra_repr(self) -> str:
+        return f"replaces={self.replaced}, {self.routing}"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input noise
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        tokens = hidden_states.reshape(-1, shape[-1])
+        logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing)
+        self._record(logits, chosen)
+        output = self.experts(tokens, chosen, weights)  # transformers' experts signature
+        if hasattr(self, "shared_experts"):
+            output = output + self.shared_experts(tokens)
+        return output.reshape(shape)
+
+    # Outside the compiled graph: dynamo (torch 2.11) cannot let a tensor made inside a checkpointed
+    # region escape into a Python list, so a compiled layer breaks its graph here (once per MoE block).
+    @torch.compiler.disable
+    def _record(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        if self.routing_log is None:
+            return
+        # Activation checkpointing's recomputation in backward (eager) records nothing: each token once.
+        # Compiled, the recomputation happens in the graph and never reaches this Python code.
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return
+        self.routing_log.append((logits, chosen))
+
+
+def _adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
+    """The module under PEFT's ParamWrappers and, per wrapped parameter name, the active adapters'
+    (lora_A weight, lora_B weight, scaling, rank, shared by the experts). Merged or disabled adapters
+    are left out: their effect is in the base weight already, or off."""
+    adapters: dict[str, list[tuple]] = {}
+    while hasattr(module, "parameter_name") and hasattr(module, "lora_A"):
+        if not module.disable_adapters and not module.merged:
+            shared = getattr(module, "shared_across_experts", False)  # see lora.share_expert_adapters
+            adapters[module.parameter_name] = [
+                (module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name], module.r[name], shared)
+                for name in module.active_adapters
+                if name in module.lora_A
+            ]
+        module = module.base_layer
+    return module, adapters
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    device = weight.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def route(
+    router: torch.nn.Module, tokens: torch.Tensor, routing: Routing
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k))."""
+    router, adapters = _adapters(router)
+    device = tokens.device.type
+    with torch.autocast(device, enabled=False):
+        if torch.compiler.is_compiling():
+            # Compiled, the partitioner decides what backward keeps (it recomputes casts); and logits
+            # of an autograd.Function inside a checkpointed graph cannot leave it through routing_log.
+            logits = F.linear(tokens.float(), router.weight.float())
+        else:
+            logits = Fp32Linear.apply(tokens, router.weight)
+        for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
+            logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
+        if routing.scoring == "softmax":
+            probabilities = logits.softmax(dim=-1)
+            weights, chosen = probabilities.topk(routing.top_k, dim=-1)
+            if routing.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights, chosen
+        scores = logits.sigmoid()
+        for_choice = scores + router.e_score_correction_bias.float()
+        if routing.groups > 1:
+            grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best_groups = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            for_choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+        chosen = for_choice.topk(routing.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if routing.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * routing.scaling, chosen
+
+
+class Fp32Linear(torch.autograd.Function):
+    """x @ w^T computed in fp32 from operands kept for backward in their own (bf16) dtype: an fp32 copy
+    of every layer's input would otherwise stay alive until backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
+def routed_experts(
+    experts: torch.nn.Module, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs."""
+    experts, adapters = _adapters(experts)
+    gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I)
+    num_experts = gate_up.shape[0]
+    dtype = _compute_dtype(gate_up)
+    count, top_k = chosen.shape
+    flat = chosen.reshape(-1)
+    expert_of_row, order = torch.sort(flat, stable=True)  # row p of the sorted layout is pair order[p]
+    offsets = torch.searchsorted(
+        expert_of_row, torch.arange(num_experts, device=flat.device, dtype=flat.dtype), right=True, out_int32=True
+    )  # offsets[e]: rows of experts 0..e
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
+    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, expert_of_row, dtype)
+    hidden = SiluMul.apply(projected)
+    outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, expert_of_row, dtype)
+    per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, -1)  # back to (token, choice)
+    # (tokens, 1, k) @ (tokens, k, H): the weighted sum of each token's k rows, accumulated in fp32.
+    return torch.bmm(weights.unsqueeze(1).to(dtype), per_pair).squeeze(1)
+
+
+def _projection(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    adapters: list[tuple],
+    offsets: torch.Tensor,
+    expert_of_row: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """rows @ W_e^T for each row's expert e, plus each LoRA adapter's rows @ A_e^T @ B_e^T * scaling.
+
+    ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
+    rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
+    get_delta_weight: ΔW_e = B_e @ A_e * scaling). A shared adapter is the same for every expert.
+    """
+    num_experts = weight.shape[0]
+    result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), offsets)
+    for lora_a, lora_b, scaling, rank, shared in adapters:
+        if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
+            a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
+            b = lora_b.view(lora_b.shape[0], rank, num_experts).mean(dim=-1).to(dtype)  # (out, r)
+            result = result + F.linear(F.linear(rows, a) * scaling, b)
+            continue
+        a = lora_a.to(dtype).view(num_experts, rank, -1)  # (E, r, in)
+        b = lora_b.to(dtype).view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
+        pad = -rank % 8  # grouped GEMMs want 16-byte aligned rows: pad the rank with zeros
+        if pad:
+            a = F.pad(a, (0, 0, 0, pad))
+            b = F.pad(b, (0, pad))
+        low = grouped_mm(rows, a.transpose(-2, -1), offsets) * scaling  # (pairs, r)
+        result = result + grouped_mm(low, b.contiguous().transpose(-2, -1), offsets)
+    return result
+
+
+class GatherRows(torch.autograd.Function):
+    """Row p of the expert-sorted layout is token order[p] // top_k. The backward of a plain
+    index_select is a scatter-add (atomics, slow in bf16); here it is a gather back to (token, choice)
+    order and a sum over each token's top_k rows in fp32."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return tokens.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        per_choice = grad.index_select(0, inverse).view(-1, ctx.top_k, grad.shape[-1])
+        return per_choice.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class Permute(torch.autograd.Function):
+    """x[index] for a permutation ``index``; its backward is the gather by the inverse permutation, not
+    index_select's scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class SiluMul(torch.autograd.Function):
+    """SiLU(gate) * up of a [gate | up] GEMM output; backward keeps only that output."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
+        return torch.cat([grad_gate, grad * silu], dim=-1)
+
+
+# torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
+_GPU_KERNEL = (
+    (lambda capability: capability >= (8, 0))
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
+    else (lambda capability: capability[0] == 9)
+)
+
+
+def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands: bf16 on GPUs (and compiled anywhere); CPUs also
+    run fp32 eagerly. Rows and columns must be 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm") or rows.dtype != weight.dtype:
+        return False
+    if rows.dtype != torch.bfloat16 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    if rows.device.type == "cuda" and not _GPU_KERNEL(torch.cuda.get_device_capability(rows.device)):
+        return False
+    size = rows.element_size()
+    return (rows.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, K) @ weight[e] (K, N) for the rows of each expert e (``offsets``: cumulative row counts)."""
+    if _kernel_takes(rows, weight):
+        return torch._grouped_mm(rows, weight, offs=offsets)
+    return torch.ops.shardtune.grouped_mm_loop(rows, weight, offsets)
+
+
+@torch.library.custom_op("shardtune::grouped_mm_loop", mutates_args=())
+def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One GEMM per expert: the fallback for dtypes the grouped kernel does not take. An opaque op, so
+    that torch.compile keeps it whole (its loop bounds come from the host)."""
+    output = rows.new_zeros(rows.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):  # the one host sync of the fallback
+        if end > start:
+            torch.mm(rows[start:end], weight[expert], out=output[start:end])
+        start = end
+    return output
+
+
+@_grouped_mm_loop.register_fake
+def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("shardtune::grouped_mm_loop_backward", mutates_args=())
+def _grouped_mm_loop_backward(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_rows = torch.zeros_like(rows)
+    grad_weight = weight.new_zeros(weight.shape)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(grad[start:end], weight[expert].T, out=grad_rows[start:end])
+            torch.mm(rows[start:end].T, grad[start:end], out=grad_weight[expert])
+        start = end
+    return grad_rows, grad_weight
+
+
+@_grouped_mm_loop_backward.register_fake
+def _(rows, weight, offsets, grad):
+    return torch.empty_like(rows), weight.new_empty(weight.shape)
+
+
+def _loop_setup(ctx, inputs, output) -> None:
+    rows, weight, offsets = inputs
+    ctx.save_for_backward(rows, weight, offsets)
+
+
+def _loop_backward(ctx, grad):
+    rows, weight, offsets = ctx.saved_tensors
+    grad_rows, grad_weight = torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())
+    return grad_rows, grad_weight, None
+
+
+_grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)

@@ -1,0 +1,372 @@
+"""shardtune's fused MoE block (``model.experts_implementation: fused``) computes what transformers' eager
+experts compute, for every supported architecture (Qwen3-MoE, Mixtral, Glm4Moe, DeepSeek-V3), in fp32:
+forward, loss and every gradient, with padded and packed batches, with experts that get no token or every
+token, with LoRA on the routed experts (PEFT's format, loadable and mergeable by PEFT), compiled and
+checkpointed, and in training runs (FSDP with two workers: tests/distributed/test_moe_parallel.py, whose
+runs take the fused default). The training comparison marked slow runs with ``-m slow``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cli_runs import jsonl, train
+from tiny_moe import ALL_ARCHITECTURES, write_tiny_moe
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardtune.config import LoraConfig, ModelConfig
+from shardtune.data.collate import collate
+from shardtune.distributed.activations import apply_activation_checkpointing
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
+from shardtune.model.lora import apply_lora, share_expert_adapters
+from shardtune.model.moe import RoutingRecorder, find_moe_blocks, load_balancing_loss
+
+ARCHS = list(ALL_ARCHITECTURES)
+SHARED = ("glm4_moe", "deepseek_v3")  # the architectures with shared experts
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    return {arch: write_tiny_moe(root / arch, arch) for arch in ARCHS}
+
+
+def build(directory, lora_targets: list[str] | None = None, shared: bool = False) -> torch.nn.Module:
+    """transformers' eager experts with routers that route unevenly (random weights, random GLM-style
+    correction biases), and random LoRA weights (PEFT starts B at zero: no gradient would reach A)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(directory), dtype=torch.float32, experts_implementation="eager"
+    )
+    model.config.use_cache = False
+    for block in find_moe_blocks(model, decoder_layers(model)):
+        torch.nn.init.normal_(block.router.weight, std=0.5)
+        if hasattr(block.router, "e_score_correction_bias"):
+            block.router.e_score_correction_bias.normal_(std=0.1)
+    if lora_targets:
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0, moe_targets=lora_targets, shared_expert_adapter=shared)
+        model = apply_lora(model, config)
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                torch.nn.init.normal_(param, std=0.3)
+        if shared:
+            share_expert_adapters(model)  # the random blocks made equal again
+    return model.train()
+
+
+def fused_copy(model: torch.nn.Module) -> torch.nn.Module:
+    fused = copy.deepcopy(model)
+    use_fused_experts(fused, decoder_layers(fused), "fused")
+    assert all(isinstance(block.block, FusedMoeBlock) for block in find_moe_blocks(fused, decoder_layers(fused)))
+    return fused
+
+
+def assert_same(mine: torch.Tensor, reference: torch.Tensor, name: str = "") -> None:
+    """Equal to 1e-5 of the reference's largest magnitude (fp32; only summation orders differ)."""
+    scale = reference.abs().max().item()
+    assert (mine - reference).abs().max().item() <= 1e-5 * scale + 1e-9, name
+
+
+def run(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Logits, loss and the gradient of every trainable parameter and of the input embeddings."""
+    embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_()
+    other = {key: value for key, value in inputs.items() if key != "input_ids"}
+    output = model(inputs_embeds=embeddings, labels=labels, **other)
+    output.loss.backward()
+    results = {"logits": output.logits.detach(), "loss": output.loss.detach(), "input": embeddings.grad}
+    embedding = model.get_input_embeddings().weight  # bypassed: the input gradient is taken instead
+    for name, param in model.named_parameters():
+        if param.requires_grad and param is not embedding:
+            assert param.grad is not None, name
+            results[name] = param.grad
+    return results
+
+
+def padded_batch() -> tuple[dict, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    sequences = [(ids, ids.copy(), None) for ids in (torch.randint(3, 1000, (n,), generator=generator).numpy()
+                                                     for n in (23, 9, 17))]  # fmt: skip
+    inputs = collate(sequences, pad_token_id=0, packed=False).model_inputs()
+    return inputs, inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+
+
+def packed_batch() -> tuple[dict, torch.Tensor]:
+    """Two examples in one row; the positions restart where the second begins."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 1000, (1, 30), generator=generator)
+    positions = torch.cat([torch.arange(12), torch.arange(18)]).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, 12] = -100
+    return {"input_ids": ids, "position_ids": positions}, labels
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", ["padded", "packed"])
+def test_full_finetuning_forward_loss_and_every_gradient_equal_eager(moe_dirs, arch, batch):
+    reference = build(moe_dirs[arch])
+    fused = fused_copy(reference)
+    inputs, labels = padded_batch() if batch == "padded" else packed_batch()
+    expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
+    assert expected.keys() == got.keys()
+    assert any(".experts." in name for name in got) and any("gate.weight" in name for name in got)
+    assert any("shared_experts" in name for name in got) == (arch in SHARED)
+    for name in expected:
+        assert_same(got[name], expected[name], name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, arch):
+    targets = ["attention", "routed_experts", "router"] + (["shared_experts"] if arch in SHARED else [])
+    reference = build(moe_dirs[arch], targets)
+    fused = fused_copy(reference)
+    inputs, labels = padded_batch()
+    expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
+    assert expected.keys() == got.keys()
+    assert any("experts.lora_A" in name for name in got) and any("experts.base_layer.lora_B" in name for name in got)
+    for name in expected:
+        assert_same(got[name], expected[name], name)
+
+
+def sparse_block(model: torch.nn.Module):
+    return find_moe_blocks(model, decoder_layers(model))[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
+    """Positive inputs and a router row of large positive weights send every token to expert 0; a row of
+    large negative weights leaves expert 1 without a token (sigmoid routers: their correction biases,
+    which decide the choice and the expert group, do the same)."""
+    reference = build(moe_dirs[arch], ["routed_experts"])
+    router = sparse_block(reference).router
+    with torch.no_grad():
+        router.weight[0] = 5.0
+        router.weight[1] = -5.0
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias[:2] = torch.tensor([10.0, -10.0])
+    fused = fused_copy(reference)
+    hidden = router.weight.shape[1]
+    tokens = torch.rand(3, 7, hidden, generator=torch.Generator().manual_seed(3)) + 0.1
+    grads = []
+    for model in (reference, fused):
+        block = sparse_block(model)
+        x = tokens.clone().requires_grad_()
+        out = block.block(x)
+        (out * torch.linspace(-1, 1, hidden)).sum().backward()
+        grads.append({"output": out.detach(), "input": x.grad} | {
+            name: param.grad for name, param in block.block.named_parameters() if param.grad is not None
+        })  # fmt: skip
+    _, _, chosen = route(sparse_block(fused).router, tokens.reshape(-1, hidden), sparse_block(fused).block.routing)
+    counts = torch.bincount(chosen.reshape(-1), minlength=sparse_block(fused).num_experts)
+    assert counts[0] == 21 and counts[1] == 0
+    expected, got = grads
+    assert expected.keys() == got.keys() and len(got) > 2
+    for name in expected:
+        assert_same(got[name], expected[name], name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_routing_records_and_balance_loss_equal_the_router_hooks(moe_dirs, arch):
+    reference = build(moe_dirs[arch])
+    fused = fused_copy(reference)
+    inputs, labels = padded_batch()
+    real = inputs["attention_mask"]
+    results = []
+    for model in (reference, fused):
+        recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)))
+        with recorder.recording(real):
+            model(**inputs)
+        model(**inputs)  # outside recording: no records
+        loss = load_balancing_loss(recorder.records)
+        loss.backward()
+        router_grads = [block.router.weight.grad for block in recorder.blocks]
+        results.append((recorder.records, loss.detach(), router_grads))
+    (hooked, hooked_loss, hooked_grads), (own, own_loss, own_grads) = results
+    assert len(own) == len(hooked) == len(find_moe_blocks(fused, decoder_layers(fused)))
+    for mine, theirs in zip(own, hooked, strict=True):
+        assert mine.block.layer == theirs.block.layer
+        assert mine.chosen.shape[0] == int(real.sum())
+        assert torch.equal(mine.chosen.sort(dim=-1).values, theirs.chosen.sort(dim=-1).values)
+    assert_same(own_loss, hooked_loss)
+    for mine, theirs in zip(own_grads, hooked_grads, strict=True):
+        assert_same(mine, theirs)
+
+
+def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs):
+    """Each checkpointed decoder layer compiles (its graph breaks only where the block hands its routing
+    to the recorder), records its routing once per forward, and gives the eager block's gradients."""
+    reference = fused_copy(build(moe_dirs["glm4_moe"], ["attention", "routed_experts"]))
+    compiled = copy.deepcopy(reference)
+    for model in (reference, compiled):
+        apply_activation_checkpointing(model, decoder_layers(model), every=1)
+    for layer in decoder_layers(compiled):
+        wrapper = next(m for m in compiled.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer)
+        wrapper.compile(backend="aot_eager")
+    inputs, labels = padded_batch()
+    results = []
+    for model in (reference, compiled):
+        recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)))
+        with recorder.recording(inputs["attention_mask"]):
+            loss = model(**inputs, labels=labels).loss
+        assert len(recorder.records) == 2
+        (loss + load_balancing_loss(recorder.records)).backward()
+        results.append({"loss": loss.detach()} | {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    for name in results[0]:
+        assert_same(results[1][name], results[0][name], name)
+
+
+def test_saved_adapter_loads_in_peft_and_merges_to_the_fused_logits(moe_dirs, tmp_path):
+    from peft import PeftModel
+
+    from shardtune.model.lora import targets_as_given
+
+    fused = fused_copy(build(moe_dirs["qwen3_moe"], ["attention", "routed_experts"])).eval()
+    fused.save_pretrained(tmp_path / "adapter")
+    base = build(moe_dirs["qwen3_moe"]).eval()  # the same base weights (build seeds them)
+    with targets_as_given():
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = fused(input_ids=ids).logits
+        assert_same(adapted(input_ids=ids).logits, expected)
+        merged = adapted.merge_and_unload()
+        assert_same(merged(input_ids=ids).logits, expected)
+        assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
+    assert ModelConfig(name_or_path="m").experts_implementation == "auto"
+    assert ModelConfig(name_or_path="m", experts_implementation=None).experts_implementation == "auto"
+    caplog.set_level("INFO", logger="shardtune")
+    model = build(moe_dirs["mixtral"])
+    model.config.output_router_logits = True  # transformers' own aux loss: collected from router forwards
+    use_fused_experts(model, decoder_layers(model), "auto")
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1024)
+    assert "moe experts: fused (shardtune's grouped-GEMM block) on 2 MoE layers" in caplog.text
+    eager = build(moe_dirs["mixtral"])
+    blocks = use_fused_experts(eager, decoder_layers(eager), "eager")
+    assert not any(isinstance(block.block, FusedMoeBlock) for block in blocks)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert use_fused_experts(dense, decoder_layers(dense), "fused") == []
+    qwen2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "qwen2_moe", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+        )
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="model.experts_implementation: fused cannot run this model: Qwen2MoeSparse"):
+        use_fused_experts(qwen2, decoder_layers(qwen2), "fused")
+    assert not isinstance(find_moe_blocks(qwen2, decoder_layers(qwen2))[0].block, FusedMoeBlock)
+    use_fused_experts(qwen2, decoder_layers(qwen2), "auto")  # transformers' default, said once
+    assert "moe experts: transformers' default (Qwen2MoeSparseMoeBlock is not one of" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("arch", "targets"),
+    [pytest.param("glm4_moe", "[attention]", marks=pytest.mark.slow), ("qwen3_moe", "[attention,routed_experts]")],
+)
+def test_training_losses_and_expert_usage_equal_transformers_eager(moe_dirs, tmp_path, arch, targets):
+    common = [
+        f"model.name_or_path={moe_dirs[arch]}", "model.init=random", "lora.target_modules=null",
+        f"lora.moe_targets={targets}", "training.moe_aux_loss_coef=0.01", "training.gradient_checkpointing=true",
+    ]  # fmt: skip
+    eager = train(tmp_path, "eager", 1, *common, "model.experts_implementation=eager", steps=4)
+    fused = train(tmp_path, "fused", 1, *common, steps=4)
+    assert "moe experts: fused (shardtune's grouped-GEMM block)" in fused["log"]
+    assert "moe experts: transformers' eager" in eager["log"]
+    assert fused["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    usage = [jsonl(run["out"] / "logs/expert_usage.jsonl") for run in (eager, fused)]
+    assert [[layer["counts"] for layer in row["layers"]] for row in usage[1]] == [
+        [layer["counts"] for layer in row["layers"]] for row in usage[0]
+    ]
+    balance = [
+        [row["moe_balance_loss"] for row in jsonl(run["out"] / "logs/train_log.jsonl")] for run in (eager, fused)
+    ]
+    assert balance[1] == pytest.approx(balance[0], rel=1e-5)
+
+
+def expert_blocks(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each routed-expert LoRA weight of ``model`` as (experts, ...) blocks, with its ParamWrapper's rank."""
+    blocks = {}
+    for name, module in model.named_modules():
+        if getattr(module, "shared_across_experts", False):
+            experts, rank = module.num_experts, module.r["default"]
+            blocks[f"{name}.lora_A"] = module.lora_A["default"].weight.view(experts, rank, -1)
+            blocks[f"{name}.lora_B"] = module.lora_B["default"].weight.view(-1, rank, experts).permute(2, 0, 1)
+    return blocks
+
+
+def block_grad(model: torch.nn.Module, block: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``block`` (a view of a LoRA weight), in the same (experts, ...) layout."""
+    param = next(p for p in model.parameters() if p.data_ptr() == block.data_ptr() and p.shape.numel() == block.numel())
+    return param.grad.as_strided(block.shape, block.stride())
+
+
+def test_shared_expert_adapter_is_one_adapter_in_peft_format(moe_dirs, tmp_path):
+    from peft import PeftModel
+
+    from shardtune.model.lora import targets_as_given
+
+    reference = build(moe_dirs["glm4_moe"], ["attention", "routed_experts"], shared=True)
+    fused = fused_copy(reference)
+    assert len(expert_blocks(fused)) == 8  # A and B of gate_up and down in 2 MoE layers
+    inputs, labels = padded_batch()
+    expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
+    for name in ("logits", "loss", "input"):  # equal per-expert copies: the same function as PEFT's
+        assert_same(got[name], expected[name], name)
+    # The shared adapter's gradient is split equally over the copies: each copy gets the same gradient,
+    # and the copies together get what PEFT's per-expert adapters get together.
+    for (name, mine), theirs in zip(expert_blocks(fused).items(), expert_blocks(reference).values(), strict=True):
+        grad, reference_grad = block_grad(fused, mine), block_grad(reference, theirs)
+        assert torch.equal(grad, grad[:1].expand_as(grad)), name
+        assert_same(grad.sum(dim=0), reference_grad.sum(dim=0), name)
+    before = {name: block.detach().clone() for name, block in expert_blocks(fused).items()}
+    torch.optim.AdamW([p for p in fused.parameters() if p.requires_grad], lr=0.1).step()
+    for name, block in expert_blocks(fused).items():
+        assert torch.equal(block, block[:1].expand_as(block)), name  # still one adapter
+        assert not torch.equal(block, before[name]), name
+    with pytest.raises(ConfigError, match="lora.shared_expert_adapter: needs model.experts_implementation fused"):
+        use_fused_experts(copy.deepcopy(reference), decoder_layers(reference), "eager")
+    with pytest.raises(ConfigError, match="lora.shared_expert_adapter: needs routed_experts in lora.moe_targets"):
+        build(moe_dirs["glm4_moe"], ["attention"], shared=True)
+
+    fused.eval().save_pretrained(tmp_path / "adapter")
+    with targets_as_given():
+        adapted = PeftModel.from_pretrained(build(moe_dirs["glm4_moe"]).eval(), tmp_path / "adapter").eval()
+    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert_same(adapted(input_ids=ids).logits, fused(input_ids=ids).logits)
+
+
+def test_bf16_grouped_kernel_path_is_as_accurate_as_transformers(moe_dirs):
+    """The path GPUs run: bf16 operands through torch._grouped_mm (CPUs have the kernel too), LoRA rank 4
+    padded to the kernel's alignment. Against the fp32 reference, its loss and expert-adapter gradients
+    are as close as transformers' eager experts run in bf16."""
+    reference = build(moe_dirs["qwen3_moe"], ["attention", "routed_experts"])
+    eager = copy.deepcopy(reference).to(torch.bfloat16)
+    fused = fused_copy(reference).to(torch.bfloat16)
+    calls = []
+    original = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    inputs, labels = padded_batch()
+    expected, eager_bf16 = run(reference, inputs, labels), run(eager, inputs, labels)
+    torch._grouped_mm = counting
+    try:
+        got = run(fused, inputs, labels)
+    finally:
+        torch._grouped_mm = original
+    assert calls and set(calls) == {torch.bfloat16}
+
+    def error(result: dict, name: str) -> float:
+        return ((result[name].float() - expected[name]).norm() / expected[name].norm()).item()
+
+    names = ["loss", "logits"] + [name for name in expected if "experts.lora" in name]
+    for name in names:
+        assert error(got, name) <= 1.5 * error(eager_bf16, name) + 1e-3, name
