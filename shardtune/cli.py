@@ -73,7 +73,7 @@ def _train_here(config: Config) -> int:
 
     from shardtune.distributed.env import DistributedEnv
     from shardtune.run_dir import prepare_output_dir
-    from shardtune.train.loop import run_training
+    from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
@@ -107,6 +107,9 @@ def _train_here(config: Config) -> int:
     except Preempted as stopped:
         log.warning("%s", stopped)
         return PREEMPTED_EXIT_CODE
+    except NothingToTrain as done:
+        log.info("%s", done)  # rank 0 alone logs at this level
+        return 0
     finally:
         env.close()
     return 0
@@ -131,7 +134,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.export_checkpoint import export_checkpoint
 
     setup_logging(True)
-    print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge)}")
+    print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge, args.overwrite)}")
     return 0
 
 
@@ -176,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint-<step> directory")
     export.add_argument("--out", required=True, help="directory to write")
     export.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out (never a run, a checkpoint or the input)"
+    )
     export.set_defaults(handler=cmd_export)
 
     generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")

@@ -38,7 +38,7 @@ def test_rows_become_user_and_assistant_messages(tmp_path: Path):
         '{"role": "assistant", "content": "Grüße, 東京 ✓"}]}',
         "",
     ]
-    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert not list(tmp_path.glob(".out.jsonl.*"))
 
 
 def test_system_prompt_opens_every_conversation(tmp_path: Path):
@@ -53,7 +53,7 @@ def test_system_prompt_opens_every_conversation(tmp_path: Path):
         ]
     }
     # An explicit empty system prompt is kept: it overrides a chat template's default one.
-    convert_to_messages(SourceSpec(str(source)), out, "in", "out", system_prompt="")
+    convert_to_messages(SourceSpec(str(source)), out, "in", "out", system_prompt="", overwrite=True)
     assert json.loads(out.read_text())["messages"][0] == {"role": "system", "content": ""}
 
 
@@ -138,7 +138,7 @@ def test_nothing_convertible_is_an_error_not_an_empty_file(tmp_path: Path):
     with pytest.raises(DataError) as caught:
         convert_to_messages(SourceSpec(str(source)), out, "in", "out")
     assert caught.value.lines == [f"{source}: no row to convert (skipped 3: empty 'out': 2, not valid JSON: 1)"]
-    assert not out.exists() and not (tmp_path / "out.jsonl.tmp").exists()
+    assert not out.exists() and not list(tmp_path.glob(".out.jsonl.*"))
 
 
 def test_a_failed_conversion_leaves_the_previous_output_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -150,9 +150,9 @@ def test_a_failed_conversion_leaves_the_previous_output_alone(tmp_path: Path, mo
     out = tmp_path / "out.jsonl"
     out.write_text("previous\n")
     with pytest.raises(DataError, match="broken after the first row"):
-        convert_to_messages(SourceSpec("src.jsonl"), out, "in", "out")
+        convert_to_messages(SourceSpec("src.jsonl"), out, "in", "out", overwrite=True)
     assert out.read_text() == "previous\n"
-    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert not list(tmp_path.glob(".out.jsonl.*"))
 
 
 def test_missing_source_creates_nothing(tmp_path: Path):
@@ -237,6 +237,7 @@ def test_cli_options_reach_the_conversion(tmp_path: Path, capsys: pytest.Capture
 
     args = parse(
         ["convert", str(source), "--out", str(out), "--input-col", "in", "--output-col", "out", "--limit", "1"]
+        + ["--overwrite"]
     )
     args.handler(args)
     assert capsys.readouterr().out == f"wrote 1 row to {out}\n"
