@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl
+from conftest import REPO, write_jsonl
 
 import shardtune.convert as convert_module
 from shardtune.convert import ConvertReport, add_convert_parser, convert_to_messages
@@ -251,3 +254,28 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         parse(["convert", "src.jsonl", "--input-col", "in", "--output-col", "out"])  # --out is required
     assert "the following arguments are required: --out" in capsys.readouterr().err
+
+
+def test_convert_never_overwrites_its_source_and_replaces_an_output_only_with_overwrite(tmp_path: Path, capsys):
+    from shardtune.cli import main
+
+    source = write_jsonl(tmp_path / "qa.jsonl", [{"in": "q", "out": "a"}])
+    original = source.read_text()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "shardtune", "convert", str(source), "--out", str(source)]
+    columns = ["--input-col", "in", "--output-col", "out"]
+    result = subprocess.run([*command, *columns, "--overwrite"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == f"shardtune: error: --out {source}: is the input itself; choose another --out\n"
+    assert source.read_text() == original
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("mine\n")
+    assert main(["convert", str(source), "--out", str(out), *columns]) == 2
+    assert capsys.readouterr().err == (
+        f"shardtune: error: --out {out}: already exists; choose another path, or pass --overwrite to replace it\n"
+    )
+    assert out.read_text() == "mine\n"
+    assert main(["convert", str(source), "--out", str(out), *columns, "--overwrite"]) == 0
+    assert json.loads(out.read_text())["messages"][1] == {"role": "assistant", "content": "a"}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl", "qa.jsonl"]
