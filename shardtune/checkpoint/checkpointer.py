@@ -57,6 +57,7 @@ from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
 from shardtune.errors import ConfigError, InputError
 from shardtune.faults import fault_point
+from shardtune.run_dir import prepare_output_dir
 from shardtune.run_manifest import config_hash
 
 log = logging.getLogger("shardtune")
@@ -362,7 +363,14 @@ class Checkpointer:
             log.info("removed %s (save_total_limit=%d)", old, limit)
 
     def remove_partial(self) -> None:
-        """Checkpoints a crash left half-written are never loaded; clear them at start."""
+        """Checkpoints a crash left half-written are never loaded; clear them at start. On node-local
+        storage, a fresh run with ``overwrite_output_dir`` also clears the previous run from every other
+        node's disk, as it was cleared from rank 0's before the run began: rotation and ``auto`` resume
+        run on each node's own disk."""
+        training = self.config.training
+        fresh = training.resume_from_checkpoint is None and training.overwrite_output_dir
+        if fresh and self.node_local and self.domains.is_leader and 0 not in self.domains.ranks(self.domains.mine):
+            prepare_output_dir(self.output_dir, overwrite=True)
         if self.domains.is_leader and self.output_dir.is_dir():
             for partial in self.output_dir.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -396,7 +404,13 @@ class Checkpointer:
         dcp.load(model_state, storage_reader=readers["model"])
         set_model_state_dict(self.model, model_state, options=SET_TRAINABLE)
         trainer = json.loads((path / "trainer.json").read_text())
-        self.sampler.load_state_dict(trainer["sampler"])
+        try:
+            self.sampler.load_state_dict(trainer["sampler"])
+        except ValueError as error:  # the same config, but the dataset's files changed since the save
+            raise ConfigError(
+                f"training.resume_from_checkpoint: {path}: {error}; the training data changed since this checkpoint "
+                "was saved: restore it, or start a new run in another output_dir"
+            ) from None
         self.scheduler.load_state_dict(trainer["scheduler"])
         if "run_totals" in trainer:
             self.earlier_totals = RunTotals(**trainer["run_totals"])
