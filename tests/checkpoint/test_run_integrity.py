@@ -234,3 +234,20 @@ def test_a_failed_export_over_an_old_one_leaves_the_old_one(runs, tmp_path, monk
     with pytest.raises(OSError, match="No space left"):
         main(["export", str(runs["resumed"] / "checkpoint-6"), "--out", str(adapter), "--overwrite"])
     assert sorted(p.name for p in adapter.iterdir()) == ["old.txt"]
+
+
+def test_resuming_after_the_training_data_changed_is_one_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = (REPO / "examples/data/tiny_instruct.jsonl").read_text().splitlines(keepends=True)
+    data.write_text("".join(rows))
+    out = tmp_path / "run"
+    common = (f"data.dataset_path={data}", "data.eval_split_ratio=0", "training.eval_subset_size=null")
+    train(tmp_path, out, 1, *common, "training.max_steps=2", "training.save_steps=2")
+    data.write_text("".join(rows[:-10]))  # the same path, ten rows fewer
+    result = train(tmp_path, out, 1, *common, "training.max_steps=3", "training.resume_from_checkpoint=auto", expect=2)
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"shardtune: error: training.resume_from_checkpoint: {out / 'checkpoint-2'}: sampler state is for "
+        f"{len(rows)} examples with seed 42, this run has {len(rows) - 10} examples with seed 42; the training data "
+        "changed since this checkpoint was saved: restore it, or start a new run in another output_dir"
+    )
+    assert "Traceback" not in result.stderr
