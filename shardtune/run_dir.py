@@ -88,7 +88,7 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> None:
     target = out.resolve()
     for source in (path.resolve() for path in inputs):
         overlap = (
-            "is the input itself" if target == source
+            f"is the input {source}" if target == source
             else f"is inside the input {source}" if source in target.parents
             else f"contains the input {source}" if target in source.parents
             else None

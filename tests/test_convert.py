@@ -266,7 +266,7 @@ def test_convert_never_overwrites_its_source_and_replaces_an_output_only_with_ov
     columns = ["--input-col", "in", "--output-col", "out"]
     result = subprocess.run([*command, *columns, "--overwrite"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr == f"shardtune: error: --out {source}: is the input itself; choose another --out\n"
+    assert result.stderr == f"shardtune: error: --out {source}: is the input {source}; choose another --out\n"
     assert source.read_text() == original
 
     out = tmp_path / "out.jsonl"

@@ -35,8 +35,9 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     problem = not_a_checkpoint(checkpoint)
     if problem:
         raise InputError(f"{checkpoint}: {problem}")
-    check_output_path(out, [checkpoint], overwrite)
     config = load_config(checkpoint / "config.yaml", check_paths=False)
+    base = Path(config.model.name_or_path)
+    check_output_path(out, [checkpoint, *([base] if base.exists() else [])], overwrite)
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
     # The base weights in the dtype they are stored in; the checkpoint supplies the trained ones.
     base_dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else torch.float32

@@ -179,8 +179,10 @@ def shardtune(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_export_never_replaces_a_run_a_checkpoint_or_its_input(runs, tmp_path, capsys):
+def test_export_never_replaces_a_run_a_checkpoint_or_its_input(runs, tmp_path, capsys, monkeypatch):
     from shardtune.cli import main
+
+    monkeypatch.chdir(REPO)  # where the checkpoint's relative base model path points
 
     run = runs["resumed"]
     (run / "notes.txt").write_text("my notes\n")
@@ -193,10 +195,11 @@ def test_export_never_replaces_a_run_a_checkpoint_or_its_input(runs, tmp_path, c
         f"shardtune: error: --out {run}: contains the input {checkpoint}; choose another --out"
     )
     for out, why in [
-        (checkpoint, f"--out {checkpoint}: is the input itself; choose another --out"),
+        (checkpoint, f"--out {checkpoint}: is the input {checkpoint}; choose another --out"),
         (checkpoint / "adapter", f"--out {checkpoint / 'adapter'}: is inside the input {checkpoint}"),
         (runs["straight"], f"--out {runs['straight']}: holds a training run (config.yaml, final, "),
         (older / "x", f"--out {older / 'x'}: {older} is a checkpoint, which is never written to"),
+        (Path("examples/tiny-llama"), f"--out examples/tiny-llama: is the input {REPO / 'examples/tiny-llama'}"),
     ]:  # fmt: skip
         assert main(["export", str(checkpoint), "--out", str(out), "--overwrite"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
