@@ -50,7 +50,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardtune.atomic import replace_path, write_atomic
-from shardtune.checkpoint.layout import complete_checkpoints, not_a_checkpoint, read_step, resume_conflicts
+from shardtune.checkpoint.layout import (
+    checkpoint_step,
+    complete_checkpoints,
+    not_a_checkpoint,
+    read_step,
+    resume_conflicts,
+)
 from shardtune.checkpoint.shards import METADATA_FILE, NodeSavePlanner, ShardsReader, missing_shards
 from shardtune.config import Config, dump_config, load_config
 from shardtune.distributed.env import DistributedEnv
@@ -141,7 +147,7 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
             where = f" on {', '.join(sorted(lacking))}" if env.world_size > 1 else ""
             raise ConfigError(f"training.resume_from_checkpoint: {path} {problem}{where}")
     else:
-        local = [read_step(path) for path in complete_checkpoints(output_dir)]
+        local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
         everywhere: list[Any] = [None] * env.world_size
         dist.all_gather_object(everywhere, local)
         common = set(everywhere[0]).intersection(*everywhere[1:])

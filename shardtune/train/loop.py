@@ -269,12 +269,13 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     on_exit.callback(watchdog.close)
     nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
     run_started = time.perf_counter()
-    checkpointer.segment_totals = lambda: RunTotals(
-        [interval.run_tokens],
-        interval.run_train_time_so_far_s(),
-        time.perf_counter() - run_started,
-        eval_results[0]["eval_loss"] if eval_results else None,
-    )
+
+    def segment_totals(tokens_per_rank: list[int], wall_time_s: float) -> RunTotals:
+        """This segment's share of the run's totals (each resume starts a segment)."""
+        first_eval_loss = eval_results[0]["eval_loss"] if eval_results else None
+        return RunTotals(tokens_per_rank, interval.run_train_time_so_far_s(), wall_time_s, first_eval_loss)
+
+    checkpointer.segment_totals = lambda: segment_totals([interval.run_tokens], time.perf_counter() - run_started)
     profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
     for step in range(start_step + 1, total_steps + 1):
         profiler.step_begins(step)
@@ -362,12 +363,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
 
     # A resumed run counts the segments before it too (their totals came with the checkpoint).
-    segment = RunTotals(
-        [int(t) for t in env.all_gather_floats(interval.run_tokens)],
-        interval.run_train_time_s,
-        wall_time,
-        eval_results[0]["eval_loss"] if eval_results else None,
-    )
+    segment = segment_totals([int(t) for t in env.all_gather_floats(interval.run_tokens)], wall_time)
     run = checkpointer.earlier_totals.plus(segment)
     train_time, tokens_per_rank = run.train_time_s, run.tokens_per_rank
     rates_per_rank = [tokens / max(train_time, 1e-9) for tokens in tokens_per_rank]
