@@ -79,7 +79,7 @@ def _train_here(config: Config) -> int:
 
     from shardtune.distributed.env import DistributedEnv
     from shardtune.run_dir import prepare_output_dir
-    from shardtune.train.loop import run_training
+    from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
 
@@ -118,6 +118,9 @@ def _train_here(config: Config) -> int:
         # Every rank stops alike; one line for the run.
         say_once([stopped.line()], every_rank_says_it=True)
         return stopped.exit_code
+    except NothingToTrain as done:
+        log.info("%s", done)  # rank 0 alone logs at this level
+        return 0
     except (KeyboardInterrupt, Exception) as error:
         # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
@@ -148,7 +151,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.export_checkpoint import export_checkpoint
 
     setup_logging(True)
-    print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge)}")
+    print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge, args.overwrite)}")
     return 0
 
 
@@ -193,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint-<step> directory")
     export.add_argument("--out", required=True, help="directory to write")
     export.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out (never a run, a checkpoint or the input)"
+    )
     export.set_defaults(handler=cmd_export)
 
     generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import logging
 import os
 import re
@@ -19,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shardtune.checkpoint.layout import not_a_checkpoint
 from shardtune.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -414,25 +414,6 @@ def _check_paths(config: Config) -> list[str]:
     if looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
         problems.append(f"model.name_or_path: directory not found: {config.model.name_or_path}")
     return problems
-
-
-def not_a_checkpoint(path: Path) -> str | None:
-    """Why ``path`` is not a checkpoint shardtune can resume from, or None (read before anything loads)."""
-    manifest = path / "manifest.json"
-    if not manifest.is_file():
-        return "is not a complete checkpoint (no manifest.json)"
-    try:
-        content = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        return f"is not a shardtune checkpoint: its manifest.json does not read as JSON ({error})"
-    expected = ("step", "mode", "world_size", "files")
-    lacking = [key for key in expected if not isinstance(content, dict) or key not in content]
-    if lacking:
-        return f"is not a shardtune checkpoint: its manifest.json lacks {', '.join(lacking)}"
-    absent = [name for name in ("trainer.json", "model") if not (path / name).exists()]
-    if absent:
-        return f"is not a complete checkpoint: {', '.join(absent)} missing"
-    return None
 
 
 def looks_local(name_or_path: str) -> bool:

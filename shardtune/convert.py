@@ -17,8 +17,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardtune.atomic import temporary_sibling
 from shardtune.data.sources import BadRow, SourceSpec, iter_rows
 from shardtune.errors import DataError, InputError
+from shardtune.run_dir import check_output_path
 
 # Columns listed in the "no row has a column" error; wide tables would bury the message.
 _MAX_COLUMNS_SHOWN = 20
@@ -77,6 +79,7 @@ def convert_to_messages(
     output_col: str,
     system_prompt: str | None = None,
     limit: int | None = None,
+    overwrite: bool = False,
 ) -> ConvertReport:
     """Write one ``{"messages": [system?, user, assistant]}`` line per convertible row of ``source``.
 
@@ -84,15 +87,19 @@ def convert_to_messages(
     written unchanged (not stripped: leading whitespace can be content, e.g. in code). ``system_prompt``
     adds a system message to every conversation when given, even an empty one, since an explicit empty
     system prompt replaces a template's default in the tools that read this file. ``limit`` stops after
-    that many rows are written. The file appears only when complete (written as ``<out>.tmp``, then
-    renamed); if no row converts, nothing is written and ``DataError`` says why.
+    that many rows are written. The file appears only when complete (written under a temporary name
+    beside it, then renamed); if no row converts, nothing is written and ``DataError`` says why. An
+    existing ``out`` is replaced only with ``overwrite``, and never when it is the source itself (or a run
+    directory, or inside a checkpoint).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     out = Path(out)
     if out.is_dir():
         raise InputError(f"{out}: is a directory; --out needs a file name")
-    tmp = out.with_name(out.name + ".tmp")
+    local_source = Path(source.path)
+    check_output_path(out, [local_source] if local_source.exists() else [], overwrite)
+    tmp = temporary_sibling(out)
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
 
     written = 0
@@ -168,7 +175,9 @@ def format_report(report: ConvertReport) -> str:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     spec = SourceSpec(args.source, split=args.split, subset=args.subset)
-    report = convert_to_messages(spec, args.out, args.input_col, args.output_col, args.system_prompt, args.limit)
+    report = convert_to_messages(
+        spec, args.out, args.input_col, args.output_col, args.system_prompt, args.limit, args.overwrite
+    )
     print(format_report(report))
     # Where to look, on stderr so stdout stays the one summary line scripts may parse.
     for where in report.first_skipped.values():
@@ -199,5 +208,6 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
     convert.add_argument("--split", default="train", help="split of a hub dataset or directory (default: train)")
     convert.add_argument("--subset", default=None, help="config name of a hub dataset")
     convert.add_argument("--limit", type=_positive_int, default=None, help="stop after writing N rows")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing --out (never the source)")
     convert.set_defaults(handler=cmd_convert)
     return convert

@@ -1,47 +1,114 @@
 """The run directory (``training.output_dir``): what a run leaves behind, written by global rank 0.
 
-Files are written to a temporary name and renamed, so a reader (or a crash) never sees half a file.
+Files are written to a temporary name and renamed (``shardtune.atomic``), so a reader (or a crash) never
+sees half a file. A fresh run never mixes with an earlier one (``prepare_output_dir``), and ``export`` and
+``convert`` never write over a run, a checkpoint or their own input (``check_output_path``).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import platform
 import shutil
 import sys
 from datetime import datetime, timezone
+from fnmatch import fnmatch
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from shardtune.atomic import write_atomic
+from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, is_checkpoint
 from shardtune.config import Config, ConfigError, dump_config
+from shardtune.errors import InputError
 from shardtune.metrics.schema import SCHEMA_VERSION
+
+log = logging.getLogger("shardtune")
 
 # What a finished or interrupted run leaves; any of them means the directory holds a run.
 RUN_ARTIFACTS = (
     "config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb", "heartbeat", "hang",
 )  # fmt: skip
+# What else shardtune writes there: profiler traces, earlier hang reports, and the staging name of final/.
+_OTHER_ARTIFACTS = ("profile", "hang-*", ".final.tmp-*", ".final.old-*")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+def run_artifacts(output_dir: Path) -> list[Path]:
+    """Everything a run wrote into ``output_dir`` (checkpoints and interrupted saves included), and
+    nothing else: a user's own files there are not a run's."""
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for entry in sorted(output_dir.iterdir()):
+        name = entry.name
+        if (
+            name in RUN_ARTIFACTS
+            or checkpoint_step(entry) is not None
+            or fnmatch(name, STAGING_GLOB)
+            or any(fnmatch(name, pattern) for pattern in _OTHER_ARTIFACTS)
+        ):
+            found.append(entry)
+    return found
+
+
+def existing_run_artifacts(output_dir: Path) -> list[str]:
+    """The names of ``run_artifacts``, for messages."""
+    return [path.name for path in run_artifacts(output_dir)]
 
 
 def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory unless told to replace the old one."""
-    existing = [name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
+    """A fresh run's directory: refuse to mix two runs in one, or with ``overwrite`` remove what the
+    previous run wrote (only that) before this one writes anything, so neither checkpoint rotation nor a
+    later ``resume_from_checkpoint: auto`` ever sees the old checkpoints."""
+    existing = run_artifacts(output_dir)
     if existing and not overwrite:
         raise ConfigError(
-            f"training.output_dir: {output_dir} already holds a run ({', '.join(existing)}); "
-            "choose another output_dir or set training.overwrite_output_dir=true"
+            f"training.output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); "
+            "choose another output_dir, set training.overwrite_output_dir=true, or continue it with "
+            "training.resume_from_checkpoint=auto"
         )
-    for name in existing:
-        target = output_dir / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if existing:
+        log.info(
+            "training.overwrite_output_dir: removing the previous run's %s from %s",
+            ", ".join(path.name for path in existing), output_dir,
+        )  # fmt: skip
+    for target in existing:
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
     output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> None:
+    """``--out`` of ``export`` and ``convert``: never one of the command's inputs, a checkpoint, a run
+    directory, or a path inside any of them; an existing file or non-empty directory only with
+    ``--overwrite`` (the caller writes a sibling and swaps it in once complete)."""
+    target = out.resolve()
+    for source in (path.resolve() for path in inputs):
+        overlap = (
+            f"is the input {source}" if target == source
+            else f"is inside the input {source}" if source in target.parents
+            else f"contains the input {source}" if target in source.parents
+            else None
+        )  # fmt: skip
+        if overlap:
+            raise InputError(f"--out {out}: {overlap}; choose another --out")
+    for directory in (target, *target.parents):
+        if directory.is_dir() and is_checkpoint(directory):
+            raise InputError(
+                f"--out {out}: {directory} is a checkpoint, which is never written to; choose another --out"
+            )
+    # A run's directory is protected; a new directory inside it (RUN/adapter) is not.
+    if run_artifacts(target):
+        raise InputError(
+            f"--out {out}: holds a training run ({', '.join(existing_run_artifacts(target)[:4])}), which is never "
+            "replaced; choose another --out"
+        )
+    occupied = any(out.iterdir()) if out.is_dir() else out.exists()
+    if occupied and not overwrite:
+        raise InputError(f"--out {out}: already exists; choose another path, or pass --overwrite to replace it")
 
 
 def package_versions() -> dict[str, str]:
@@ -59,12 +126,11 @@ def write_run_start(output_dir: Path, config: Config, argv: list[str], world: di
     # Imported here: the CLI imports this module for RUN_ARTIFACTS, and run_manifest imports torch.
     from shardtune.run_manifest import code_version, config_hash, device_versions
 
-    config_text = dump_config(config)
-    write_atomic(output_dir / "config.yaml", config_text)
+    write_atomic(output_dir / "config.yaml", dump_config(config))
     run_args = {
         "argv": [sys.executable, *argv],
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config_hash": config_hash(config_text),
+        "config_hash": config_hash(config),
         **code_version(),
         "log_schema_version": SCHEMA_VERSION,
         **world,

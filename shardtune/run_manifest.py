@@ -11,12 +11,14 @@ from typing import Any
 import torch
 
 import shardtune
+from shardtune.config import Config, dump_config
 from shardtune.distributed.env import DistributedEnv
 
 
-def config_hash(config_text: str) -> str:
-    """sha256 of the resolved config as written to ``config.yaml``: equal hashes, equal configs."""
-    return hashlib.sha256(config_text.encode("utf-8")).hexdigest()
+def config_hash(config: Config) -> str:
+    """sha256 of the resolved config as written to ``config.yaml`` (the run's and each checkpoint's):
+    equal hashes, equal configs."""
+    return hashlib.sha256(dump_config(config).encode("utf-8")).hexdigest()
 
 
 def code_version() -> dict[str, Any]:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import write_jsonl
+from conftest import REPO, write_jsonl
 
 import shardtune.convert as convert_module
 from shardtune.convert import ConvertReport, add_convert_parser, convert_to_messages
@@ -38,7 +41,7 @@ def test_rows_become_user_and_assistant_messages(tmp_path: Path):
         '{"role": "assistant", "content": "Grüße, 東京 ✓"}]}',
         "",
     ]
-    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert not list(tmp_path.glob(".out.jsonl.*"))
 
 
 def test_system_prompt_opens_every_conversation(tmp_path: Path):
@@ -53,7 +56,7 @@ def test_system_prompt_opens_every_conversation(tmp_path: Path):
         ]
     }
     # An explicit empty system prompt is kept: it overrides a chat template's default one.
-    convert_to_messages(SourceSpec(str(source)), out, "in", "out", system_prompt="")
+    convert_to_messages(SourceSpec(str(source)), out, "in", "out", system_prompt="", overwrite=True)
     assert json.loads(out.read_text())["messages"][0] == {"role": "system", "content": ""}
 
 
@@ -138,7 +141,7 @@ def test_nothing_convertible_is_an_error_not_an_empty_file(tmp_path: Path):
     with pytest.raises(DataError) as caught:
         convert_to_messages(SourceSpec(str(source)), out, "in", "out")
     assert caught.value.lines == [f"{source}: no row to convert (skipped 3: empty 'out': 2, not valid JSON: 1)"]
-    assert not out.exists() and not (tmp_path / "out.jsonl.tmp").exists()
+    assert not out.exists() and not list(tmp_path.glob(".out.jsonl.*"))
 
 
 def test_a_failed_conversion_leaves_the_previous_output_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -150,9 +153,9 @@ def test_a_failed_conversion_leaves_the_previous_output_alone(tmp_path: Path, mo
     out = tmp_path / "out.jsonl"
     out.write_text("previous\n")
     with pytest.raises(DataError, match="broken after the first row"):
-        convert_to_messages(SourceSpec("src.jsonl"), out, "in", "out")
+        convert_to_messages(SourceSpec("src.jsonl"), out, "in", "out", overwrite=True)
     assert out.read_text() == "previous\n"
-    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert not list(tmp_path.glob(".out.jsonl.*"))
 
 
 def test_missing_source_creates_nothing(tmp_path: Path):
@@ -237,6 +240,7 @@ def test_cli_options_reach_the_conversion(tmp_path: Path, capsys: pytest.Capture
 
     args = parse(
         ["convert", str(source), "--out", str(out), "--input-col", "in", "--output-col", "out", "--limit", "1"]
+        + ["--overwrite"]
     )
     args.handler(args)
     assert capsys.readouterr().out == f"wrote 1 row to {out}\n"
@@ -250,3 +254,28 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         parse(["convert", "src.jsonl", "--input-col", "in", "--output-col", "out"])  # --out is required
     assert "the following arguments are required: --out" in capsys.readouterr().err
+
+
+def test_convert_never_overwrites_its_source_and_replaces_an_output_only_with_overwrite(tmp_path: Path, capsys):
+    from shardtune.cli import main
+
+    source = write_jsonl(tmp_path / "qa.jsonl", [{"in": "q", "out": "a"}])
+    original = source.read_text()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "shardtune", "convert", str(source), "--out", str(source)]
+    columns = ["--input-col", "in", "--output-col", "out"]
+    result = subprocess.run([*command, *columns, "--overwrite"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == f"shardtune: error: --out {source}: is the input {source}; choose another --out\n"
+    assert source.read_text() == original
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("mine\n")
+    assert main(["convert", str(source), "--out", str(out), *columns]) == 2
+    assert capsys.readouterr().err == (
+        f"shardtune: error: --out {out}: already exists; choose another path, or pass --overwrite to replace it\n"
+    )
+    assert out.read_text() == "mine\n"
+    assert main(["convert", str(source), "--out", str(out), *columns, "--overwrite"]) == 0
+    assert json.loads(out.read_text())["messages"][1] == {"role": "assistant", "content": "a"}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl", "qa.jsonl"]

@@ -7,7 +7,8 @@ Layout of ``checkpoint-<step>/``:
   storage, one DCP checkpoint per node in ``model/node-<k>/`` (see ``shards.py``).
 - ``optimizer/`` (``full`` mode): DCP shards of the optimizer state, keyed the same way.
 - ``rng/rank-<r>.pt`` (``full`` mode): each rank's random generator states.
-- ``trainer.json``: step, sampler cursor, scheduler state.
+- ``trainer.json``: step, sampler cursor, scheduler state, and the run's totals so far (tokens per
+  rank, train and wall time, first eval loss), so ``metrics.json`` after a resume counts the whole run.
 - ``manifest.json``: step, mode, world size, strategy, config hash, storage (shared or node-local,
   with each node's host and ranks), and every file with its size and the rank and host that wrote
   it; written last, just before the rename that commits.
@@ -24,15 +25,14 @@ dies mid-save leaves only a ``.checkpoint-<step>.tmp`` directory, which no resum
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import random
-import re
 import shutil
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shardtune.atomic import replace_path, write_atomic
+from shardtune.checkpoint.layout import (
+    checkpoint_step,
+    complete_checkpoints,
+    not_a_checkpoint,
+    read_step,
+    resume_conflicts,
+)
 from shardtune.checkpoint.shards import (
     METADATA_FILE,
     NodeSavePlanner,
@@ -59,33 +67,115 @@ from shardtune.checkpoint.shards import (
     resized_files,
     unreadable_shards,
 )
-from shardtune.config import Config, dump_config
+from shardtune.config import Config, dump_config, load_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
 from shardtune.errors import CheckpointSaveError, ConfigError
 from shardtune.faults import fault_point
+from shardtune.run_dir import prepare_output_dir
+from shardtune.run_manifest import config_hash
 
 log = logging.getLogger("shardtune")
 
-CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 # Loading sets only the trainable parameters; the frozen ones come from the base model. Every
 # trainable key is still required: dcp.load fails on any key the checkpoint lacks.
 SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def config_hash(config: Config) -> str:
-    return hashlib.sha256(dump_config(config).encode()).hexdigest()[:16]
+def _without_wrappers(name: str) -> str:
+    # DDP's ``module.`` and torch.compile's ``_orig_mod.`` are not part of a parameter's name in a state dict.
+    return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod"))
 
 
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first (only a committed one has the name and a manifest)."""
-    found = []
-    for entry in output_dir.glob("checkpoint-*"):
-        match = CHECKPOINT_PATTERN.match(entry.name)
-        if match and (entry / "manifest.json").is_file():
-            found.append((int(match.group(1)), entry))
-    return [path for _, path in sorted(found)]
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The trainable parameters' state (sharded as the model is), keyed by parameter name: what a lite
+    checkpoint holds, and what a load or an export reads. DCP's ``ignore_frozen_params`` drops only the
+    names ``named_parameters()`` reports, which skips the second name of a shared tensor: the frozen
+    ``lm_head.weight`` of a model with tied embeddings would stay. Every name of a frozen tensor goes here."""
+    state = get_model_state_dict(model, options=TRAINABLE_ONLY)
+    frozen = {
+        _without_wrappers(name)
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not parameter.requires_grad
+    }
+    return {name: value for name, value in state.items() if _without_wrappers(name) not in frozen}
+
+
+@dataclass
+class RunTotals:
+    """What ``metrics.json`` sums over a run's segments (each resume starts one): saved in every
+    checkpoint's ``trainer.json``."""
+
+    tokens_per_rank: list[int] = field(default_factory=list)
+    train_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    first_eval_loss: float | None = None
+
+    def plus(self, later: RunTotals) -> RunTotals:
+        """This segment followed by ``later``; per-rank counts add up rank by rank (the world size may change)."""
+        tokens = [
+            (self.tokens_per_rank[rank] if rank < len(self.tokens_per_rank) else 0)
+            + (later.tokens_per_rank[rank] if rank < len(later.tokens_per_rank) else 0)
+            for rank in range(max(len(self.tokens_per_rank), len(later.tokens_per_rank)))
+        ]
+        return RunTotals(
+            tokens_per_rank=tokens,
+            train_time_s=self.train_time_s + later.train_time_s,
+            wall_time_s=self.wall_time_s + later.wall_time_s,
+            first_eval_loss=self.first_eval_loss if self.first_eval_loss is not None else later.first_eval_loss,
+        )
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    step: int
+
+
+def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint | None:
+    """The checkpoint ``training.resume_from_checkpoint`` names: ``auto`` (the newest complete on every
+    node, if any), a path, or none. A collective (every rank gets the same answer), made before anything
+    is written or loaded. A checkpoint saved with a config that made other weights, another adapter or
+    other data is refused here, naming each key that differs."""
+    setting = config.training.resume_from_checkpoint
+    output_dir = Path(config.training.output_dir)
+    if setting is None:
+        return None
+    if setting != "auto":
+        path = Path(setting)
+        present = env.all_gather_objects((socket.gethostname(), not_a_checkpoint(path)))
+        lacking = {host: problem for host, problem in present if problem}
+        if lacking:
+            problem = next(iter(lacking.values()))
+            where = f" on {', '.join(sorted(lacking))}" if env.world_size > 1 else ""
+            raise ConfigError(f"training.resume_from_checkpoint: {path} {problem}{where}")
+    else:
+        local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
+        everywhere = env.all_gather_objects(local)
+        common = set(everywhere[0]).intersection(*everywhere[1:])
+        if not common:
+            log.info(
+                "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; starting fresh",
+                output_dir,
+            )
+            return None
+        newest_anywhere = max(max(steps, default=0) for steps in everywhere)
+        if newest_anywhere > max(common):
+            log.warning(
+                "resume_from_checkpoint: checkpoint-%d is not complete on every node; using checkpoint-%d",
+                newest_anywhere, max(common),
+            )  # fmt: skip
+        path = output_dir / f"checkpoint-{max(common)}"
+    saved = load_config(path / "config.yaml", check_paths=False)
+    conflicts = resume_conflicts(saved.to_dict(), config.to_dict())
+    if conflicts:
+        raise ConfigError(
+            f"training.resume_from_checkpoint: {path} was saved with another model, adapter or data: "
+            + "; ".join(conflicts)
+            + ". Resume with the checkpoint's values (its config.yaml), or start a new run in another output_dir"
+        )  # fmt: skip
+    return ResumePoint(path, read_step(path))
 
 
 class Checkpointer:
@@ -105,6 +195,10 @@ class Checkpointer:
         self.config, self.env = config, env
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.tokenizer, self.strategy = tokenizer, strategy
+        # The totals of the segments before this one (set by load), and a callable giving this rank's
+        # totals of this segment so far (set by the training loop once it counts them).
+        self.earlier_totals = RunTotals()
+        self.segment_totals: Callable[[], RunTotals] = RunTotals
         self.output_dir = Path(config.training.output_dir)
         self.mode = config.training.checkpoint_mode
         self.domains = storage_domains(env, self.output_dir, config.parallel.timeout_s, purpose="checkpoint")
@@ -125,40 +219,6 @@ class Checkpointer:
     def _save_shards(self, state: dict[str, Any], directory: Path) -> None:
         planner = NodeSavePlanner() if self.node_local else None
         dcp.save(state, checkpoint_id=directory, process_group=self.domain_group, planner=planner)
-
-    # -- choosing what to resume -------------------------------------------------------------------
-    def resume_path(self) -> Path | None:
-        """``resume_from_checkpoint``: ``auto`` (the newest checkpoint complete on every node, if
-        any), a path, or none. A collective: every rank gets the same answer."""
-        setting = self.config.training.resume_from_checkpoint
-        if setting is None:
-            return None
-        if setting != "auto":
-            path = Path(setting)
-            present = self.env.all_gather_objects((socket.gethostname(), (path / "manifest.json").is_file()))
-            lacking = sorted({host for host, found in present if not found})
-            if lacking:
-                raise ConfigError(
-                    f"training.resume_from_checkpoint: {path} is not a complete checkpoint (no manifest.json) "
-                    f"on {', '.join(lacking)}"
-                )
-            return path
-        local = [int(CHECKPOINT_PATTERN.match(p.name).group(1)) for p in complete_checkpoints(self.output_dir)]
-        everywhere = self.env.all_gather_objects(local)
-        common = set(everywhere[0]).intersection(*everywhere[1:])
-        if not common:
-            log.info(
-                "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; starting fresh",
-                self.output_dir,
-            )
-            return None
-        newest_anywhere = max(max(steps, default=0) for steps in everywhere)
-        if newest_anywhere > max(common):
-            log.warning(
-                "resume_from_checkpoint: checkpoint-%d is not complete on every node; using checkpoint-%d",
-                newest_anywhere, max(common),
-            )  # fmt: skip
-        return self.output_dir / f"checkpoint-{max(common)}"
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, step: int, mode: str | None = None) -> Path:
@@ -181,7 +241,7 @@ class Checkpointer:
         try:
             fault_point("save.shards", step)
             # Each rank writes the shards it owns; DCP exchanges only the (small) save plan.
-            model_state = get_model_state_dict(self.model, options=TRAINABLE_ONLY)
+            model_state = trainable_state_dict(self.model)
             self._save_shards(model_state, self._shards(staging, "model"))
             if mode == "full":
                 optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
@@ -194,11 +254,13 @@ class Checkpointer:
             failures = self._describe_failure(error)
         # Each rank lists its files only after writing them, so once rank 0 holds every list, every
         # rank's shards are on disk and the checkpoint may be committed: the gather is the barrier.
-        gathered = self.env.all_gather_objects((files, failures))
-        self._raise_if_any(step, staging, [failure for _, found in gathered for failure in found], "writing shards")
+        gathered = self.env.all_gather_objects((files, failures, asdict(self.segment_totals())))
+        self._raise_if_any(step, staging, [failure for _, found, _ in gathered for failure in found], "writing shards")
         # Rank 0 composes the small files; every node's leader writes them on its own storage.
         small_files: list[Any] = [
-            self._small_files(step, mode, [files for files, _ in gathered]) if self.env.is_main else None
+            self._small_files(step, mode, [files for files, _, _ in gathered], [totals for _, _, totals in gathered])
+            if self.env.is_main
+            else None
         ]
         if self.node_local:
             dist.broadcast_object_list(small_files, src=0)
@@ -206,11 +268,9 @@ class Checkpointer:
         if self.domains.is_leader:
             try:
                 for name, text in small_files[0].items():
-                    _write_synced(staging / name, text)
+                    write_atomic(staging / name, text, durable=True)
                 self.tokenizer.save_pretrained(staging)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(staging, final)  # the commit
+                replace_path(staging, final)  # the commit
                 self._rotate()
             except Exception as error:
                 failures = self._describe_failure(error)
@@ -264,8 +324,19 @@ class Checkpointer:
             if (staging / name).is_file()
         ]
 
-    def _small_files(self, step: int, mode: str, files: list[Any]) -> dict[str, str]:
-        trainer = {"step": step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def _small_files(self, step: int, mode: str, files: list[Any], totals: list[dict[str, Any]]) -> dict[str, str]:
+        segment = RunTotals(
+            tokens_per_rank=[token for rank in totals for token in rank["tokens_per_rank"]],
+            train_time_s=totals[0]["train_time_s"],
+            wall_time_s=totals[0]["wall_time_s"],
+            first_eval_loss=totals[0]["first_eval_loss"],
+        )
+        trainer = {
+            "step": step,
+            "sampler": self.sampler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "run_totals": asdict(self.earlier_totals.plus(segment)),
+        }
         hosts = [entries[0]["host"] if entries else "?" for entries in files]
         nodes = [
             {"name": f"node-{domain}", "host": hosts[ranks[0]], "ranks": ranks}
@@ -299,7 +370,14 @@ class Checkpointer:
             log.info("removed %s (save_total_limit=%d)", old, limit)
 
     def remove_partial(self) -> None:
-        """Checkpoints a crash left half-written are never loaded; clear them at start."""
+        """Checkpoints a crash left half-written are never loaded; clear them at start. On node-local
+        storage, a fresh run with ``overwrite_output_dir`` also clears the previous run from every other
+        node's disk, as it was cleared from rank 0's before the run began: rotation and ``auto`` resume
+        run on each node's own disk."""
+        training = self.config.training
+        fresh = training.resume_from_checkpoint is None and training.overwrite_output_dir
+        if fresh and self.node_local and self.domains.is_leader and 0 not in self.domains.ranks(self.domains.mine):
+            prepare_output_dir(self.output_dir, overwrite=True)
         if self.domains.is_leader and self.output_dir.is_dir():
             for partial in self.output_dir.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -309,7 +387,7 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Restore what ``path`` holds; returns the step to continue after."""
         manifest = json.loads((path / "manifest.json").read_text())
-        model_state = get_model_state_dict(self.model, options=TRAINABLE_ONLY)
+        model_state = trainable_state_dict(self.model)
         optimizer_state = None
         if manifest["mode"] == "full":
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
@@ -335,8 +413,21 @@ class Checkpointer:
         _read_shards(model_state, readers["model"], path, "model")
         set_model_state_dict(self.model, model_state, options=SET_TRAINABLE)
         trainer = json.loads((path / "trainer.json").read_text())
-        self.sampler.load_state_dict(trainer["sampler"])
+        try:
+            self.sampler.load_state_dict(trainer["sampler"])
+        except ValueError as error:  # the same config, but the dataset's files changed since the save
+            raise ConfigError(
+                f"training.resume_from_checkpoint: {path}: {error}; the training data changed since this checkpoint "
+                "was saved: restore it, or start a new run in another output_dir"
+            ) from None
         self.scheduler.load_state_dict(trainer["scheduler"])
+        if "run_totals" in trainer:
+            self.earlier_totals = RunTotals(**trainer["run_totals"])
+        else:
+            log.warning(
+                "%s predates saved run totals: metrics.json will count the tokens and time from step %d on",
+                path, manifest["step"],
+            )  # fmt: skip
         if optimizer_state is not None:
             _read_shards(optimizer_state, readers["optimizer"], path, "optimizer")
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=TRAINABLE_ONLY)
@@ -389,13 +480,6 @@ def _read_shards(state: dict[str, Any], reader: ShardsReader, path: Path, kind: 
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as error:  # DCP's exception is a BaseException
         raise ConfigError(f"training.resume_from_checkpoint: {unreadable_shards(path, kind, error)}") from None
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _rng_state() -> dict[str, Any]:

@@ -11,6 +11,8 @@ import peft
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from shardtune.atomic import replace_path
+
 
 def save_final(
     model: PreTrainedModel | peft.PeftModel,
@@ -47,6 +49,4 @@ def save_final(
     finally:
         base.config.use_cache = use_cache
     tokenizer.save_pretrained(staging)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(staging, out_dir)
+    replace_path(staging, out_dir)

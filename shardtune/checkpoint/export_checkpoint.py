@@ -14,31 +14,37 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from shardtune.checkpoint.checkpointer import SET_TRAINABLE, TRAINABLE_ONLY, describe_missing
+from shardtune.checkpoint.checkpointer import SET_TRAINABLE, describe_missing, trainable_state_dict
 from shardtune.checkpoint.export import save_final
+from shardtune.checkpoint.layout import not_a_checkpoint
 from shardtune.checkpoint.shards import ShardsReader
 from shardtune.config import load_config
 from shardtune.errors import InputError
 from shardtune.model.load import load_model, load_tokenizer
 from shardtune.model.lora import apply_lora
+from shardtune.run_dir import check_output_path
 
 log = logging.getLogger("shardtune")
 
 
-def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False) -> str:
-    """Write ``out`` from ``checkpoint``; returns what was written, for the user."""
-    if not (checkpoint / "manifest.json").is_file():
-        raise InputError(f"{checkpoint}: not a complete checkpoint (no manifest.json)")
+def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrite: bool = False) -> str:
+    """Write ``out`` from ``checkpoint``; returns what was written, for the user. ``out`` is checked before
+    anything loads, and written under a temporary name that replaces it only once complete."""
+    problem = not_a_checkpoint(checkpoint)
+    if problem:
+        raise InputError(f"{checkpoint}: {problem}")
     config = load_config(checkpoint / "config.yaml", check_paths=False)
+    base = Path(config.model.name_or_path)
+    check_output_path(out, [checkpoint, *([base] if base.exists() else [])], overwrite)
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
     # The base weights in the dtype they are stored in; the checkpoint supplies the trained ones.
     base_dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else torch.float32
     model = load_model(config.model, base_dtype, config.training.seed)
     if config.lora.enabled:
         model = apply_lora(model, config.lora)
-    state = get_model_state_dict(model, options=TRAINABLE_ONLY)
+    state = trainable_state_dict(model)
     reader = ShardsReader(checkpoint / "model")
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     problems = describe_missing(checkpoint, "model", state, reader, manifest)

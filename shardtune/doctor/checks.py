@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from shardtune.checkpoint.layout import not_a_checkpoint
 from shardtune.config import Config, DataConfig, ModelConfig, NetworkConfig, TrainingConfig, looks_local
 from shardtune.data.sources import is_local
 from shardtune.distributed.env import DistributedEnv
@@ -25,7 +26,7 @@ from shardtune.doctor.estimates import available_host_memory, disk_check, memory
 from shardtune.doctor.report import FAIL, GIB, OK, WARN, Check, plural, size
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
-from shardtune.run_dir import RUN_ARTIFACTS
+from shardtune.run_dir import existing_run_artifacts
 
 
 def guarded(name: str, check: Callable[[], list[Check]]) -> list[Check]:
@@ -266,13 +267,14 @@ def resume_check(training: TrainingConfig) -> list[Check]:
     resume = training.resume_from_checkpoint
     if resume in (None, "auto"):
         return []
-    if (Path(resume) / "manifest.json").is_file():
+    problem = not_a_checkpoint(Path(resume))
+    if problem is None:
         return [Check("resume checkpoint", OK, f"{resume} is a complete checkpoint")]
     return [
         Check(
             "resume checkpoint",
             FAIL,
-            f"training.resume_from_checkpoint: {resume} is not a complete checkpoint (no manifest.json)",
+            f"training.resume_from_checkpoint: {resume} {problem}",
             fix="name a checkpoint-<step> directory, or use auto",
         )
     ]
@@ -281,7 +283,7 @@ def resume_check(training: TrainingConfig) -> list[Check]:
 def previous_run_check(training: TrainingConfig) -> list[Check]:
     """A fresh run refuses an output directory that holds another run (a FAIL row; none when free)."""
     output_dir = Path(training.output_dir)
-    existing = [name for name in RUN_ARTIFACTS if (output_dir / name).exists()]
+    existing = existing_run_artifacts(output_dir)
     if existing and not training.overwrite_output_dir and training.resume_from_checkpoint is None:
         return [
             Check(

@@ -25,7 +25,7 @@ from pathlib import Path
 from shardtune.config import Config, add_config_arguments, dump_config, load_config
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
-from shardtune.run_dir import RUN_ARTIFACTS
+from shardtune.run_dir import existing_run_artifacts
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE
 
 DEFAULT_PORT = 29500
@@ -303,7 +303,7 @@ def check_run_dir_is_free(config: Config) -> None:
     training = config.training
     if training.overwrite_output_dir or training.resume_from_checkpoint:
         return
-    existing = [name for name in RUN_ARTIFACTS if (Path(training.output_dir) / name).exists()]
+    existing = existing_run_artifacts(Path(training.output_dir))
     if existing:
         raise InputError(
             f"training.output_dir: {training.output_dir} already holds a run ({', '.join(existing)}); choose another "

@@ -81,6 +81,13 @@ class TrainInterval:
         self.step_time_s += self._last_step_ended - self._step_started
         self.steps += 1
 
+    def run_train_time_so_far_s(self) -> float:
+        """``run_train_time_s`` and the interval still open, up to the end of its last step (what a
+        checkpoint saved between logging steps records)."""
+        if self._interval_started is None or self._last_step_ended is None:
+            return self.run_train_time_s
+        return self.run_train_time_s + self._last_step_ended - self._interval_started - self._between_steps_s
+
     def reduce(self) -> dict[str, Any]:
         """The interval's train_log fields (from ``loss`` to ``slowest_host``); a collective every rank
         calls at the same step. Starts the next interval."""

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardtune.atomic import write_atomic
 from shardtune.faults import fault_point
 
 log = logging.getLogger("shardtune")
@@ -90,10 +91,8 @@ class Heartbeat:
                 return
             beats, record = self.beats, self.record()
             self._written_beats, self._written_at = beats, time.monotonic()
-            temporary = self.path.with_name(f".{self.path.name}.tmp")
             try:
-                temporary.write_text(json.dumps(record) + "\n", encoding="utf-8")
-                os.replace(temporary, self.path)
+                write_atomic(self.path, json.dumps(record) + "\n")
             except OSError as error:
                 # A full disk must fail the checkpoint that needs the space, not the bookkeeping beside it.
                 if not self._write_failed:

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from shardtune.bench.routing import set_init_routing
-from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.checkpointer import Checkpointer, RunTotals, find_resume_checkpoint
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config
 from shardtune.data.collate import Batch, collate
@@ -130,6 +130,10 @@ def accumulate_gradients(
     return loss_sum, local_targets
 
 
+class NothingToTrain(Exception):
+    """The checkpoint to resume is already at (or past) the last step: the run directory stays as it is."""
+
+
 @dataclass
 class TrainingResult:
     metrics: dict[str, Any]  # as written to metrics.json
@@ -151,8 +155,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     transformers.set_seed(training.seed)
     hostnames = env.hostnames()
     world = describe_world(env, hostnames)  # a collective
-    if env.is_main:
-        write_run_start(output_dir, config, argv, world)
+    # Before anything is written or loaded: the checkpoint this run continues, if any, and whether it may.
+    resume = find_resume_checkpoint(config, env)
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
@@ -162,6 +166,18 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
     log.info("data: %s", describe(data.summary))
     check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
+    micro_batch_size = training.per_device_train_batch_size
+    global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
+    sampler = GlobalBatchSampler(len(data.train), global_batch_size, training.seed)
+    total_steps = total_steps_for(config, sampler)
+    if resume and resume.step >= total_steps:
+        raise NothingToTrain(
+            f"{resume.path} is at step {resume.step} and this run ends at step {total_steps}: nothing to train, "
+            "nothing changed; to train on, raise training.max_steps (or num_train_epochs); for the model, "
+            f"shardtune export {resume.path} --out DIR"
+        )
+    if env.is_main:
+        write_run_start(output_dir, config, argv, world)
 
     # Only global rank 0 reads the weights; the others build an empty replica and receive them.
     attention = training_attention(config, env.device)
@@ -193,10 +209,6 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     model.train()
     install_faults(env.rank).attach(model)
 
-    micro_batch_size = training.per_device_train_batch_size
-    global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
-    sampler = GlobalBatchSampler(len(data.train), global_batch_size, training.seed)
-    total_steps = total_steps_for(config, sampler)
     warmup = warmup_steps_for(total_steps, training.warmup_ratio, training.warmup_steps)
     optimizer = build_optimizer(model, training, env.device)
     scheduler = build_scheduler(optimizer, total_steps, warmup, training.min_lr_ratio)
@@ -215,8 +227,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     checkpointer = Checkpointer(config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy)
     preemption = PreemptionWatch(env)
     checkpointer.remove_partial()
-    resume_path = checkpointer.resume_path()
-    start_step = checkpointer.load(resume_path) if resume_path else 0
+    start_step = checkpointer.load(resume.path) if resume else 0
     start_training_peak(env.device)
 
     sinks: list[MetricSink] = open_sinks(config, output_dir, start_step) if env.is_main else []
@@ -271,6 +282,13 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
 
     nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
     run_started = time.perf_counter()
+
+    def segment_totals(tokens_per_rank: list[int], wall_time_s: float) -> RunTotals:
+        """This segment's share of the run's totals (each resume starts a segment)."""
+        first_eval_loss = eval_results[0]["eval_loss"] if eval_results else None
+        return RunTotals(tokens_per_rank, interval.run_train_time_so_far_s(), wall_time_s, first_eval_loss)
+
+    checkpointer.segment_totals = lambda: segment_totals([interval.run_tokens], time.perf_counter() - run_started)
     profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
     for step in range(start_step + 1, total_steps + 1):
         profiler.step_begins(step)
@@ -361,13 +379,15 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
         env.barrier()  # the others wait for rank 0's write inside the save, beating with its progress
 
-    train_time = interval.run_train_time_s
-    tokens_per_rank = [int(t) for t in env.all_gather_floats(interval.run_tokens)]
-    rates_per_rank = env.all_gather_floats(interval.run_tokens / max(train_time, 1e-9))
+    # A resumed run counts the segments before it too (their totals came with the checkpoint).
+    segment = segment_totals([int(t) for t in env.all_gather_floats(interval.run_tokens)], wall_time)
+    run = checkpointer.earlier_totals.plus(segment)
+    train_time, tokens_per_rank = run.train_time_s, run.tokens_per_rank
+    rates_per_rank = [tokens / max(train_time, 1e-9) for tokens in tokens_per_rank]
     peak_per_rank = env.all_gather_floats(peak_memory_gib(env.device))
     parameter_bytes = [int(b) for b in env.all_gather_floats(local_parameter_bytes(model))]
     metrics: dict[str, Any] = {
-        "wall_time_s": wall_time,
+        "wall_time_s": run.wall_time_s,
         "train_time_s": train_time,
         "steps": total_steps,
         "epochs": round(sampler.epoch_progress, 4),
@@ -400,7 +420,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     }
     if eval_results:
         metrics.update(
-            first_eval_loss=eval_results[0]["eval_loss"],
+            first_eval_loss=run.first_eval_loss,
             eval_loss=eval_results[-1]["eval_loss"],
             eval_perplexity=eval_results[-1]["eval_perplexity"],
         )
@@ -411,7 +431,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         log.info(
             "done: %d steps in %.1f s, %s tokens/s, final train loss %.4f%s",
             total_steps,
-            wall_time,
+            run.wall_time_s,
             f"{metrics['tokens_per_s']:,.0f}",
             last_loss,
             f", eval loss {metrics['eval_loss']:.4f}" if eval_results else "",

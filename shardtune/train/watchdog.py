@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from shardtune.atomic import write_atomic
 from shardtune.train.heartbeat import Heartbeat
 
 log = logging.getLogger("shardtune")
@@ -218,9 +219,8 @@ class HangWatchdog:
             "where": main_thread_location(),
             "collectives": collectives_entered(dump),
         }
-        temporary = self.hang_dir / f".rank-{rank}.json.tmp"
-        temporary.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(temporary, self.hang_dir / f"rank-{rank}.json")  # last: marks the report complete
+        # Last: its presence marks this rank's report complete.
+        write_atomic(self.hang_dir / f"rank-{rank}.json", json.dumps(report, indent=2) + "\n")
         print(
             f"shardtune: hang: rank {rank}: no progress for {self.timeout_s:g} s at step {report['step']}, "
             f"phase {report['phase']}, in {report['where']['innermost']}; stack in {self.hang_dir}",

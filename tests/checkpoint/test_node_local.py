@@ -143,3 +143,24 @@ def test_replicated_lora_resumes_from_one_node_alone(tmp_path):
         "training.gradient_accumulation_steps=2",
     )  # fmt: skip
     assert losses(tmp_path / "alone") == pytest.approx(losses(straight)[2:], rel=1e-5)
+
+
+def test_overwrite_output_dir_clears_the_previous_run_from_every_nodes_disk(tmp_path):
+    """Rotation runs on each node's own disk: an old checkpoint left on node-b would outlive the new run's."""
+    common = ["parallel.strategy=ddp", "lora.lora_dropout=0", "training.checkpoint_mode=lite"]
+    succeeded(train_on_two_nodes(tmp_path, *common, "training.max_steps=4", "training.save_steps=2"))
+    for host in HOSTS:
+        (tmp_path / host / "notes.txt").write_text(f"{host}'s notes\n")
+    succeeded(
+        train_on_two_nodes(
+            tmp_path, *common, "training.overwrite_output_dir=true", "training.max_steps=3", "training.save_steps=1",
+            "training.save_total_limit=2",
+        )
+    )  # fmt: skip
+    for host in HOSTS:
+        assert sorted(p.name for p in (tmp_path / host).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"], host
+        assert (tmp_path / host / "notes.txt").read_text() == f"{host}'s notes\n"
+    log = succeeded(
+        train_on_two_nodes(tmp_path, *common, "training.max_steps=4", "training.resume_from_checkpoint=auto")
+    )
+    assert "checkpoint-3 (step 3, saved by 2 rank(s)" in log

@@ -94,7 +94,7 @@ def test_missing_model_and_resume_paths_that_are_not_checkpoints(tmp_path):
     for path, why in [
         (tmp_path, "is not a complete checkpoint (no manifest.json)"),
         (garbage, "is not a shardtune checkpoint: its manifest.json does not read as JSON"),
-        (partial, "is not a complete checkpoint: trainer.json, model missing"),
+        (partial, "is not a complete checkpoint: trainer.json, model, config.yaml missing"),
     ]:
         with pytest.raises(ConfigError) as raised:
             load_config(config, [f"training.resume_from_checkpoint={path}"])

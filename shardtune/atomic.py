@@ -1,0 +1,47 @@
+"""Writing files so that a reader, a crash or a kill never sees half of one: write a sibling under a
+temporary name, then rename it over the target (a rename within a directory is atomic on POSIX)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def temporary_sibling(path: Path, tag: str = "tmp") -> Path:
+    """A hidden name next to ``path`` (same directory, same filesystem: the rename stays atomic), unique
+    to this process."""
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}")
+
+
+def write_atomic(path: Path, text: str, durable: bool = False) -> None:
+    """``path`` holds ``text``, or what it held before. ``durable``: on disk (fsync) before the rename,
+    for files whose loss after a power cut would break what refers to them (a checkpoint's manifest)."""
+    temporary = temporary_sibling(path)
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def replace_path(staging: Path, target: Path) -> None:
+    """Put the finished ``staging`` (a file or a directory) in ``target``'s place. A directory cannot be
+    renamed over a non-empty one: the old one is first renamed aside, and removed only once the new one
+    is in place, so at every moment ``target`` is the old or the new, whole."""
+    if target.is_dir() and not target.is_symlink():
+        aside = temporary_sibling(target, "old")
+        os.replace(target, aside)
+        try:
+            os.replace(staging, target)
+        except BaseException:
+            os.replace(aside, target)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(staging, target)
