@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 import transformers
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config
 from shardtune.data.collate import Batch, collate
-from shardtune.data.prepare import describe, prepare_dataset
+from shardtune.data.prepare import PreparedData, describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
+from shardtune.data.store import SequenceArrays
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.parallelize import (
     decoder_layers,
@@ -94,6 +96,66 @@ def total_steps_for(config: Config, sampler: GlobalBatchSampler) -> int:
     return max(1, math.ceil(config.training.num_train_epochs * sampler.batches_per_epoch))
 
 
+def prepare_run_data(
+    config: Config, env: DistributedEnv, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
+) -> PreparedData:
+    """The run's token store, built by one process and read by every rank, its ids checked against the model."""
+    # Tokenizing a large dataset can take far longer than any collective should: the wait for the
+    # builder has its own, generous timeout, and nobody waits inside a collective meanwhile.
+    builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
+    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
+    log.info("data: %s", describe(data.summary))
+    check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
+    return data
+
+
+def build_run_model(config: Config, env: DistributedEnv, precision: Precision) -> tuple[torch.nn.Module, list]:
+    """The model as the run trains it, before ``parallelize``, and its MoE blocks.
+
+    Only global rank 0 reads the weights; the others build an empty replica, which ``parallelize``
+    fills from rank 0's. ``shardtune eval`` builds its model here too, so it evaluates what training did.
+    """
+    attention = training_attention(config, env.device)
+    log.info("attention: %s", attention)
+    model = load_model(
+        config.model.model_copy(update={"attn_implementation": attention}),
+        precision.frozen_storage,
+        config.training.seed,
+        materialize=env.is_main,
+        random_init_device=env.device if env.device.type == "cuda" else None,
+    )
+    if config.model.liger_kernel:
+        apply_liger_kernels(model, env.device)
+    moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    if config.training.moe_aux_loss_coef > 0 and not moe_blocks:
+        raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
+    if config.lora.enabled:
+        model = apply_lora(model, config.lora)
+    return model, moe_blocks
+
+
+def evaluate_run_model(
+    model: torch.nn.Module,
+    examples: SequenceArrays,
+    config: Config,
+    env: DistributedEnv,
+    precision: Precision,
+    pad_token_id: int,
+) -> dict[str, float]:
+    """The run's evaluation (its batch size and loss settings): during training and in ``shardtune eval``."""
+    training = config.training
+    return evaluate(
+        model,
+        examples,
+        training.per_device_eval_batch_size or training.per_device_train_batch_size,
+        pad_token_id,
+        env,
+        precision.autocast,
+        training.loss_chunk_tokens,
+        config.model.liger_kernel,
+    )
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[Batch],
@@ -156,30 +218,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
-    # Tokenizing a large dataset can take far longer than any collective should: the wait for the
-    # builder has its own, generous timeout, and nobody waits inside a collective meanwhile.
-    builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
-    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
-    log.info("data: %s", describe(data.summary))
-    check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
-
-    # Only global rank 0 reads the weights; the others build an empty replica and receive them.
-    attention = training_attention(config, env.device)
-    log.info("attention: %s", attention)
-    model = load_model(
-        config.model.model_copy(update={"attn_implementation": attention}),
-        precision.frozen_storage,
-        training.seed,
-        materialize=env.is_main,
-        random_init_device=env.device if env.device.type == "cuda" else None,
-    )
-    if config.model.liger_kernel:
-        apply_liger_kernels(model, env.device)
-    moe_blocks = find_moe_blocks(model, decoder_layers(model))
-    if training.moe_aux_loss_coef > 0 and not moe_blocks:
-        raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
-    if config.lora.enabled:
-        model = apply_lora(model, config.lora)
+    data = prepare_run_data(config, env, tokenizer, model_config)
+    model, moe_blocks = build_run_model(config, env, precision)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
@@ -226,16 +266,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         if len(data.eval) == 0:
             return
         started = time.perf_counter()
-        result = evaluate(
-            model,
-            data.eval,
-            training.per_device_eval_batch_size or micro_batch_size,
-            pad_id,
-            env,
-            precision.autocast,
-            training.loss_chunk_tokens,
-            config.model.liger_kernel,
-        )
+        result = evaluate_run_model(model, data.eval, config, env, precision, pad_id)
         result = {**result, "eval_time_s": time.perf_counter() - started}
         eval_results.append(result)
         for sink in sinks:
