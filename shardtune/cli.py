@@ -175,7 +175,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.generate import generate_response
 
     setup_logging(True)
-    print(generate_response(args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base))
+    print(
+        generate_response(
+            args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base, args.system, args.format
+        )
+    )
     return 0
 
 
@@ -227,8 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")
     generate.add_argument("model_dir", help="a final/ directory: PEFT adapter or full model, with tokenizer")
-    generate.add_argument("--instruction", required=True)
-    generate.add_argument("--input", default="", help="optional input for the instruction")
+    generate.add_argument(
+        "--instruction", required=True, help="the instruction, user message, or (text format) text to continue"
+    )
+    generate.add_argument("--input", default="", help="alpaca format: optional input for the instruction")
+    generate.add_argument("--system", default=None, help="messages format: a system message before the user's")
+    generate.add_argument(
+        "--format",
+        choices=("alpaca", "messages", "text"),
+        default=None,
+        help="the data format the model was trained on (default: from the run's config.yaml)",
+    )
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--base", default=None, help="base model for an adapter (default: from adapter_config)")
     generate.set_defaults(handler=cmd_generate)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from shardtune.checkpoint.export import saved_run_config
 from shardtune.config import Config, load_config, looks_local, not_a_checkpoint
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError, DataError, InputError
@@ -40,14 +41,6 @@ class TrainedWeights:
     kind: str  # "checkpoint", "adapter" or "model"
     step: int | None  # the training step the weights are from, when known
     saved_config: Config | None  # the config the weights were trained with, when it is at hand
-
-
-def saved_run_config(directory: Path) -> Config | None:
-    """The config a ``final/`` (or export) was trained with: its own ``config.yaml``, else its run's."""
-    for candidate in (directory / "config.yaml", directory.parent / "config.yaml"):
-        if candidate.is_file():
-            return load_config(candidate, check_paths=False)
-    return None
 
 
 def find_trained_weights(path: Path) -> TrainedWeights:

@@ -372,7 +372,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
 
     state = full_state_dict(model)  # a collective when the weights are sharded
     if env.is_main:
-        save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state)
+        save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state, config)
         log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
 
     train_time = interval.run_train_time_s
