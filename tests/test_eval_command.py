@@ -107,15 +107,9 @@ def test_eval_of_a_full_fine_tuning_checkpoint_and_final(tmp_path: Path):
         assert result["eval_loss"] == pytest.approx(run["eval_loss"][step], abs=1e-5), source
 
 
-def one_error_line(completed: subprocess.CompletedProcess) -> str:
-    assert completed.returncode == 2, completed.stderr[-3000:]
-    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
-    lines = [line for line in completed.stderr.splitlines() if line.startswith("shardtune: error:")]
-    assert len(lines) == 1, completed.stderr[-3000:]
-    return lines[0]
+def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path: Path, monkeypatch, capsys):
+    from shardtune.cli import main
 
-
-def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path: Path):
     out = lora_run["out"]
     checkpoint = str(out / "checkpoint-2")
     cases = [
@@ -128,10 +122,14 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
     ]
     (out / "checkpoint-4" / "eval.json").write_text("a user's notes\n")
     cases.append((["--checkpoint", str(out / "checkpoint-4")], "exists; pass --overwrite"))
+    monkeypatch.chdir(REPO)
     for args, expected in cases:
-        for nproc in (1, 2):
-            line = one_error_line(shardtune_eval(lora_run, *args, nproc=nproc))
-            assert expected in line, (args, line)
+        # Checked before any worker starts: with --nproc 2 the line is printed once, by the command.
+        for nproc in ("1", "2"):
+            status = main(["eval", "examples/quickstart.yaml", "--nproc", nproc, *lora_run["overrides"], *args])
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert status == 2 and len(lines) == 1 and lines[0].startswith("shardtune: error: "), (args, lines)
+            assert expected in lines[0], (args, lines)
     assert (out / "checkpoint-4" / "eval.json").read_text() == "a user's notes\n"
     # --overwrite replaces it.
     result = result_of(
