@@ -82,9 +82,18 @@ def _value(config: Config, key: str) -> Any:
 
 
 def _same_model_path(saved: str, given: str) -> bool:
+    """Whether two spellings name the same model. A checkpoint's config keeps a relative path as the run
+    gave it, relative to where it ran (``org/name`` reads like a hub id): from elsewhere, a local path that
+    ends with it names the same model."""
     if saved == given:
         return True
-    return looks_local(saved) and looks_local(given) and Path(saved).resolve() == Path(given).resolve()
+    if not looks_local(given):
+        return False  # two different hub ids
+    here = Path(given).expanduser().resolve()
+    if Path(saved).is_absolute() or Path(saved).exists():
+        return Path(saved).expanduser().resolve() == here
+    relative = Path(os.path.normpath(saved)).parts
+    return here.parts[-len(relative) :] == relative
 
 
 def config_mismatches(saved: Config, config: Config) -> list[str]:

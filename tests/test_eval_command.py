@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cli_runs import jsonl, train
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, make_config, write_jsonl
 
 # The eval rows are a file of their own, so that ``--data FILE`` can name exactly the run's eval data.
 EVAL_ROWS = 6
@@ -137,3 +137,19 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
         out / "checkpoint-4" / "eval.json",
     )
     assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][4], abs=1e-6)
+
+
+def test_a_checkpoints_relative_model_path_matches_the_same_model_named_from_elsewhere(tmp_path: Path, monkeypatch):
+    """A checkpoint's config.yaml keeps the run's relative model path; eval from another directory names it
+    absolutely. Another model is still a mismatch."""
+    from shardtune.evaluate import config_mismatches
+
+    config = make_config(tmp_path, tmp_path / "data.jsonl")  # the tiny model by its absolute path
+    relative = config.model.model_copy(update={"name_or_path": "examples/tiny-llama"})
+    saved = config.model_copy(update={"model": relative})
+    monkeypatch.chdir(tmp_path)
+    assert config_mismatches(saved, config) == []
+    other = config.model_copy(update={"model": config.model.model_copy(update={"name_or_path": str(tmp_path)})})
+    assert config_mismatches(saved, other) == [
+        f"model.name_or_path is {str(tmp_path)!r} here, 'examples/tiny-llama' there"
+    ]
