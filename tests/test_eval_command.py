@@ -100,7 +100,11 @@ def test_eval_on_two_processes_equals_the_single_process_runs_eval(lora_run: dic
 
 
 def test_eval_of_a_full_fine_tuning_checkpoint_and_final(tmp_path: Path):
-    run = run_with_checkpoints(tmp_path, "full", "lora.enabled=false", "training.learning_rate=1e-4")
+    """Full fine-tuning, with full checkpoints (optimizer state beside the weights): the DCP checkpoint and
+    the HF model in final/."""
+    run = run_with_checkpoints(
+        tmp_path, "full", "lora.enabled=false", "training.learning_rate=1e-4", "training.checkpoint_mode=full"
+    )
     for source, step in ((run["out"] / "checkpoint-2", 2), (run["out"] / "final", 4)):
         result = result_of(shardtune_eval(run, "--checkpoint", str(source)), source / "eval.json")
         assert result["kind"] == ("checkpoint" if step == 2 else "model")
