@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +137,17 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
             assert status == 2 and len(lines) == 1 and lines[0].startswith("shardtune: error: "), (args, lines)
             assert expected in lines[0], (args, lines)
     assert (out / "checkpoint-4" / "eval.json").read_text() == "a user's notes\n"
+    # A shard that is gone is found when rank 0 reads the weights: every worker stops, one line names it.
+    broken = tmp_path / "broken"
+    shutil.copytree(out / "checkpoint-2", broken)
+    (broken / "model" / "__0_0.distcp").unlink()
+    completed = shardtune_eval(lora_run, "--checkpoint", str(broken), nproc=2)
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    assert errors == [
+        f"shardtune: error: {broken}: cannot be evaluated: model/__0_0.distcp (written by rank 0 on "
+        f"{socket.gethostname()}) is missing"
+    ], completed.stderr[-3000:]
     # --overwrite replaces it.
     result = result_of(
         shardtune_eval(lora_run, "--checkpoint", str(out / "checkpoint-4"), "--overwrite"),
