@@ -141,7 +141,7 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
     broken = tmp_path / "broken"
     shutil.copytree(out / "checkpoint-2", broken)
     (broken / "model" / "__0_0.distcp").unlink()
-    completed = shardtune_eval(lora_run, "--checkpoint", str(broken), nproc=2)
+    completed = shardtune_eval(lora_run, "--checkpoint", str(broken), "--out", str(tmp_path / "broken.json"), nproc=2)
     errors = [line for line in completed.stderr.splitlines() if line.startswith("shardtune: error:")]
     assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-3000:]
     assert errors == [
