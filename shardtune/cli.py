@@ -14,6 +14,8 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from shardtune import __version__
 from shardtune.bench import add_bench_parser
@@ -26,6 +28,9 @@ from shardtune.launch.local import say_once
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
 from shardtune.metrics.plot import add_plot_parser
+
+if TYPE_CHECKING:
+    from shardtune.evaluate import EvalRequest
 
 log = logging.getLogger("shardtune")
 
@@ -46,20 +51,26 @@ def setup_logging(is_main: bool) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    return _run_workers(args.nproc, ["train", args.config, *args.overrides], config, lambda: _train_here(config))
+
+
+def _run_workers(nproc: int | None, worker: list[str], config: Config, run_here: Callable[[], int]) -> int:
+    """``run_here`` in this process, or (``nproc`` > 1) in ``nproc`` workers started with the command ``worker``.
+
+    The input is known to be good: the workers validate it again, but cannot fail on it.
+    """
     from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
     from shardtune.launch.local import check_worker_count, exit_worker, running_as_worker
 
     if not running_as_worker():
-        nproc = args.nproc if args.nproc is not None else default_nproc()
+        nproc = nproc if nproc is not None else default_nproc()
         warning = check_worker_count(nproc, "--nproc")
         if warning:
             sys.stderr.write(f"shardtune: warning: {warning}\n")
         if nproc > 1:
-            # The config is known to be good: the workers validate it again, but cannot fail on it.
-            worker = ["train", args.config, *args.overrides]
             return launch_node(NodeSpec(nproc_per_node=nproc), worker, config.network)
-        return _train_here(config)
-    exit_worker(_train_here(config))
+        return run_here()
+    exit_worker(run_here())
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -155,11 +166,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Loss and perplexity of trained weights, in one process or ``--nproc`` workers."""
+    config = load_config(args.config, args.overrides)
+    from shardtune.evaluate import check_request
+
+    request = check_request(config, args.config, args.checkpoint, args.data, args.out, args.overwrite)
+    options = ["--checkpoint", args.checkpoint, *(["--data", args.data] if args.data else [])]
+    options += [*(["--out", args.out] if args.out else []), *(["--overwrite"] if args.overwrite else [])]
+    worker = ["eval", args.config, *options, *args.overrides]
+    return _run_workers(args.nproc, worker, config, lambda: _eval_here(request))
+
+
+def _eval_here(request: EvalRequest) -> int:
+    from shardtune.distributed.env import DistributedEnv
+    from shardtune.evaluate import run_eval
+
+    env = DistributedEnv.from_environment(request.config.parallel.timeout_s)
+    setup_logging(env.is_main)
+    try:
+        run_eval(request, env)
+    finally:
+        env.close()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.generate import generate_response
 
     setup_logging(True)
-    print(generate_response(args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base))
+    print(
+        generate_response(
+            args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base, args.system, args.format
+        )
+    )
     return 0
 
 
@@ -201,10 +241,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(handler=cmd_export)
 
+    evaluate = commands.add_parser("eval", help="loss and perplexity of a checkpoint or final/ on eval data")
+    add_config_arguments(evaluate)
+    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint-<step>/ or final/ directory")
+    evaluate.add_argument(
+        "--data", default=None, help="evaluate on this file, prepared like the config's data (default: its eval data)"
+    )
+    evaluate.add_argument("--out", default=None, help="the JSON result (default: CHECKPOINT/eval.json)")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace an existing result file")
+    evaluate.add_argument("--nproc", type=int, default=None, help="workers on this machine (default: as train)")
+    evaluate.set_defaults(handler=cmd_eval)
+
     generate = commands.add_parser("generate", help="answer one instruction with a trained model (final/)")
     generate.add_argument("model_dir", help="a final/ directory: PEFT adapter or full model, with tokenizer")
-    generate.add_argument("--instruction", required=True)
-    generate.add_argument("--input", default="", help="optional input for the instruction")
+    generate.add_argument(
+        "--instruction", required=True, help="the instruction, user message, or (text format) text to continue"
+    )
+    generate.add_argument("--input", default="", help="alpaca format: optional input for the instruction")
+    generate.add_argument("--system", default=None, help="messages format: a system message before the user's")
+    generate.add_argument(
+        "--format",
+        choices=("alpaca", "messages", "text"),
+        default=None,
+        help="the data format the model was trained on (default: from the run's config.yaml)",
+    )
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--base", default=None, help="base model for an adapter (default: from adapter_config)")
     generate.set_defaults(handler=cmd_generate)

@@ -1,4 +1,9 @@
-"""Answer one instruction with a trained model: the quickest look at what fine-tuning did."""
+"""Answer one prompt with a trained model: the quickest look at what fine-tuning did.
+
+The prompt is rendered and tokenized by the code that rendered the training rows, in the data format
+the run trained on (its saved ``config.yaml``): the alpaca prompt, the tokenizer's chat template (or
+shardtune's layout) for ``messages``, the raw text for ``text``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,18 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from shardtune.data.alpaca import render_prompt
+from shardtune.checkpoint.export import saved_run_config
+from shardtune.config import looks_local
+from shardtune.data.formats import render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
 from shardtune.errors import InputError
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.nn.Module:
@@ -30,16 +42,68 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
         from shardtune.model.lora import targets_as_given
 
         settings = json.loads(adapter_config.read_text())
+        where = "--base" if base else f"base_model_name_or_path of {adapter_config}"
         base = base or settings["base_model_name_or_path"]
+        if looks_local(base) and not Path(base).expanduser().is_dir():
+            raise InputError(f"{where}: {base}: directory not found; pass --base with the base model's directory")
+        try:
+            base_model = AutoModelForCausalLM.from_pretrained(base)
+        except (OSError, ValueError, KeyError) as error:
+            raise InputError(
+                f"{where}: {base} is not a model this machine can read ({_first_line(error)}); "
+                "pass --base with the base model's directory or hub id"
+            ) from None
         # Paths like mlp.shared_experts.gate_proj are shardtune's MoE targets, taken from a transformers-5
         # model: PEFT must not convert them as if written for transformers 4.
         targets = settings.get("target_modules") or []
         ours = isinstance(targets, list) and any("." in target for target in targets)
-        with targets_as_given() if ours else contextlib.nullcontext():
-            return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), model_dir)
-    if (model_dir / "config.json").is_file():
+        try:
+            with targets_as_given() if ours else contextlib.nullcontext():
+                return PeftModel.from_pretrained(base_model, model_dir)
+        except (RuntimeError, ValueError, KeyError) as error:  # e.g. shapes of another base model
+            raise InputError(f"{model_dir}: the adapter does not fit {base} ({_first_line(error)})") from None
+    if base:
+        raise InputError(f"--base {base}: {model_dir} holds a full model, not an adapter; leave --base out")
+    try:
         return AutoModelForCausalLM.from_pretrained(model_dir)
-    raise InputError(f"{model_dir}: neither a PEFT adapter (adapter_config.json) nor a model (config.json)")
+    except (OSError, ValueError, KeyError) as error:
+        raise InputError(f"{model_dir}: its model cannot be loaded ({_first_line(error)})") from None
+
+
+def _check_model_dir(model_dir: Path) -> None:
+    if not model_dir.is_dir():
+        raise InputError(f"{model_dir}: no such directory (name a final/ directory or an export)")
+    if not (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
+        raise InputError(f"{model_dir}: neither a PEFT adapter (adapter_config.json) nor a model (config.json)")
+
+
+def data_format(model_dir: Path, given: str | None) -> str:
+    """The format the model was trained on: ``--format`` when given, else the run's saved config's."""
+    if given:
+        return given
+    saved = saved_run_config(model_dir)
+    if saved is None:
+        raise InputError(
+            f"{model_dir}: no config.yaml in it or its parent directory to take the data format from; "
+            "pass --format alpaca|messages|text"
+        )
+    return saved.data.format
+
+
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    format: str,
+    text: str,
+    input_text: str = "",
+    system: str | None = None,
+) -> list[int]:
+    """The token ids the model reads before its answer, exactly as training tokenized such a prompt."""
+    if input_text and format != "alpaca":
+        raise InputError(f"--input: only alpaca-format models take an input; this one was trained on {format}")
+    if system is not None and format != "messages":
+        raise InputError(f"--system: a system prompt is for messages-format models; this one was trained on {format}")
+    rendered = render_generation_prompt(format, tokenizer, text, input_text, system)
+    return ExampleTokenizer(tokenizer, max_length=10**9).encode_prompt(rendered)
 
 
 @torch.no_grad()
@@ -49,12 +113,20 @@ def generate_response(
     input_text: str = "",
     max_new_tokens: int = 64,
     base: str | None = None,
+    system: str | None = None,
+    format: str | None = None,
 ) -> str:
-    """Greedy answer to an alpaca-style instruction, rendered exactly as in training."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    """Greedy answer to ``instruction`` (the text to continue, for a ``text``-format model)."""
+    model_dir = Path(model_dir)
+    _check_model_dir(model_dir)
+    format = data_format(model_dir, format)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as error:
+        raise InputError(f"{model_dir}: its tokenizer cannot be loaded ({_first_line(error)})") from None
+    ids = prompt_ids(tokenizer, format, instruction, input_text, system)
     model = load_for_inference(model_dir, base).eval()
-    prompt_ids = ExampleTokenizer(tokenizer, max_length=10**9).encode_prompt(render_prompt(instruction, input_text))
-    input_ids = torch.tensor([prompt_ids])
+    input_ids = torch.tensor([ids])
     output = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -63,4 +135,4 @@ def generate_response(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
-    return tokenizer.decode(output[0, len(prompt_ids) :], skip_special_tokens=True).strip()
+    return tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True).strip()

@@ -12,6 +12,21 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shardtune.atomic import replace_path
+from shardtune.config import Config, dump_config, load_config, looks_local
+
+
+def portable_model_name(name_or_path: str) -> str:
+    """The base model as any directory can name it: a local path made absolute, a hub id as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if looks_local(name_or_path) and path.is_dir() else name_or_path
+
+
+def saved_run_config(directory: Path) -> Config | None:
+    """The config a ``final/`` (or an export) was trained with: its own ``config.yaml``, else its run's."""
+    for candidate in (directory / "config.yaml", directory.parent / "config.yaml"):
+        if candidate.is_file():
+            return load_config(candidate, check_paths=False)
+    return None
 
 
 def save_final(
@@ -20,13 +35,17 @@ def save_final(
     out_dir: Path,
     dtype: torch.dtype,
     state_dict: dict[str, torch.Tensor] | None = None,
+    config: Config | None = None,
 ) -> None:
     """Write the model and tokenizer under a temporary name, then rename: ``out_dir`` is never partial.
 
-    A LoRA model saves only its adapter (``adapter_model.safetensors`` + ``adapter_config.json``).
-    A fully fine-tuned model saves its weights in ``dtype`` (the model's configured dtype), not in
-    the fp32 of its master weights, so it is the size users expect. ``state_dict`` is the full
-    state of a sharded model, gathered by the caller; by default the model's own.
+    A LoRA model saves only its adapter (``adapter_model.safetensors`` + ``adapter_config.json``),
+    whose ``base_model_name_or_path`` is absolute for a local base, so the adapter loads from any
+    directory. A fully fine-tuned model saves its weights in ``dtype`` (the model's configured
+    dtype), not in the fp32 of its master weights, so it is the size users expect. ``state_dict`` is
+    the full state of a sharded model, gathered by the caller; by default the model's own. ``config``,
+    the run's, is saved as ``config.yaml`` (its model path made portable the same way): ``generate``
+    renders prompts in its data format, ``eval`` checks a config against it.
     """
     state_dict = state_dict if state_dict is not None else model.state_dict()
     staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -37,6 +56,12 @@ def save_final(
     try:
         if isinstance(model, peft.PeftModel):
             model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+            adapter_config_path = staging / "adapter_config.json"
+            adapter_config = json.loads(adapter_config_path.read_text())
+            base_name = adapter_config.get("base_model_name_or_path")
+            if base_name:
+                adapter_config["base_model_name_or_path"] = portable_model_name(base_name)
+            adapter_config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         else:
             state = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
             # Large models are split into safetensors shards with an index, as the hub does.
@@ -49,4 +74,10 @@ def save_final(
     finally:
         base.config.use_cache = use_cache
     tokenizer.save_pretrained(staging)
+    if config is not None:
+        model_section = config.model.model_copy(update={"name_or_path": portable_model_name(config.model.name_or_path)})
+        # A merged export holds a full model: its config says so.
+        lora = config.lora.model_copy(update={"enabled": isinstance(model, peft.PeftModel)})
+        saved = config.model_copy(update={"model": model_section, "lora": lora})
+        (staging / "config.yaml").write_text(dump_config(saved))
     replace_path(staging, out_dir)

@@ -57,9 +57,9 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     set_model_state_dict(model, state, options=SET_TRAINABLE)
     if config.lora.enabled and merge:
         merged = model.merge_and_unload()
-        save_final(merged, tokenizer, out, base_dtype)
+        save_final(merged, tokenizer, out, base_dtype, config=config)
         return f"merged model (base {config.model.name_or_path} + LoRA adapter) in {out}"
-    save_final(model, tokenizer, out, base_dtype)
+    save_final(model, tokenizer, out, base_dtype, config=config)
     if config.lora.enabled:
         return f"PEFT adapter for {config.model.name_or_path} in {out}"
     return f"model in {out}"

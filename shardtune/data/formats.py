@@ -114,21 +114,32 @@ def parse_messages(row: dict) -> list[dict[str, str]]:
     return parsed
 
 
+def _layout_turn(message: dict[str, str]) -> str:
+    """A prompt turn in ``DEFAULT_CHAT_LAYOUT``."""
+    return DEFAULT_CHAT_LAYOUT.format(role=message["role"], content=message["content"]) + "\n"
+
+
+REPLY_HEADER = DEFAULT_CHAT_LAYOUT.format(role="assistant", content="")
+
+
 def render_messages(row: dict, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool) -> Rendered:
     messages = parse_messages(row)
     if tokenizer.chat_template:
         return _render_with_template(messages, tokenizer, train_on_prompt)
     segments = []
     for message in messages:
-        is_reply = message["role"] == "assistant"
-        header = DEFAULT_CHAT_LAYOUT.format(role=message["role"], content="")
-        if is_reply:
-            segments.append(Segment(header, train_on_prompt))
+        if message["role"] == "assistant":
+            segments.append(Segment(REPLY_HEADER, train_on_prompt))
             segments.append(Segment(message["content"], True, eos=True))
             segments.append(Segment("\n", train_on_prompt))
         else:
-            segments.append(Segment(header + message["content"] + "\n", train_on_prompt))
+            segments.append(Segment(_layout_turn(message), train_on_prompt))
     return Rendered(segments, add_special_prefix=True)
+
+
+def _template_prompt(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> str:
+    """The template's text of ``messages`` followed by the opening of the assistant's reply."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _render_with_template(
@@ -145,7 +156,7 @@ def _render_with_template(
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+        before = _template_prompt(messages[:index], tokenizer)
         after = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
         if not before.startswith(done) or not after.startswith(before):
             raise RowError("the tokenizer's chat template does not render this conversation incrementally")
@@ -156,6 +167,26 @@ def _render_with_template(
     if full[len(done) :]:
         segments.append(Segment(full[len(done) :], train_on_prompt))
     return Rendered([segment for segment in segments if segment.text], add_special_prefix=False)
+
+
+def render_generation_prompt(
+    format: str, tokenizer: PreTrainedTokenizerBase, text: str, input_text: str = "", system: str | None = None
+) -> Rendered:
+    """What a model trained on ``format`` reads before its answer to ``text``, as training renders it.
+
+    ``alpaca``: the instruction prompt (``input_text`` as its input); ``messages``: a user turn (after
+    a ``system`` turn when given) and the opening of the assistant's reply; ``text``: ``text`` itself.
+    """
+    if format == "alpaca":
+        return Rendered([Segment(render_prompt(text, input_text), False)], add_special_prefix=True)
+    if format == "text":
+        return Rendered([Segment(text, False)], add_special_prefix=True)
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": text})
+    if tokenizer.chat_template:
+        return Rendered([Segment(_template_prompt(messages, tokenizer), False)], add_special_prefix=False)
+    segments = [Segment(_layout_turn(message), False) for message in messages]
+    return Rendered([*segments, Segment(REPLY_HEADER, False)], add_special_prefix=True)
 
 
 def render_row(

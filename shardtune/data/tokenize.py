@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -55,23 +56,25 @@ class ExampleTokenizer:
         self.truncation = truncation
         self.prefix = _special_prefix(tokenizer)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return self.prefix + self.tokenizer.encode(prompt, add_special_tokens=False)
+    def encode_prompt(self, rendered: Rendered) -> list[int]:
+        """The ids of a prompt rendered for generation: the ids training gives the same segments."""
+        ids, _ = self._assemble(rendered, iter(self._encode_batch([segment.text for segment in rendered.segments])))
+        return ids
 
     def tokenize(self, rendered: list[Rendered]) -> list[tuple[TokenizedExample | None, Outcome]]:
         texts = [segment.text for item in rendered for segment in item.segments]
         encoded = iter(self._encode_batch(texts) if texts else [])
-        results = []
-        eos = self.tokenizer.eos_token_id
-        for item in rendered:
-            ids = list(self.prefix) if item.add_special_prefix else []
-            trained = [False] * len(ids)
-            for segment in item.segments:
-                piece = next(encoded) + ([eos] if segment.eos else [])
-                ids += piece
-                trained += [segment.trainable] * len(piece)
-            results.append(self._finish(ids, trained))
-        return results
+        return [self._finish(*self._assemble(item, encoded)) for item in rendered]
+
+    def _assemble(self, item: Rendered, encoded: Iterator[list[int]]) -> tuple[list[int], list[bool]]:
+        """One example's ids (its segments' encodings from ``encoded``) and whether each is trained on."""
+        ids = list(self.prefix) if item.add_special_prefix else []
+        trained = [False] * len(ids)
+        for segment in item.segments:
+            piece = next(encoded) + ([self.tokenizer.eos_token_id] if segment.eos else [])
+            ids += piece
+            trained += [segment.trainable] * len(piece)
+        return ids, trained
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)

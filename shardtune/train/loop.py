@@ -11,20 +11,23 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from shardtune.bench.routing import set_init_routing
 from shardtune.checkpoint.checkpointer import Checkpointer, RunTotals, find_resume_checkpoint
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config
 from shardtune.data.collate import Batch, collate
-from shardtune.data.prepare import describe, prepare_dataset
+from shardtune.data.prepare import PreparedData, describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
+from shardtune.data.store import SequenceArrays
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.parallelize import (
     decoder_layers,
@@ -94,6 +97,71 @@ def total_steps_for(config: Config, sampler: GlobalBatchSampler) -> int:
     return max(1, math.ceil(config.training.num_train_epochs * sampler.batches_per_epoch))
 
 
+def prepare_run_data(
+    config: Config, env: DistributedEnv, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
+) -> PreparedData:
+    """The run's token store, built by one process and read by every rank, its ids checked against the model."""
+    # Tokenizing a large dataset can take far longer than any collective should: the wait for the
+    # builder has its own, generous timeout, and nobody waits inside a collective meanwhile.
+    builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
+    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
+    log.info("data: %s", describe(data.summary))
+    check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
+    return data
+
+
+def build_run_model(config: Config, env: DistributedEnv, precision: Precision) -> tuple[torch.nn.Module, list]:
+    """The model as the run trains it, before ``parallelize``, and its MoE blocks.
+
+    Only global rank 0 reads the weights; the others build an empty replica, which ``parallelize``
+    fills from rank 0's. ``shardtune eval`` builds its model here too, so it evaluates what training did.
+    """
+    attention = training_attention(config, env.device)
+    log.info("attention: %s", attention)
+    model = load_model(
+        config.model.model_copy(update={"attn_implementation": attention}),
+        precision.frozen_storage,
+        config.training.seed,
+        materialize=env.is_main,
+        random_init_device=env.device if env.device.type == "cuda" else None,
+    )
+    if config.model.liger_kernel:
+        apply_liger_kernels(model, env.device)
+    moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    # The other ranks' replicas receive rank 0's weights.
+    set_init_routing(model, moe_blocks, config.model.init_routing, config.training.seed, materialized=env.is_main)
+    if config.training.moe_aux_loss_coef > 0 and not moe_blocks:
+        raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
+    if config.lora.enabled:
+        model = apply_lora(model, config.lora)
+    return model, use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
+
+
+def evaluate_run_model(
+    model: torch.nn.Module,
+    examples: SequenceArrays,
+    config: Config,
+    env: DistributedEnv,
+    precision: Precision,
+    pad_token_id: int,
+    on_batch: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """The run's evaluation (its batch size and loss settings): during training and in ``shardtune eval``.
+    ``on_batch`` runs after each batch (the heartbeat's progress)."""
+    training = config.training
+    return evaluate(
+        model,
+        examples,
+        training.per_device_eval_batch_size or training.per_device_train_batch_size,
+        pad_token_id,
+        env,
+        precision.autocast,
+        training.loss_chunk_tokens,
+        config.model.liger_kernel,
+        on_batch=on_batch,
+    )
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[Batch],
@@ -160,12 +228,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)
-    # Tokenizing a large dataset can take far longer than any collective should: the wait for the
-    # builder has its own, generous timeout, and nobody waits inside a collective meanwhile.
-    builder = is_builder(env, config.data.resolved_cache_dir, config.parallel.timeout_s)
-    data = prepare_dataset(config, tokenizer, is_builder=builder, timeout_s=config.data.prepare_timeout_s)
-    log.info("data: %s", describe(data.summary))
-    check_token_ids(data, model_config, config, tokenizer.pad_token_id)  # every rank reads the same store
+    data = prepare_run_data(config, env, tokenizer, model_config)
     micro_batch_size = training.per_device_train_batch_size
     global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
     sampler = GlobalBatchSampler(len(data.train), global_batch_size, training.seed)
@@ -179,26 +242,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     if env.is_main:
         write_run_start(output_dir, config, argv, world)
 
-    # Only global rank 0 reads the weights; the others build an empty replica and receive them.
-    attention = training_attention(config, env.device)
-    log.info("attention: %s", attention)
-    model = load_model(
-        config.model.model_copy(update={"attn_implementation": attention}),
-        precision.frozen_storage,
-        training.seed,
-        materialize=env.is_main,
-        random_init_device=env.device if env.device.type == "cuda" else None,
-    )
-    if config.model.liger_kernel:
-        apply_liger_kernels(model, env.device)
-    moe_blocks = find_moe_blocks(model, decoder_layers(model))
-    # The other ranks' replicas receive rank 0's weights.
-    set_init_routing(model, moe_blocks, config.model.init_routing, training.seed, materialized=env.is_main)
-    if training.moe_aux_loss_coef > 0 and not moe_blocks:
-        raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
-    if config.lora.enabled:
-        model = apply_lora(model, config.lora)
-    moe_blocks = use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
+    model, moe_blocks = build_run_model(config, env, precision)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
     routed_trainable = routed_expert_trainable(moe_blocks)
@@ -246,16 +290,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             return
         heartbeat.beat(step, "eval")
         started = time.perf_counter()
-        result = evaluate(
-            model,
-            data.eval,
-            training.per_device_eval_batch_size or micro_batch_size,
-            pad_id,
-            env,
-            precision.autocast,
-            training.loss_chunk_tokens,
-            config.model.liger_kernel,
-            on_batch=lambda: heartbeat.progress("eval.batch"),
+        result = evaluate_run_model(
+            model, data.eval, config, env, precision, pad_id, on_batch=lambda: heartbeat.progress("eval.batch")
         )
         result = {**result, "eval_time_s": time.perf_counter() - started}
         eval_results.append(result)
@@ -375,7 +411,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     with saving(total_steps, "final_save"):
         state = full_state_dict(model)  # a collective when the weights are sharded
         if env.is_main:
-            save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state)
+            save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state, config)
             log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
         env.barrier()  # the others wait for rank 0's write inside the save, beating with its progress
 

@@ -1,0 +1,303 @@
+"""``shardtune eval``: loss and perplexity of a checkpoint or a ``final/`` on a config's eval data.
+
+The model is built by the same functions as the training run's (``build_run_model``), the trained
+tensors go into global rank 0's copy, and ``parallelize`` hands them to every rank as it hands over the
+base weights in training; the data is the run's token store, and the loss the run's ``evaluate``. So
+on the same world size and precision the result is the run's own eval loss of that step, and it
+reshards to any other world size or strategy the config names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.checkpoint.export import saved_run_config
+from shardtune.config import Config, load_config, looks_local, not_a_checkpoint
+from shardtune.distributed.env import DistributedEnv
+from shardtune.errors import ConfigError, DataError, InputError
+from shardtune.run_dir import write_atomic
+
+log = logging.getLogger("shardtune")
+
+# The keys of a config that decide which weights a checkpoint's tensors belong to: evaluating with a
+# config that differs in one of them would load the tensors into another model (or fail deep in a load).
+WEIGHT_KEYS = ("model.name_or_path", "model.revision", "model.init", "lora.enabled")
+ADAPTER_KEYS = ("lora.r", "lora.lora_alpha", "lora.target_modules", "lora.moe_targets")
+
+
+@dataclass(frozen=True)
+class TrainedWeights:
+    """What ``--checkpoint`` names: a DCP checkpoint, or a ``final/`` adapter or model directory."""
+
+    path: Path
+    kind: str  # "checkpoint", "adapter" or "model"
+    step: int | None  # the training step the weights are from, when known
+    saved_config: Config | None  # the config the weights were trained with, when it is at hand
+
+
+def find_trained_weights(path: Path) -> TrainedWeights:
+    """``path`` as trained weights, or an ``InputError`` saying why it is none."""
+    if not path.exists():
+        raise InputError(f"--checkpoint {path}: no such file or directory")
+    if not path.is_dir():
+        raise InputError(f"--checkpoint {path}: not a directory (name a checkpoint-<step>/ or final/ directory)")
+    if (path / "manifest.json").exists():
+        problem = not_a_checkpoint(path)
+        if problem:
+            raise InputError(f"--checkpoint {path} {problem}")
+        step = json.loads((path / "manifest.json").read_text())["step"]
+        return TrainedWeights(path, "checkpoint", int(step), load_config(path / "config.yaml", check_paths=False))
+    if (path / "adapter_config.json").is_file():
+        kind = "adapter"
+    elif (path / "config.json").is_file():
+        kind = "model"
+    else:
+        raise InputError(
+            f"--checkpoint {path}: neither a checkpoint (manifest.json) nor a final/ directory "
+            "(adapter_config.json or config.json)"
+        )
+    return TrainedWeights(path, kind, _final_step(path), saved_run_config(path))
+
+
+def _final_step(path: Path) -> int | None:
+    """A run's ``final/`` holds the weights of its last step, which its ``metrics.json`` records."""
+    metrics = path.parent / "metrics.json"
+    try:
+        return int(json.loads(metrics.read_text())["steps"]) if metrics.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _value(config: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _same_model_path(saved: str, given: str) -> bool:
+    """Whether two spellings name the same model. A checkpoint's config keeps a relative path as the run
+    gave it, relative to where it ran (``org/name`` reads like a hub id): from elsewhere, a local path that
+    ends with it names the same model."""
+    if saved == given:
+        return True
+    if not looks_local(given):
+        return False  # two different hub ids
+    here = Path(given).expanduser().resolve()
+    if Path(saved).is_absolute() or Path(saved).exists():
+        return Path(saved).expanduser().resolve() == here
+    relative = Path(os.path.normpath(saved)).parts
+    return here.parts[-len(relative) :] == relative
+
+
+def config_mismatches(saved: Config, config: Config) -> list[str]:
+    """``key: value here, value in the saved config`` for each key that decides the trained weights."""
+    keys = list(WEIGHT_KEYS)
+    if saved.lora.enabled and config.lora.enabled:
+        keys += ADAPTER_KEYS
+    if saved.model.init == "random" and config.model.init == "random":
+        keys.append("training.seed")  # the frozen base weights are drawn from it
+    differing = []
+    for key in keys:
+        here, there = _value(config, key), _value(saved, key)
+        same = _same_model_path(there, here) if key == "model.name_or_path" else here == there
+        if not same:
+            differing.append(f"{key} is {here!r} here, {there!r} there")
+    return differing
+
+
+def check_weights_match(weights: TrainedWeights, config: Config, config_path: str) -> None:
+    """The config describes the model ``weights`` were trained as, or one ``ConfigError`` naming the keys."""
+    kind_wanted = "adapter" if config.lora.enabled else "model"
+    if weights.kind != "checkpoint" and weights.kind != kind_wanted:
+        held = "a LoRA adapter" if weights.kind == "adapter" else "a full model"
+        raise ConfigError(
+            f"{config_path} does not match {weights.path}: it holds {held}, but the config has "
+            f"lora.enabled: {str(config.lora.enabled).lower()}; evaluate it with the config it was trained with"
+        )
+    if weights.saved_config is None:
+        return
+    differing = config_mismatches(weights.saved_config, config)
+    if differing:
+        raise ConfigError(
+            f"{config_path} does not match the config {weights.path} was trained with: {'; '.join(differing)}; "
+            "evaluate it with the config it was trained with (overrides may change data and eval settings)"
+        )
+
+
+def result_path(weights: TrainedWeights, out: str | None, overwrite: bool) -> Path:
+    """Where the JSON result goes; an existing file is replaced only with ``--overwrite``."""
+    path = Path(out) if out else weights.path / "eval.json"
+    if path.is_dir():
+        raise InputError(f"--out {path}: is a directory; name a file")
+    if path.exists() and not overwrite:
+        raise InputError(f"{path} exists; pass --overwrite to replace it, or --out FILE to write elsewhere")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{path}: cannot write in {parent}; pass --out FILE in a writable directory")
+    return path
+
+
+def config_for_data_file(config: Config, data_file: str) -> Config:
+    """The config with ``data_file`` as its only source, prepared as the run prepared its eval data:
+    every row, same format, columns, length and truncation, unpacked. Its examples are the token
+    store's train split."""
+    if not Path(data_file).is_file():
+        raise InputError(f"--data {data_file}: file not found")
+    data = config.data.model_copy(
+        update={
+            "dataset_path": data_file,
+            "dataset_weights": None,
+            "eval_path": None,
+            "eval_split_ratio": 0.0,
+            "subset_size": None,
+            "packing": False,
+        }
+    )
+    return config.model_copy(update={"data": data})
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    config: Config
+    config_path: str
+    weights: TrainedWeights
+    data_file: str | None
+    out: Path
+
+
+def check_request(
+    config: Config, config_path: str, checkpoint: str, data_file: str | None, out: str | None, overwrite: bool
+) -> EvalRequest:
+    """Everything ``shardtune eval`` can check before a model loads; every process runs the same checks."""
+    weights = find_trained_weights(Path(checkpoint))
+    check_weights_match(weights, config, config_path)
+    if data_file is not None:
+        config_for_data_file(config, data_file)
+    elif not config.data.eval_path and config.data.eval_split_ratio == 0:
+        raise ConfigError(
+            f"{config_path}: no eval data (data.eval_path or data.eval_split_ratio); pass --data FILE to evaluate on"
+        )
+    return EvalRequest(config, config_path, weights, data_file, result_path(weights, out, overwrite))
+
+
+def load_trained_weights(weights: TrainedWeights, model: torch.nn.Module) -> None:
+    """Put the trained tensors of ``weights`` into ``model`` (whole, on the CPU, not yet parallelized)."""
+    if weights.kind == "checkpoint":
+        _load_checkpoint_shards(weights.path, model)
+    elif weights.kind == "adapter":
+        _load_adapter(weights.path, model)
+    # A full model in final/ is the model itself: build_run_model loaded it (see run_eval).
+
+
+def _load_checkpoint_shards(path: Path, model: torch.nn.Module) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from shardtune.checkpoint.checkpointer import SET_TRAINABLE, TRAINABLE_ONLY, describe_missing
+    from shardtune.checkpoint.shards import ShardsReader
+
+    state = get_model_state_dict(model, options=TRAINABLE_ONLY)
+    reader = ShardsReader(path / "model")
+    manifest = json.loads((path / "manifest.json").read_text())
+    problems = describe_missing(path, "model", state, reader, manifest)
+    if problems:
+        raise InputError(f"{path}: cannot be evaluated: {'; '.join(problems)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # This process alone reads every rank's shards; parallelize then spreads the weights.
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"{path}: its tensors do not fit the config's model ({first_line})") from None
+    set_model_state_dict(model, state, options=SET_TRAINABLE)
+
+
+def _load_adapter(path: Path, model: torch.nn.Module) -> None:
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    try:
+        result = set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"))
+    except RuntimeError as error:  # size mismatches
+        first_line = str(error).strip().splitlines()[0]
+        raise InputError(f"{path}: its adapter does not fit the config's model ({first_line})") from None
+    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    missing = sorted(trainable.intersection(result.missing_keys))
+    unexpected = sorted(result.unexpected_keys)
+    if missing or unexpected:
+        detail = [f"{len(missing)} adapter tensor(s) missing (e.g. {missing[0]})"] if missing else []
+        if unexpected:
+            detail.append(f"{len(unexpected)} tensor(s) the model has no place for (e.g. {unexpected[0]})")
+        raise InputError(f"{path}: its adapter does not fit the config's model: {'; '.join(detail)}")
+
+
+def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
+    """Evaluate as ``request`` says on this process's rank; global rank 0 writes the result."""
+    import transformers
+
+    from shardtune.distributed.parallelize import parallelize, plan_parallelism
+    from shardtune.model.load import load_tokenizer
+    from shardtune.train.loop import Precision, build_run_model, evaluate_run_model, prepare_run_data
+    from shardtune.train.preflight import check_model
+
+    config, weights = request.config, request.weights
+    data_config = config_for_data_file(config, request.data_file) if request.data_file else config
+    # A full model in final/ is loaded as the run's base model would be: in place of it.
+    model_source = config
+    if weights.kind == "model":
+        model = config.model.model_copy(update={"name_or_path": str(weights.path), "init": "pretrained"})
+        model_source = config.model_copy(update={"model": model})
+    model_config = check_model(model_source)
+    transformers.set_seed(config.training.seed)
+    precision = Precision.resolve(config, env.device)
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_run_data(data_config, env, tokenizer, model_config)
+    examples = data.train if request.data_file else data.eval
+    if len(examples) == 0:
+        raise DataError(f"{request.data_file or request.config_path}: no eval example left after preparation")
+
+    model, _ = build_run_model(model_source, env, precision)
+    problem: list[str] | None = None
+    if env.is_main:
+        try:
+            load_trained_weights(weights, model)
+        except InputError as error:
+            problem = error.lines
+    # Rank 0 alone reads the weights: the others learn of its failure here rather than wait in parallelize.
+    failed = env.all_gather_objects(problem)[0]
+    if failed:
+        raise InputError(failed if env.is_main else [])  # every rank exits 2; rank 0 says why, once
+    plan = plan_parallelism(model, config, env)
+    log.info("%s", plan.describe(env.world_size))
+    model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
+    measured = evaluate_run_model(model, examples, config, env, precision, tokenizer.pad_token_id)
+    result = {
+        "checkpoint": str(weights.path),
+        "kind": weights.kind,
+        "step": weights.step,
+        **measured,
+        "examples": len(examples),
+        "data": request.data_file or "the config's eval data",
+        "config": request.config_path,
+        "world_size": env.world_size,
+        "strategy": plan.strategy,
+        "dtype": str(precision.compute).removeprefix("torch."),
+    }
+    if env.is_main:
+        write_atomic(request.out, json.dumps(result, indent=2) + "\n")
+        step = f" (step {weights.step})" if weights.step is not None else ""
+        print(
+            f"eval {weights.path}{step}: loss {measured['eval_loss']:.6f}, perplexity "
+            f"{measured['eval_perplexity']:.4f} over {measured['eval_tokens']:,} target tokens of "
+            f"{len(examples):,} examples; wrote {request.out}",
+            flush=True,
+        )
+    return result

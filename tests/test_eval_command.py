@@ -1,0 +1,172 @@
+"""``shardtune eval``: a checkpoint's or a final/'s loss on eval data equals the run's own eval of that
+step, in one process and in two (DDP and FSDP), and bad input is one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_runs import jsonl, train
+from conftest import REPO, TINY_DATA, make_config, write_jsonl
+
+# The eval rows are a file of their own, so that ``--data FILE`` can name exactly the run's eval data.
+EVAL_ROWS = 6
+
+
+def shardtune_eval(run: dict, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    """``shardtune eval`` with the run's config (the quickstart and the run's overrides), from the repo."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [
+            sys.executable, "-m", "shardtune", "eval", "examples/quickstart.yaml", "--nproc", str(nproc),
+            *run["overrides"], *args,
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def run_with_checkpoints(tmp_path: Path, name: str, *overrides: str) -> dict:
+    eval_file = write_jsonl(
+        tmp_path / "eval.jsonl", [json.loads(line) for line in TINY_DATA.read_text().splitlines()[-EVAL_ROWS:]]
+    )
+    overrides = (
+        f"data.cache_dir={tmp_path / 'cache'}", f"training.output_dir={tmp_path / name}",
+        "data.eval_split_ratio=0", f"data.eval_path={eval_file}", "training.eval_subset_size=null",
+        "training.per_device_eval_batch_size=1", "lora.lora_dropout=0", *overrides,
+    )  # fmt: skip
+    run = train(tmp_path, name, 1, *overrides, "training.eval_steps=2", "training.save_steps=2", steps=4)
+    run["overrides"] = overrides
+    run["eval_file"] = eval_file
+    run["eval_loss"] = {row["step"]: row["eval_loss"] for row in jsonl(run["out"] / "logs/eval_log.jsonl")}
+    assert sorted(run["eval_loss"]) == [2, 4]
+    return run
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> dict:
+    return run_with_checkpoints(tmp_path_factory.mktemp("eval-lora"), "run")
+
+
+def result_of(completed: subprocess.CompletedProcess, path: Path) -> dict:
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(path.read_text())
+    assert f"loss {result['eval_loss']:.6f}, perplexity {result['eval_perplexity']:.4f}" in completed.stdout
+    assert f"wrote {path}" in completed.stdout
+    return result
+
+
+def test_eval_of_checkpoints_and_final_equals_the_runs_eval(lora_run: dict):
+    out = lora_run["out"]
+    for source, step in ((out / "checkpoint-2", 2), (out / "checkpoint-4", 4), (out / "final", 4)):
+        result = result_of(shardtune_eval(lora_run, "--checkpoint", str(source)), source / "eval.json")
+        assert result["step"] == step and result["world_size"] == 1, result
+        assert result["examples"] == EVAL_ROWS
+        assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][step], abs=1e-6), source
+    # --data FILE, prepared like the config's data: the run's eval file gives the run's eval loss.
+    data = shardtune_eval(
+        lora_run, "--checkpoint", str(out / "checkpoint-2"), "--data", str(lora_run["eval_file"]),
+        "--out", str(out.parent / "on-file.json"),
+    )  # fmt: skip
+    assert result_of(data, out.parent / "on-file.json")["eval_loss"] == pytest.approx(
+        lora_run["eval_loss"][2], abs=1e-6
+    )
+    # Another file gives another loss: the data really is the file's.
+    other = write_jsonl(
+        out.parent / "other.jsonl", [json.loads(line) for line in TINY_DATA.read_text().splitlines()[:4]]
+    )
+    elsewhere = shardtune_eval(
+        lora_run, "--checkpoint", str(out / "checkpoint-2"), "--data", str(other), "--out", str(out.parent / "o.json")
+    )
+    result = result_of(elsewhere, out.parent / "o.json")
+    assert result["examples"] == 4 and abs(result["eval_loss"] - lora_run["eval_loss"][2]) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_eval_on_two_processes_equals_the_single_process_runs_eval(lora_run: dict, strategy: str):
+    out = lora_run["out"]
+    for source, step in ((out / "checkpoint-2", 2), (out / "final", 4)):
+        target = out.parent / f"{strategy}-{source.name}.json"
+        completed = shardtune_eval(
+            lora_run, "--checkpoint", str(source), "--out", str(target), f"parallel.strategy={strategy}", nproc=2
+        )
+        result = result_of(completed, target)
+        assert (result["world_size"], result["strategy"]) == (2, strategy)
+        assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][step], abs=1e-5), (strategy, source)
+        assert completed.stdout.count("eval ") == 1, "the result line is printed once, by rank 0"
+
+
+def test_eval_of_a_full_fine_tuning_checkpoint_and_final(tmp_path: Path):
+    """Full fine-tuning, with full checkpoints (optimizer state beside the weights): the DCP checkpoint and
+    the HF model in final/."""
+    run = run_with_checkpoints(
+        tmp_path, "full", "lora.enabled=false", "training.learning_rate=1e-4", "training.checkpoint_mode=full"
+    )
+    for source, step in ((run["out"] / "checkpoint-2", 2), (run["out"] / "final", 4)):
+        result = result_of(shardtune_eval(run, "--checkpoint", str(source)), source / "eval.json")
+        assert result["kind"] == ("checkpoint" if step == 2 else "model")
+        assert result["eval_loss"] == pytest.approx(run["eval_loss"][step], abs=1e-5), source
+
+
+def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path: Path, monkeypatch, capsys):
+    from shardtune.cli import main
+
+    out = lora_run["out"]
+    checkpoint = str(out / "checkpoint-2")
+    cases = [
+        (["--checkpoint", str(tmp_path / "nothing")], "no such file or directory"),
+        (["--checkpoint", str(out / "logs")], "neither a checkpoint (manifest.json) nor a final/ directory"),
+        (["--checkpoint", checkpoint, "lora.r=4"], "lora.r is 4 here, 16 there"),
+        (["--checkpoint", str(out / "final"), "lora.enabled=false"], "it holds a LoRA adapter"),
+        (["--checkpoint", checkpoint, "--data", str(tmp_path / "missing.jsonl")], "--data"),
+        (["--checkpoint", checkpoint, "data.eval_path=null"], "no eval data"),
+    ]
+    (out / "checkpoint-4" / "eval.json").write_text("a user's notes\n")
+    cases.append((["--checkpoint", str(out / "checkpoint-4")], "exists; pass --overwrite"))
+    monkeypatch.chdir(REPO)
+    for args, expected in cases:
+        # Checked before any worker starts: with --nproc 2 the line is printed once, by the command.
+        for nproc in ("1", "2"):
+            status = main(["eval", "examples/quickstart.yaml", "--nproc", nproc, *lora_run["overrides"], *args])
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert status == 2 and len(lines) == 1 and lines[0].startswith("shardtune: error: "), (args, lines)
+            assert expected in lines[0], (args, lines)
+    assert (out / "checkpoint-4" / "eval.json").read_text() == "a user's notes\n"
+    # A shard that is gone is found when rank 0 reads the weights: every worker stops, one line names it.
+    broken = tmp_path / "broken"
+    shutil.copytree(out / "checkpoint-2", broken)
+    (broken / "model" / "__0_0.distcp").unlink()
+    completed = shardtune_eval(lora_run, "--checkpoint", str(broken), "--out", str(tmp_path / "broken.json"), nproc=2)
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    assert errors == [
+        f"shardtune: error: {broken}: cannot be evaluated: model/__0_0.distcp (written by rank 0 on "
+        f"{socket.gethostname()}) is missing"
+    ], completed.stderr[-3000:]
+    # --overwrite replaces it.
+    result = result_of(
+        shardtune_eval(lora_run, "--checkpoint", str(out / "checkpoint-4"), "--overwrite"),
+        out / "checkpoint-4" / "eval.json",
+    )
+    assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][4], abs=1e-6)
+
+
+def test_a_checkpoints_relative_model_path_matches_the_same_model_named_from_elsewhere(tmp_path: Path, monkeypatch):
+    """A checkpoint's config.yaml keeps the run's relative model path; eval from another directory names it
+    absolutely. Another model is still a mismatch."""
+    from shardtune.evaluate import config_mismatches
+
+    config = make_config(tmp_path, tmp_path / "data.jsonl")  # the tiny model by its absolute path
+    relative = config.model.model_copy(update={"name_or_path": "examples/tiny-llama"})
+    saved = config.model_copy(update={"model": relative})
+    monkeypatch.chdir(tmp_path)
+    assert config_mismatches(saved, config) == []
+    other = config.model_copy(update={"model": config.model.model_copy(update={"name_or_path": str(tmp_path)})})
+    assert config_mismatches(saved, other) == [
+        f"model.name_or_path is {str(tmp_path)!r} here, 'examples/tiny-llama' there"
+    ]

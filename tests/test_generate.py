@@ -1,0 +1,183 @@
+"""``shardtune generate``: the prompt is what training tokenized, in the run's data format; final/ and
+exports load from any directory; bad paths and bases are one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from copy import deepcopy
+from pathlib import Path
+
+import pytest
+import torch
+from cli_runs import train
+from conftest import REPO, TINY_MODEL, make_config
+
+from shardtune.data.formats import render_row
+from shardtune.data.tokenize import IGNORE_INDEX, ExampleTokenizer
+from shardtune.generate import generate_response, prompt_ids
+
+SYSTEM = "You answer in one word."
+QUESTION = "What is the capital of Italy?"
+ANSWER = "Rome."
+
+
+def shardtune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "shardtune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def without_template(tokenizer):
+    plain = deepcopy(tokenizer)
+    plain.chat_template = None
+    return plain
+
+
+# (format, training row, generate's text, --input, --system, whether the tokenizer keeps its chat template)
+CASES = {
+    "alpaca": ("alpaca", {"instruction": QUESTION, "output": ANSWER}, QUESTION, "", None, True),
+    "alpaca-input": (
+        "alpaca", {"instruction": "Name the capital.", "input": "Italy", "output": ANSWER}, "Name the capital.",
+        "Italy", None, True,
+    ),
+    "messages-template": (
+        "messages", {"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]},
+        QUESTION, "", None, True,
+    ),
+    "messages-template-system": (
+        "messages",
+        {"messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": ANSWER},
+        ]},
+        QUESTION, "", SYSTEM, True,
+    ),
+    "messages-layout-system": (
+        "messages",
+        {"messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": ANSWER},
+        ]},
+        QUESTION, "", SYSTEM, False,
+    ),
+    "text": ("text", {"text": "Once upon a time"}, "Once upon a time", "", None, True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_generation_prompt_is_what_training_tokenized_before_the_answer(tokenizer, case: str):
+    format, row, text, input_text, system, templated = CASES[case]
+    tokenizer = tokenizer if templated else without_template(tokenizer)
+    assert bool(tokenizer.chat_template) == templated
+    rendered = render_row(row, format, {}, tokenizer, train_on_prompt=False)
+    example, _ = ExampleTokenizer(tokenizer, 512).tokenize([rendered])[0]
+    trained_ids, targets = example.input_ids.tolist(), example.targets.tolist()
+    prompt = prompt_ids(tokenizer, format, text, input_text, system)
+    if format == "text":
+        # Every token of a text document is trained on: the prompt is the document, then EOS follows.
+        assert trained_ids == [*prompt, tokenizer.eos_token_id]
+        return
+    assert trained_ids[: len(prompt)] == prompt
+    # The answer starts right after the prompt: the last prompt position predicts its first token.
+    assert all(target == IGNORE_INDEX for target in targets[: len(prompt) - 1])
+    assert targets[len(prompt) - 1] == trained_ids[len(prompt)]
+    if format == "messages" and templated:
+        conversation = [m for m in row["messages"] if m["role"] != "assistant"]
+        rendered_text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(prompt) == rendered_text
+
+
+def final_dir(tmp_path: Path, format: str) -> Path:
+    """A LoRA final/ as training writes it, saved for a run of ``format`` (its adapter starts at zero)."""
+    from shardtune.checkpoint.export import save_final
+    from shardtune.model.load import load_model, load_tokenizer
+    from shardtune.model.lora import apply_lora
+
+    config = make_config(tmp_path, tmp_path / "unused.jsonl", data={"format": format})
+    model = apply_lora(load_model(config.model, torch.float32, 0), config.lora)
+    save_final(model, load_tokenizer(config.model), tmp_path / "final", torch.float32, config=config)
+    return tmp_path / "final"
+
+
+@torch.no_grad()
+def test_generate_on_a_messages_run_answers_through_the_chat_template(tmp_path: Path, tokenizer):
+    final = final_dir(tmp_path, "messages")
+    answer = generate_response(final, QUESTION, max_new_tokens=6, system=SYSTEM)
+    # The same greedy generation by hand, from the chat template's rendering of the conversation.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL).eval()
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    ids = torch.tensor([tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)])
+    output = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    assert answer == tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_final_and_exports_load_from_any_directory(tmp_path: Path):
+    """The quickstart names its model relatively (examples/tiny-llama); its outputs still load elsewhere."""
+    run = train(tmp_path, "run", 1, "training.save_steps=2", steps=2)
+    final = run["out"] / "final"
+    export = tmp_path / "export"
+    exported = shardtune("export", str(run["out"] / "checkpoint-2"), "--out", str(export))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for directory in (final, export):
+        settings = json.loads((directory / "adapter_config.json").read_text())
+        assert settings["base_model_name_or_path"] == str(TINY_MODEL.resolve())
+        assert (directory / "config.yaml").is_file()
+    loads = subprocess.run(
+        [
+            sys.executable, "-c",
+            "import sys; from peft import PeftModel; from transformers import AutoModelForCausalLM as M; "
+            "import json; base = json.load(open(sys.argv[1] + '/adapter_config.json'))['base_model_name_or_path']; "
+            "PeftModel.from_pretrained(M.from_pretrained(base), sys.argv[1]); print('loaded')",
+            str(final),
+        ],
+        cwd=elsewhere, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert loads.stdout.strip() == "loaded", loads.stderr[-3000:]
+    answers = [
+        shardtune("generate", str(directory), "--instruction", QUESTION, "--max-new-tokens", "4", cwd=elsewhere)
+        for directory in (final, export)
+    ]
+    assert [answer.returncode for answer in answers] == [0, 0], [answer.stderr[-2000:] for answer in answers]
+    # The export of the last checkpoint holds final/'s weights: the same answer.
+    assert answers[0].stdout == answers[1].stdout
+
+
+def test_generate_bad_input_is_one_line_with_exit_status_2(tmp_path: Path, capsys):
+    from shardtune.cli import main
+
+    final = final_dir(tmp_path, "alpaca")
+    bare = tmp_path / "bare"  # an adapter without the run's config
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(final / name, bare / name)
+    moved = tmp_path / "moved"  # an adapter whose recorded base is a relative path that is not here
+    shutil.copytree(final, moved)
+    settings = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": "models/gone"}))
+    cases = [
+        ([str(tmp_path / "nothing")], "no such directory"),
+        ([str(tmp_path)], "neither a PEFT adapter (adapter_config.json) nor a model (config.json)"),
+        ([str(final), "--base", str(tmp_path / "no-base")], "--base: "),
+        ([str(moved)], "base_model_name_or_path of"),
+        ([str(final), "--system", SYSTEM], "--system: a system prompt is for messages-format models"),
+        ([str(final), "--format", "text", "--input", "x"], "--input: only alpaca-format models take an input"),
+        ([str(bare)], "pass --format alpaca|messages|text"),
+    ]
+    capsys.readouterr()  # what building final/ printed
+    for args, expected in cases:
+        status = main(["generate", *args, "--instruction", QUESTION, "--max-new-tokens", "2"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and lines[0].startswith("shardtune: error: "), (args, lines)
+        assert expected in lines[0], (args, lines)
