@@ -21,8 +21,7 @@ from shardtune.checkpoint.export import save_final
 from shardtune.checkpoint.shards import ShardsReader
 from shardtune.config import load_config
 from shardtune.errors import InputError
-from shardtune.model.load import load_model, load_tokenizer
-from shardtune.model.lora import apply_lora
+from shardtune.model.load import Precision, build_model, load_tokenizer
 
 log = logging.getLogger("shardtune")
 
@@ -33,11 +32,10 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False) -> str:
         raise InputError(f"{checkpoint}: not a complete checkpoint (no manifest.json)")
     config = load_config(checkpoint / "config.yaml", check_paths=False)
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
-    # The base weights in the dtype they are stored in; the checkpoint supplies the trained ones.
-    base_dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else torch.float32
-    model = load_model(config.model, base_dtype, config.training.seed)
-    if config.lora.enabled:
-        model = apply_lora(model, config.lora)
+    # Built as training builds it, on the CPU; the checkpoint supplies the trained weights.
+    cpu = torch.device("cpu")
+    base_dtype = Precision.resolve(config, cpu).compute
+    model = build_model(config, cpu)
     state = get_model_state_dict(model, options=TRAINABLE_ONLY)
     reader = ShardsReader(checkpoint / "model")
     manifest = json.loads((checkpoint / "manifest.json").read_text())

@@ -7,6 +7,13 @@ causal mask skips half). The matmul parameters are those a token passes through:
 the input embedding (a lookup), and for MoE models only the experts a token is routed to (top_k routed
 plus the shared ones), not all of them.
 
+They are counted on the model's own modules, whatever the architecture calls them or however it fuses
+them (GPT-2's Conv1D, Falcon's and GPT-NeoX's fused query_key_value, Phi-3's gate_up_proj): every
+weight of two or more dimensions except embedding lookups (token and learned position embeddings) and
+LoRA adapters, plus the LM head even when it shares the input embedding's weight. In an MoE block each
+expert weight counts top_k / num_experts of itself. The attention width comes from the config through
+transformers' own names for it (``num_attention_heads`` is GPT-2's ``n_head``).
+
 LoRA: frozen weights skip their weight gradients, so a step costs (2 + P_lora / P_frozen) / 3 of full
 fine-tuning's FLOPs (P_lora the adapter's parameters, P_frozen the model's). Recomputation under
 activation checkpointing is not counted: MFU measures useful work. Peak: dense bf16 of the device.
@@ -15,6 +22,13 @@ activation checkpointing is not counted: MFU measures useful work. Peak: dense b
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.model.moe import find_moe_blocks
 
 # Dense bf16 tensor-core peak, FLOP/s (SXM parts; PCIe H100 is lower and named "H100 PCIe").
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12}
@@ -36,47 +50,71 @@ class TokenFlops:
         return full if self.lora_fraction is None else full * (2 + self.lora_fraction) / 3
 
 
-def active_matmul_params(config) -> int:
-    """Weights one token passes through, from a transformers config (dense or MoE): attention, MLP or
-    router + top_k routed + shared experts per layer, and the LM head."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_width = config.num_attention_heads * head_dim
-    kv_width = config.num_key_value_heads * head_dim
-    attention = 2 * hidden * q_width + 2 * hidden * kv_width
-    expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
-    experts = next((getattr(config, key) for key in expert_keys if getattr(config, key, None)), None)
-    dense_mlp = 3 * hidden * config.intermediate_size
-    if not experts:
-        per_layer = [attention + dense_mlp] * layers
-    else:
-        expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        shared = getattr(config, "n_shared_experts", None) or 0
-        active = config.num_experts_per_tok + shared
-        sparse = attention + hidden * experts + active * 3 * hidden * expert_width
-        dense_layers = getattr(config, "first_k_dense_replace", 0) or 0
-        step = getattr(config, "decoder_sparse_step", 1) or 1
-        sparse_layers = [i >= dense_layers and (i + 1) % step == 0 for i in range(layers)]
-        per_layer = [sparse if is_sparse else attention + dense_mlp for is_sparse in sparse_layers]
-    return sum(per_layer) + config.vocab_size * hidden
+def as_model(model: torch.nn.Module | PretrainedConfig) -> torch.nn.Module:
+    """The model itself, or for a config the causal LM it describes, built on the meta device (no memory)."""
+    if not isinstance(model, PretrainedConfig):
+        return model
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model)
 
 
-def token_flops(config, sequence_length: float, lora_params: int | None, frozen_params: int | None) -> TokenFlops:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+def active_matmul_params(model: torch.nn.Module | PretrainedConfig) -> int:
+    """Weights one token passes through, counted on the model's modules (see the module docstring):
+    for a transformers model (dense or MoE, under LoRA, FSDP or activation checkpointing) or its config."""
+    model = as_model(model)
+    moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    share = {id(param): block.top_k / block.num_experts for block in moe_blocks for param in block.experts.parameters()}
+    lookups = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+    adapters = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, BaseTunerLayer)
+        for name in module.adapter_layer_names
+        for param in getattr(module, name).parameters()
+    }
+    matmul = sum(
+        param.numel() * share.get(id(param), 1)
+        for param in model.parameters()
+        if param.dim() >= 2 and id(param) not in lookups and id(param) not in adapters
+    )
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in lookups:  # tied: the head's matmul uses the embedding's weight
+        matmul += head.weight.numel()
+    return round(matmul)
+
+
+def attention_width(model: torch.nn.Module) -> int:
+    """Query heads x head size: what one token's attention scores and weighted values cost per position.
+    The hidden size where the config gives no separate head size (heads x hidden / heads)."""
+    text = model.config.get_text_config()
+    hidden = getattr(text, "hidden_size", None) or model.get_input_embeddings().embedding_dim
+    heads, head_dim = getattr(text, "num_attention_heads", None), getattr(text, "head_dim", None)
+    return heads * head_dim if heads and head_dim else hidden
+
+
+def token_flops(
+    model: torch.nn.Module | PretrainedConfig,
+    sequence_length: float,
+    lora_params: int | None,
+    frozen_params: int | None,
+) -> TokenFlops:
+    """The FLOP model of ``model`` (a transformers model, possibly under LoRA, FSDP or checkpointing, or
+    its config) at ``sequence_length``."""
+    model = as_model(model)
     return TokenFlops(
-        matmul_params=active_matmul_params(text),
-        layers=text.num_hidden_layers,
-        attention_width=text.num_attention_heads * head_dim,
+        matmul_params=active_matmul_params(model),
+        layers=len(decoder_layers(model)),
+        attention_width=attention_width(model),
         sequence_length=sequence_length,
         lora_fraction=None if lora_params is None else lora_params / max(frozen_params or 1, 1),
     )
 
 
-def run_token_flops(model_config, sequence_length: float, lora: bool, trainable: int, total: int) -> TokenFlops:
+def run_token_flops(
+    model: torch.nn.Module | PretrainedConfig, sequence_length: float, lora: bool, trainable: int, total: int
+) -> TokenFlops:
     """The FLOP model of a run: LoRA runs count their trainable parameters as the adapter, the rest as frozen."""
-    return token_flops(model_config, sequence_length, trainable if lora else None, total - trainable if lora else None)
+    return token_flops(model, sequence_length, trainable if lora else None, total - trainable if lora else None)
 
 
 def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
