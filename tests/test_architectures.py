@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_runs import train
-from conftest import TINY_DATA
+from conftest import REPO, TINY_DATA, make_config
 from tiny_models import ARCHITECTURES, tiny_config, write_tiny_model
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
@@ -27,9 +27,10 @@ from shardtune.cli import main
 from shardtune.config import LoraConfig, load_config
 from shardtune.data.prepare import prepare_dataset
 from shardtune.data.tokenize import IGNORE_INDEX
-from shardtune.metrics.flops import token_flops
-from shardtune.model.load import load_model, load_tokenizer
-from shardtune.model.lora import apply_lora
+from shardtune.errors import ConfigError
+from shardtune.metrics.flops import run_token_flops, token_flops
+from shardtune.model.load import build_model, load_model, load_tokenizer, supported_attention
+from shardtune.model.lora import apply_lora, count_parameters
 
 STEPS = 3
 IN_CI = {("gpt2", "lora"), ("glm4_moe", "lora")}
@@ -65,6 +66,38 @@ def test_flop_count_is_what_a_forward_pass_computes(arch):
     # Under LoRA on every linear layer the adapter's FLOPs are the LoRA fraction, not matmul weights.
     adapted = apply_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     assert token_flops(adapted, sequence, 1, 1).matmul_params == flops.matmul_params
+
+
+def test_auto_attention_is_one_the_architecture_runs(tmp_path, alpaca_file):
+    """``auto`` picks training's kernel where the architecture has it, else sdpa, else eager; a kernel the
+    user named and the architecture lacks is one config line (train and doctor build through the same)."""
+    gemma2, gpt2, llama = (tiny_config(arch) for arch in ("gemma2", "gpt2", "llama"))
+    assert supported_attention(llama, "auto", "flex_attention") == "flex_attention"
+    assert supported_attention(gpt2, "auto", "flex_attention") == "sdpa"  # GPT-2 has no FlexAttention
+    assert supported_attention(gemma2, "auto", "sdpa") == "eager"  # Gemma-2 has no sdpa
+    with pytest.raises(ConfigError) as error:
+        supported_attention(gemma2, "sdpa", "sdpa")
+    assert error.value.lines == ["model.attn_implementation: Gemma2ForCausalLM does not run sdpa; set it to auto"]
+    model_dir = write_tiny_model(tmp_path / "gemma2", "gemma2")
+    config = make_config(tmp_path, alpaca_file, model={"name_or_path": str(model_dir), "init": "random"})
+    model = build_model(config, torch.device("cpu"), training=True)
+    assert model.get_base_model().config._attn_implementation == "eager"
+
+
+def test_doctor_builds_and_counts_the_model_as_training_does(tmp_path):
+    """GPT-2 (no num_key_value_heads, Conv1D projections) once crashed training in its FLOP count after
+    loading while doctor said ok: doctor now builds the model through training's code and shows the count."""
+    from test_doctor import doctor, free_port, table
+
+    overrides = [f"model.name_or_path={write_tiny_model(tmp_path / 'gpt2', 'gpt2')}", "model.init=random"]
+    result = doctor(tmp_path, *overrides, "--port", str(free_port()))
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = load_config(REPO / "examples/quickstart.yaml", overrides, check_paths=False)
+    model = build_model(config, torch.device("cpu"), training=True, materialize=False)
+    trainable, total = count_parameters(model)
+    per_token = run_token_flops(model, config.data.max_length, True, trainable, total).per_token
+    status, detail = table(result.stdout)["0", "memory"]
+    assert status == "ok" and detail.endswith(f"; {per_token / 1e9:.4g} GFLOP per trained token")
 
 
 def export(checkpoint: Path, out: Path, *options: str) -> Path:

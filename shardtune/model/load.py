@@ -48,8 +48,8 @@ class Precision:
 
     Frozen weights are stored in the compute dtype (half the memory in bf16). Trainable weights are
     fp32 master copies (LoRA adapters via PEFT, all weights in full fine-tuning) and the forward pass
-    autocasts to bf16, so updates smaller than bf16's resolution are not rounded away. ``final/`` and
-    exports hold the weights in the compute dtype.
+    autocasts to bf16, so updates smaller than bf16's resolution are not rounded away. Full weights in
+    ``final/`` and exports are written in the compute dtype.
     """
 
     compute: torch.dtype
