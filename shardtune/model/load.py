@@ -123,6 +123,7 @@ def load_model(
     seed: int,
     materialize: bool = True,
     random_init_device: torch.device | None = None,
+    auto_attention: str = "sdpa",
 ) -> PreTrainedModel:
     """The causal LM on the CPU with weights stored in ``dtype``.
 
@@ -130,21 +131,27 @@ def load_model(
     weights of such a replica come later from the rank that did load them. Random weights
     (``init: random``) are drawn on ``random_init_device`` when given: a GPU draws tens of billions in
     seconds where a CPU takes minutes (the values then depend on the device type, not on the world size).
+    ``auto_attention`` is what ``attn_implementation: auto`` asks for (``supported_attention``): plain
+    sdpa outside training (export, evaluation of padded examples).
     """
+    model_config = load_model_config(config)
+    requested = config.attn_implementation
+    attention = supported_attention(model_config, requested, auto_attention if requested == "auto" else requested)
+    log.info("attention: %s", attention)
     common = {
         "dtype": dtype,
-        # auto outside training (export, evaluation of padded examples): plain sdpa.
-        "attn_implementation": "sdpa" if config.attn_implementation == "auto" else config.attn_implementation,
+        "attn_implementation": attention,
         "trust_remote_code": config.trust_remote_code,
         **({"experts_implementation": config.experts_implementation} if config.experts_implementation else {}),
     }
     if config.init == "random" or not materialize:
-        model_config = load_model_config(config)
         torch.manual_seed(seed)
         with torch.device((random_init_device or "cpu") if materialize else "meta"):
             model = AutoModelForCausalLM.from_config(model_config, **common)
     else:
-        model = AutoModelForCausalLM.from_pretrained(config.name_or_path, revision=config.revision, **common)
+        model = AutoModelForCausalLM.from_pretrained(
+            config.name_or_path, config=model_config, revision=config.revision, **common
+        )
     # Training never reuses past key/values; a cache would also break packed-sequence isolation.
     model.config.use_cache = False
     return model
@@ -169,16 +176,13 @@ def build_model(
     from shardtune.model.lora import apply_lora
 
     precision = Precision.resolve(config, device)
-    requested = config.model.attn_implementation
-    chosen = training_attention(config, device) if training else ("sdpa" if requested == "auto" else requested)
-    attention = supported_attention(load_model_config(config.model), requested, chosen)
-    log.info("attention: %s", attention)
     model = load_model(
-        config.model.model_copy(update={"attn_implementation": attention}),
+        config.model,
         precision.frozen_storage,
         config.training.seed,
         materialize=materialize,
         random_init_device=device if device.type == "cuda" else None,
+        auto_attention=training_attention(config, device) if training else "sdpa",
     )
     if training and config.model.liger_kernel:
         apply_liger_kernels(model, device)
