@@ -84,8 +84,8 @@ def active_matmul_params(model: torch.nn.Module | PretrainedConfig) -> int:
 
 
 def attention_width(model: torch.nn.Module) -> int:
-    """Query heads x head size: what one token's attention scores and weighted values cost per position.
-    The hidden size where the config gives no separate head size (heads x hidden / heads)."""
+    """Query heads x head size: what one token's attention scores and weighted values cost per position;
+    the hidden size when the config has no head size of its own (heads of hidden / heads each)."""
     text = model.config.get_text_config()
     hidden = getattr(text, "hidden_size", None) or model.get_input_embeddings().embedding_dim
     heads, head_dim = getattr(text, "num_attention_heads", None), getattr(text, "head_dim", None)
