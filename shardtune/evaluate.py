@@ -244,8 +244,8 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     import transformers
 
     from shardtune.distributed.parallelize import parallelize, plan_parallelism
-    from shardtune.model.load import load_tokenizer
-    from shardtune.train.loop import Precision, build_run_model, evaluate_run_model, prepare_run_data
+    from shardtune.model.load import Precision, load_tokenizer
+    from shardtune.train.loop import build_run_model, evaluate_run_model, prepare_run_data
     from shardtune.train.preflight import check_model
 
     config, weights = request.config, request.weights
@@ -264,7 +264,7 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     if len(examples) == 0:
         raise DataError(f"{request.data_file or request.config_path}: no eval example left after preparation")
 
-    model, _ = build_run_model(model_source, env, precision)
+    model, _ = build_run_model(model_source, env)
     problem: list[str] | None = None
     if env.is_main:
         try:

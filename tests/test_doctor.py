@@ -254,7 +254,9 @@ def test_bus_bandwidth_follows_nccl_tests():
 
 
 def _shape(trainable: int, total: int) -> ModelShape:
-    return ModelShape(trainable, total, total * 2, 2, None, hidden=64, intermediate=256, layers=2, vocab=100)
+    return ModelShape(
+        trainable, total, total * 2, 2, None, hidden=64, intermediate=256, layers=2, vocab=100, flops_per_token=1e6
+    )
 
 
 def test_disk_counts_the_checkpoints_kept(tmp_path):

@@ -22,8 +22,7 @@ from shardtune.checkpoint.layout import not_a_checkpoint
 from shardtune.checkpoint.shards import ShardsReader
 from shardtune.config import load_config
 from shardtune.errors import InputError
-from shardtune.model.load import load_model, load_tokenizer
-from shardtune.model.lora import apply_lora
+from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.run_dir import check_output_path
 
 log = logging.getLogger("shardtune")
@@ -39,11 +38,10 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     base = Path(config.model.name_or_path)
     check_output_path(out, [checkpoint, *([base] if base.exists() else [])], overwrite)
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
-    # The base weights in the dtype they are stored in; the checkpoint supplies the trained ones.
-    base_dtype = getattr(torch, config.model.dtype) if config.model.dtype != "auto" else torch.float32
-    model = load_model(config.model, base_dtype, config.training.seed)
-    if config.lora.enabled:
-        model = apply_lora(model, config.lora)
+    # Built as training builds it, on the CPU; the checkpoint supplies the trained weights.
+    cpu = torch.device("cpu")
+    base_dtype = Precision.resolve(config, cpu).compute
+    model = build_model(config, cpu)
     state = trainable_state_dict(model)
     reader = ShardsReader(checkpoint / "model")
     manifest = json.loads((checkpoint / "manifest.json").read_text())

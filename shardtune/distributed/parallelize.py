@@ -85,11 +85,14 @@ def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks, found by the class names transformers marks as unsplittable."""
+    """The repeated transformer blocks, found by the class names transformers marks as unsplittable.
+
+    A class counts under its own name or a base class's: FSDP2 renames the classes it shards
+    (``FSDPLlamaDecoderLayer``), so the layers are found again after sharding."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
-    layers = [module for module in model.modules() if type(module).__name__ in names]
+    layers = [module for module in model.modules() if any(cls.__name__ in names for cls in type(module).__mro__)]
     if not layers:
         raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
     return layers

@@ -50,32 +50,44 @@ class ModelShape:
     intermediate: int
     layers: int
     vocab: int
+    flops_per_token: float  # training's FLOP count (for MFU) at data.max_length
+
+
+# Where configs of different families keep the MLP width (Llama, GPT-2, OPT, Falcon); 4 x hidden otherwise.
+MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 
 
 def model_shape(config: Config, env: DistributedEnv) -> ModelShape:
-    """The model exactly as training builds it (with LoRA), on the meta device: no weights are read."""
-    from shardtune.distributed.parallelize import plan_parallelism
-    from shardtune.model.load import load_model
-    from shardtune.model.lora import apply_lora
-    from shardtune.train.loop import Precision
+    """The model exactly as training builds it (``build_model``, with LoRA), on the meta device: no weights
+    are read. Its sizes come from its modules and transformers' names for the config's keys, and its FLOP
+    count is training's own: a model that training could not build or count fails here."""
+    from shardtune.distributed.parallelize import decoder_layers, plan_parallelism
+    from shardtune.metrics.flops import routed_expert_trainable, run_token_flops
+    from shardtune.model.load import Precision, build_model
+    from shardtune.model.moe import find_moe_blocks
 
     precision = Precision.resolve(config, env.device)
-    model = load_model(config.model, precision.frozen_storage, config.training.seed, materialize=False)
-    if config.lora.enabled:
-        model = apply_lora(model, config.lora)
+    model = build_model(config, env.device, training=True, materialize=False)
     params = list(model.parameters())
-    shape = model.config.get_text_config()
-    hidden = shape.hidden_size
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    text = model.config.get_text_config()
+    embedding = model.get_input_embeddings()
+    hidden = getattr(text, "hidden_size", None) or embedding.embedding_dim
+    intermediate = next((getattr(text, key) for key in MLP_WIDTH_KEYS if getattr(text, key, None)), 4 * hidden)
+    routed = routed_expert_trainable(find_moe_blocks(model, decoder_layers(model)))
+    flops = run_token_flops(model, config.data.max_length, config.lora.enabled, trainable, routed)
     return ModelShape(
-        trainable=sum(p.numel() for p in params if p.requires_grad),
-        total=sum(p.numel() for p in params),
+        trainable=trainable,
+        total=total,
         stored_bytes=sum(p.numel() * p.element_size() for p in params),
         compute_bytes=(precision.autocast or precision.compute).itemsize,
         plan=plan_parallelism(model, config, env),
         hidden=hidden,
-        intermediate=getattr(shape, "intermediate_size", None) or 4 * hidden,
-        layers=shape.num_hidden_layers,
-        vocab=shape.vocab_size,
+        intermediate=intermediate,
+        layers=len(decoder_layers(model)),
+        vocab=embedding.num_embeddings,
+        flops_per_token=flops.per_token,
     )
 
 
@@ -117,7 +129,8 @@ def memory_checks(config: Config, env: DistributedEnv, shape: ModelShape) -> lis
     activations = activation_bytes(config, shape)
     breakdown = (
         f"{plan.strategy} on {plural(env.world_size, 'rank')}, per rank: parameters {size(plan.param_bytes)}, "
-        f"gradients {size(plan.grad_bytes)}, optimizer {size(plan.optimizer_bytes)}, activations ~{size(activations)}"
+        f"gradients {size(plan.grad_bytes)}, optimizer {size(plan.optimizer_bytes)}, activations ~{size(activations)}; "
+        f"{shape.flops_per_token / 1e9:.4g} GFLOP per trained token"
     )
     local = env.local_world_size
     if env.device.type != "cuda":

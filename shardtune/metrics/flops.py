@@ -1,8 +1,11 @@
 """Model FLOPs per trained token and model FLOPs utilization (MFU), in the Megatron/NeMo convention.
 
-Per token, over the weights a token passes through (every matmul weight except the input embedding, a
-lookup; for MoE models only the router, the top_k routed experts and the shared experts of a sparse layer,
-not all experts):
+Per token, over the weights a token passes through, counted on the model's own modules whatever the
+architecture calls them or however it fuses them (GPT-2's Conv1D, Falcon's and GPT-NeoX's fused
+query_key_value, Phi-3's gate_up_proj): every weight of two or more dimensions except embedding lookups
+(token and learned position embeddings) and LoRA adapters, plus the LM head even when it shares the input
+embedding's weight; in an MoE block each routed expert weight counts top_k / num_experts of itself (the
+router, the top_k routed experts and the shared experts a token passes through):
 
 - full fine-tuning: 6 FLOPs per weight (forward 2, input gradients 2, weight gradients 2);
 - LoRA: 4 per frozen weight (forward and input gradients; no weight gradients) and 6 per adapter weight
@@ -10,7 +13,9 @@ not all experts):
   top_k / num_experts of their size);
 - plus the attention scores, 12 x layers x attention width x sequence length (QK^T and AV, forward and
   backward, counted over the whole sequence as Megatron, NeMo and torchtitan do, though a causal mask
-  skips half); LoRA needs all of it, since gradients flow through every layer's attention.
+  skips half); LoRA needs all of it, since gradients flow through every layer's attention. The attention
+  width comes from the config through transformers' own names for it (``num_attention_heads`` is GPT-2's
+  ``n_head``).
 
 Recomputation under activation checkpointing is not counted: these are model FLOPs (useful work), not
 hardware FLOPs. Peak: dense bf16 of the device.
@@ -20,13 +25,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.model.moe import find_moe_blocks
+
 # Dense bf16 tensor-core peak, FLOP/s (SXM parts; PCIe H100 is lower and named "H100 PCIe").
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12}
 
 
 @dataclass(frozen=True)
 class TokenFlops:
-    matmul_params: int  # model weights a token passes through (active ones for MoE)
+    matmul_params: int  # parameters a token passes through (active ones for MoE)
     layers: int
     attention_width: int  # heads x head_dim
     # Tokens per sequence; a token-weighted mean (sum of squared lengths / sum of lengths) for sequences
@@ -42,61 +54,58 @@ class TokenFlops:
         return 4 * self.matmul_params + 6 * self.adapter_params + attention
 
 
-EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+def as_model(model: torch.nn.Module | PretrainedConfig) -> torch.nn.Module:
+    """The model itself, or for a config the causal LM it describes, built on the meta device (no memory)."""
+    if not isinstance(model, PretrainedConfig):
+        return model
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model)
 
 
-def routed_experts(config) -> int | None:
-    """The number of routed experts of an MoE config, None for a dense one."""
-    return next((getattr(config, key) for key in EXPERT_COUNT_KEYS if getattr(config, key, None)), None)
+def active_matmul_params(model: torch.nn.Module | PretrainedConfig) -> int:
+    """Weights one token passes through, counted on the model's modules (see the module docstring):
+    for a transformers model (dense or MoE, under LoRA, FSDP or activation checkpointing) or its config."""
+    model = as_model(model)
+    moe_blocks = find_moe_blocks(model, decoder_layers(model))
+    share = {id(param): block.top_k / block.num_experts for block in moe_blocks for param in block.experts.parameters()}
+    lookups = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+    adapters = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, BaseTunerLayer)
+        for name in module.adapter_layer_names
+        for param in getattr(module, name).parameters()
+    }
+    matmul = sum(
+        param.numel() * share.get(id(param), 1)
+        for param in model.parameters()
+        if param.dim() >= 2 and id(param) not in lookups and id(param) not in adapters
+    )
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in lookups:  # tied: the head's matmul uses the embedding's weight
+        matmul += head.weight.numel()
+    return round(matmul)
 
 
-def sparse_layers(config) -> list[bool]:
-    """Per decoder layer, whether its MLP is a sparse MoE block: not one of GLM-4.5's / DeepSeek's first
-    ``first_k_dense_replace`` dense layers, on Qwen-MoE's ``decoder_sparse_step`` and not in its
-    ``mlp_only_layers``."""
-    dense_first = getattr(config, "first_k_dense_replace", None) or 0
-    step = getattr(config, "decoder_sparse_step", None) or 1
-    dense_listed = set(getattr(config, "mlp_only_layers", None) or [])
-    return [i >= dense_first and (i + 1) % step == 0 and i not in dense_listed for i in range(config.num_hidden_layers)]
+def attention_width(model: torch.nn.Module) -> int:
+    """Query heads x head size: what one token's attention scores and weighted values cost per position;
+    the hidden size when the config has no head size of its own (heads of hidden / heads each)."""
+    text = model.config.get_text_config()
+    hidden = getattr(text, "hidden_size", None) or model.get_input_embeddings().embedding_dim
+    heads, head_dim = getattr(text, "num_attention_heads", None), getattr(text, "head_dim", None)
+    return heads * head_dim if heads and head_dim else hidden
 
 
-def sparse_mlp_params(config) -> int:
-    """Weights a token passes through in one sparse MoE block: the router, its top_k routed experts and the
-    shared experts (DeepSeek / GLM: n_shared_experts of the routed experts' width; Qwen2-MoE: one of
-    shared_expert_intermediate_size with its sigmoid gate)."""
-    hidden = config.hidden_size
-    expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    shared = (getattr(config, "n_shared_experts", None) or 0) * 3 * hidden * expert_width
-    if getattr(config, "shared_expert_intermediate_size", None):
-        shared += 3 * hidden * config.shared_expert_intermediate_size + hidden
-    return hidden * routed_experts(config) + config.num_experts_per_tok * 3 * hidden * expert_width + shared
-
-
-def active_matmul_params(config) -> int:
-    """Weights one token passes through, from a transformers config (dense or MoE): attention, MLP or
-    router + top_k routed + shared experts per layer, and the LM head."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_width = config.num_attention_heads * head_dim
-    kv_width = config.num_key_value_heads * head_dim
-    attention = 2 * hidden * q_width + 2 * hidden * kv_width
-    dense_mlp = 3 * hidden * config.intermediate_size
-    if not routed_experts(config):
-        per_layer = [attention + dense_mlp] * layers
-    else:
-        sparse = attention + sparse_mlp_params(config)
-        per_layer = [sparse if is_sparse else attention + dense_mlp for is_sparse in sparse_layers(config)]
-    return sum(per_layer) + config.vocab_size * hidden
-
-
-def token_flops(config, sequence_length: float, adapter_params: int | None) -> TokenFlops:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+def token_flops(
+    model: torch.nn.Module | PretrainedConfig, sequence_length: float, adapter_params: int | None
+) -> TokenFlops:
+    """The FLOP model of ``model`` (a transformers model, possibly under LoRA, FSDP or checkpointing, or
+    its config) at ``sequence_length``; ``adapter_params``: LoRA's adapter weights a token passes through."""
+    model = as_model(model)
     return TokenFlops(
-        matmul_params=active_matmul_params(text),
-        layers=text.num_hidden_layers,
-        attention_width=text.num_attention_heads * head_dim,
+        matmul_params=active_matmul_params(model),
+        layers=len(decoder_layers(model)),
+        attention_width=attention_width(model),
         sequence_length=sequence_length,
         adapter_params=adapter_params,
     )
@@ -114,15 +123,22 @@ def routed_expert_trainable(blocks) -> int:
 
 
 def run_token_flops(
-    model_config, sequence_length: float, lora: bool, trainable: int, routed_trainable: int = 0
+    model: torch.nn.Module | PretrainedConfig,
+    sequence_length: float,
+    lora: bool,
+    trainable: int,
+    routed_trainable: int = 0,
 ) -> TokenFlops:
     """The FLOP model of a run: LoRA runs count their trainable parameters as the adapter (those inside
     routed experts at top_k / num_experts), full fine-tuning all active weights at 6."""
+    model = as_model(model)
     if not lora:
-        return token_flops(model_config, sequence_length, None)
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    used = text.num_experts_per_tok / routed_experts(text) if routed_trainable else 1.0
-    return token_flops(model_config, sequence_length, round(trainable - routed_trainable * (1 - used)))
+        return token_flops(model, sequence_length, None)
+    used = 1.0
+    if routed_trainable:
+        block = find_moe_blocks(model, decoder_layers(model))[0]
+        used = block.top_k / block.num_experts
+    return token_flops(model, sequence_length, round(trainable - routed_trainable * (1 - used)))
 
 
 def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:

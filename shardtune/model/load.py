@@ -1,24 +1,36 @@
-"""Load the tokenizer and the model (pretrained weights or a seeded random init) in the right dtype."""
+"""Load the tokenizer and the model (pretrained weights or a seeded random init) in the right dtype.
+
+``build_model`` is the one way a command gets its model: training, ``doctor``'s estimates, ``export``
+and evaluation all build it the same way, with the same dtypes, attention and LoRA adapters.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 
+import peft
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardtune.config import Config, ModelConfig
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import TRANSFORMERS_IMPLEMENTATIONS
 
 log = logging.getLogger(__name__)
+
+# The class attribute by which a transformers model says it runs an attention implementation; eager
+# runs everywhere.
+ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -30,6 +42,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"model.dtype: bfloat16 is not supported by {torch.cuda.get_device_name(device)}")
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How numbers are stored and computed.
+
+    Frozen weights are stored in the compute dtype (half the memory in bf16). Trainable weights are
+    fp32 master copies (LoRA adapters via PEFT, all weights in full fine-tuning) and the forward pass
+    autocasts to bf16, so updates smaller than bf16's resolution are not rounded away. Full weights in
+    ``final/`` and exports are written in the compute dtype.
+    """
+
+    compute: torch.dtype
+    frozen_storage: torch.dtype
+    autocast: torch.dtype | None
+
+    @classmethod
+    def resolve(cls, config: Config, device: torch.device) -> Precision:
+        compute = resolve_dtype(config.model.dtype, device)
+        bf16 = config.training.bf16 if config.training.bf16 is not None else compute == torch.bfloat16
+        if compute == torch.bfloat16 and not bf16:
+            raise ConfigError("training.bf16: false contradicts model.dtype: bfloat16; set one of them differently")
+        if bf16:
+            compute = torch.bfloat16
+        storage = compute if config.lora.enabled else torch.float32
+        return cls(compute, storage, torch.bfloat16 if bf16 else None)
 
 
 def training_attention(config: Config, device: torch.device) -> str:
@@ -59,6 +97,25 @@ def training_attention(config: Config, device: torch.device) -> str:
     return "flex_attention" if config.data.packing and device.type == "cuda" else "sdpa"
 
 
+def supported_attention(model_config: PretrainedConfig, requested: str, chosen: str) -> str:
+    """``requested`` (``model.attn_implementation``) resolved to ``chosen`` for ``auto``, or to the best one
+    the architecture runs when it does not run ``chosen`` (Gemma-2 has no sdpa, GPT-2 no FlexAttention):
+    sdpa, then eager. A choice the user named and the architecture lacks is a config error."""
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except KeyError:  # remote code: its own class says what it runs, at load time
+        return chosen
+
+    def runs(name: str) -> bool:
+        return name not in ATTENTION_SUPPORT or bool(getattr(model_class, ATTENTION_SUPPORT[name], False))
+
+    if runs(chosen):
+        return chosen
+    if requested != "auto":
+        raise ConfigError(f"model.attn_implementation: {model_class.__name__} does not run {chosen}; set it to auto")
+    return next(name for name in ("sdpa", "eager") if runs(name))
+
+
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(
         config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
@@ -69,12 +126,19 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def load_model_config(config: ModelConfig) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(
+        config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
+    )
+
+
 def load_model(
     config: ModelConfig,
     dtype: torch.dtype,
     seed: int,
     materialize: bool = True,
     random_init_device: torch.device | None = None,
+    auto_attention: str = "sdpa",
 ) -> PreTrainedModel:
     """The causal LM on the CPU with weights stored in ``dtype``.
 
@@ -82,11 +146,16 @@ def load_model(
     weights of such a replica come later from the rank that did load them. Random weights
     (``init: random``) are drawn on ``random_init_device`` when given: a GPU draws tens of billions in
     seconds where a CPU takes minutes (the values then depend on the device type, not on the world size).
+    ``auto_attention`` is what ``attn_implementation: auto`` asks for (``supported_attention``): plain
+    sdpa outside training (export, evaluation of padded examples).
     """
+    model_config = load_model_config(config)
+    requested = config.attn_implementation
+    attention = supported_attention(model_config, requested, auto_attention if requested == "auto" else requested)
+    log.info("attention: %s", attention)
     common = {
         "dtype": dtype,
-        # auto outside training (export, evaluation of padded examples): plain sdpa.
-        "attn_implementation": "sdpa" if config.attn_implementation == "auto" else config.attn_implementation,
+        "attn_implementation": attention,
         "trust_remote_code": config.trust_remote_code,
         # fused (and auto) blocks are swapped in by training (shardtune.model.fused_moe); other uses of
         # the model run transformers' default.
@@ -97,14 +166,45 @@ def load_model(
         ),
     }
     if config.init == "random" or not materialize:
-        model_config = AutoConfig.from_pretrained(
-            config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
-        )
         torch.manual_seed(seed)
         with torch.device((random_init_device or "cpu") if materialize else "meta"):
             model = AutoModelForCausalLM.from_config(model_config, **common)
     else:
-        model = AutoModelForCausalLM.from_pretrained(config.name_or_path, revision=config.revision, **common)
+        model = AutoModelForCausalLM.from_pretrained(
+            config.name_or_path, config=model_config, revision=config.revision, **common
+        )
     # Training never reuses past key/values; a cache would also break packed-sequence isolation.
     model.config.use_cache = False
     return model
+
+
+def build_model(
+    config: Config, device: torch.device, *, training: bool = False, materialize: bool = True
+) -> PreTrainedModel | peft.PeftModel:
+    """The model a run computes with on ``device``: loaded, kernels patched, LoRA adapters added.
+
+    ``device`` decides what ``model.dtype: auto`` means (``Precision.resolve``): frozen weights are
+    stored in ``Precision.frozen_storage``, trainable ones in fp32. Random weights (``init: random``) are
+    drawn with ``training.seed`` on ``device`` when it is a GPU, else on the CPU; pretrained weights load
+    onto the CPU. ``training=True`` builds it as a training run does: the attention training picks for
+    packed sequences (``training_attention``) and liger-kernel when configured; otherwise plain sdpa
+    for ``attn_implementation: auto`` (export, generation, evaluation of padded examples). Either way an
+    architecture without the chosen kernel gets the best one it has. ``materialize=False`` builds it on
+    the meta device (no weights read): what replicas that receive their weights later, and ``doctor``'s
+    estimates, use. Returns a ``peft.PeftModel`` when ``lora.enabled``, else the transformers model.
+    """
+    from shardtune.model.liger import apply_liger_kernels
+    from shardtune.model.lora import apply_lora
+
+    precision = Precision.resolve(config, device)
+    model = load_model(
+        config.model,
+        precision.frozen_storage,
+        config.training.seed,
+        materialize=materialize,
+        random_init_device=device if device.type == "cuda" else None,
+        auto_attention=training_attention(config, device) if training else "sdpa",
+    )
+    if training and config.model.liger_kernel:
+        apply_liger_kernels(model, device)
+    return apply_lora(model, config.lora) if config.lora.enabled else model

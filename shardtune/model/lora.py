@@ -114,6 +114,8 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
         target_modules = config.target_modules or "all-linear"
     elif config.target_modules is not None:
         target_modules = config.target_modules
+        if target_modules == "all-linear":  # every nn.Linear of this model, found by PEFT on its modules
+            as_given = targets_as_given()
     else:
         modules, target_parameters, found = moe_lora_targets(layers, blocks, config.moe_targets)
         missing = [group for group in config.moe_targets if not found[group]]

@@ -49,9 +49,8 @@ from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.metrics.train_interval import TrainInterval
 from shardtune.model.fused_moe import use_fused_experts
-from shardtune.model.liger import apply_liger_kernels
-from shardtune.model.load import load_model, load_tokenizer, resolve_dtype, training_attention
-from shardtune.model.lora import apply_lora, count_parameters
+from shardtune.model.load import Precision, build_model, load_tokenizer
+from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
@@ -66,29 +65,6 @@ from shardtune.train.schedule import build_scheduler, warmup_steps_for
 from shardtune.train.watchdog import start_heartbeat
 
 log = logging.getLogger("shardtune")
-
-
-@dataclass
-class Precision:
-    """How numbers are stored and computed.
-
-    Frozen weights are stored in the compute dtype (half the memory in bf16). Trainable weights are
-    fp32 master copies (LoRA adapters via PEFT, all weights in full fine-tuning) and the forward pass
-    autocasts to bf16, so updates smaller than bf16's resolution are not rounded away.
-    """
-
-    compute: torch.dtype
-    frozen_storage: torch.dtype
-    autocast: torch.dtype | None
-
-    @classmethod
-    def resolve(cls, config: Config, device: torch.device) -> Precision:
-        compute = resolve_dtype(config.model.dtype, device)
-        bf16 = config.training.bf16 if config.training.bf16 is not None else compute == torch.bfloat16
-        # bf16: false with model.dtype: bfloat16 is refused with the config; with auto it means fp32.
-        compute = torch.bfloat16 if bf16 else torch.float32 if config.model.dtype == "auto" else compute
-        storage = compute if config.lora.enabled else torch.float32
-        return cls(compute, storage, torch.bfloat16 if bf16 else None)
 
 
 def total_steps_for(config: Config, sampler: GlobalBatchSampler) -> int:
@@ -110,30 +86,19 @@ def prepare_run_data(
     return data
 
 
-def build_run_model(config: Config, env: DistributedEnv, precision: Precision) -> tuple[torch.nn.Module, list]:
-    """The model as the run trains it, before ``parallelize``, and its MoE blocks.
+def build_run_model(config: Config, env: DistributedEnv) -> tuple[torch.nn.Module, list]:
+    """The model as the run trains it, before ``parallelize``, and its MoE blocks (fused where they run).
 
     Only global rank 0 reads the weights; the others build an empty replica, which ``parallelize``
     fills from rank 0's. ``shardtune eval`` builds its model here too, so it evaluates what training did.
     """
-    attention = training_attention(config, env.device)
-    log.info("attention: %s", attention)
-    model = load_model(
-        config.model.model_copy(update={"attn_implementation": attention}),
-        precision.frozen_storage,
-        config.training.seed,
-        materialize=env.is_main,
-        random_init_device=env.device if env.device.type == "cuda" else None,
-    )
-    if config.model.liger_kernel:
-        apply_liger_kernels(model, env.device)
+    model = build_model(config, env.device, training=True, materialize=env.is_main)
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
     # The other ranks' replicas receive rank 0's weights.
     set_init_routing(model, moe_blocks, config.model.init_routing, config.training.seed, materialized=env.is_main)
     if config.training.moe_aux_loss_coef > 0 and not moe_blocks:
-        raise ConfigError(f"training.moe_aux_loss_coef: {type(model).__name__} has no MoE layers; leave it at 0")
-    if config.lora.enabled:
-        model = apply_lora(model, config.lora)
+        name = type(model.get_base_model() if config.lora.enabled else model).__name__
+        raise ConfigError(f"training.moe_aux_loss_coef: {name} has no MoE layers; leave it at 0")
     return model, use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
 
 
@@ -242,7 +207,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     if env.is_main:
         write_run_start(output_dir, config, argv, world)
 
-    model, moe_blocks = build_run_model(config, env, precision)
+    model, moe_blocks = build_run_model(config, env)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
     trainable, total = count_parameters(model)
     routed_trainable = routed_expert_trainable(moe_blocks)
@@ -305,9 +270,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         run_eval(0)
 
     # Per-step sums of the logging interval; one all-gather per logging step (see TrainInterval).
-    flops = run_token_flops(
-        unwrap(model).config, config.data.max_length, config.lora.enabled, trainable, routed_trainable
-    )
+    flops = run_token_flops(unwrap(model), config.data.max_length, config.lora.enabled, trainable, routed_trainable)
     peak = peak_flops(env.device_name(), config.logging.peak_tflops)
     interval = TrainInterval(env, hostnames, flops, peak)
     last_loss = float("nan")

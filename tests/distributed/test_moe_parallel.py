@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from cli_runs import jsonl, train
-from tiny_moe import ARCHITECTURES, write_tiny_moe
+from tiny_models import MOE_ARCHITECTURES, write_tiny_model
 
 STEPS = 3
 
@@ -17,7 +17,7 @@ def runs(tmp_path_factory):
     results = {}
 
     def run(arch: str, name: str, nproc: int, *overrides: str) -> None:
-        model = write_tiny_moe(tmp_path / "models" / arch, arch)
+        model = write_tiny_model(tmp_path / "models" / arch, arch)
         common = [f"model.name_or_path={model}", "model.init=random", "lora.target_modules=null"]
         results[(arch, name)] = train(
             tmp_path,
@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
             steps=STEPS,
         )
 
-    for arch in ARCHITECTURES:
+    for arch in MOE_ARCHITECTURES:
         run(arch, "single", 1)
         run(arch, "ddp", 2, "parallel.strategy=ddp")
         run(arch, "fsdp", 2, "parallel.strategy=fsdp")
@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     return results
 
 
-CASES = [(arch, strategy) for arch in ARCHITECTURES for strategy in ("ddp", "fsdp")] + [
+CASES = [(arch, strategy) for arch in MOE_ARCHITECTURES for strategy in ("ddp", "fsdp")] + [
     ("qwen3_moe", "experts-fsdp"),
     ("glm4_moe", "full-fsdp"),
     ("glm4_moe", "full-ddp"),

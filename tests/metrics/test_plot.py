@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from cli_runs import schema_checked_logs, train
-from tiny_moe import write_tiny_moe
+from tiny_models import write_tiny_model
 
 from shardtune.cli import main
 
@@ -18,7 +18,7 @@ FIRST_RUN, SECOND_RUN = (0x1F / 255, 0x77 / 255, 0xB4 / 255), (0xFF / 255, 0x7F 
 def runs(tmp_path_factory):
     pytest.importorskip("matplotlib")
     tmp_path = tmp_path_factory.mktemp("plot")
-    moe = write_tiny_moe(tmp_path / "mixtral", "mixtral")
+    moe = write_tiny_model(tmp_path / "mixtral", "mixtral")
     dense = train(tmp_path, "dense", 1, "training.eval_steps=2", steps=4)
     sparse = train(
         tmp_path, "moe", 1, f"model.name_or_path={moe}", "model.init=random", "lora.target_modules=null", steps=3

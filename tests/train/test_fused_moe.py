@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from cli_runs import jsonl, train
-from tiny_moe import ALL_ARCHITECTURES, write_tiny_moe
+from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import LoraConfig, ModelConfig
@@ -24,14 +24,14 @@ from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
 from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks, load_balancing_loss
 
-ARCHS = list(ALL_ARCHITECTURES)
+ARCHS = list(FUSED_MOE_ARCHITECTURES)
 SHARED = ("glm4_moe", "deepseek_v3")  # the architectures with shared experts
 
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")
-    return {arch: write_tiny_moe(root / arch, arch) for arch in ARCHS}
+    return {arch: write_tiny_model(root / arch, arch) for arch in ARCHS}
 
 
 def build(directory, lora_targets: list[str] | None = None, shared: bool = False) -> torch.nn.Module:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tiny_moe import ARCHITECTURES, write_tiny_moe
+from tiny_models import MOE_ARCHITECTURES, write_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import LoraConfig
@@ -24,7 +24,7 @@ from shardtune.train.routing import RouterTraining
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return {arch: write_tiny_moe(root / arch, arch) for arch in ARCHITECTURES}
+    return {arch: write_tiny_model(root / arch, arch) for arch in MOE_ARCHITECTURES}
 
 
 def build(directory, seed: int = 0) -> torch.nn.Module:
@@ -51,7 +51,7 @@ def direct_choice(model, arch, layer_logits: torch.Tensor, top_k: int) -> torch.
     return layer_logits.float().softmax(dim=-1).topk(top_k, dim=-1).indices
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", list(MOE_ARCHITECTURES))
 def test_expert_counts_and_entropy_equal_a_direct_count(moe_dirs, world, arch):
     model = build(moe_dirs[arch])
     blocks = find_moe_blocks(model, decoder_layers(model))
@@ -142,7 +142,7 @@ def lora_counts(hidden: int, r: int, shapes: list[tuple[int, int]]) -> int:
 )
 def test_lora_target_groups_and_their_trainable_counts(moe_dirs, groups):
     """GLM-4.5 layout (tiny): 3 layers, the first dense; 8 routed experts and one shared expert."""
-    config = ARCHITECTURES["glm4_moe"]
+    config = MOE_ARCHITECTURES["glm4_moe"]
     r, hidden, heads, kv, head_dim = 4, 64, 4, 2, config["head_dim"]
     inter, moe_inter, experts = config["intermediate_size"], config["moe_intermediate_size"], config["n_routed_experts"]
     per_group = {

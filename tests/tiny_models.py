@@ -1,0 +1,118 @@
+"""Tiny random models of each architecture shardtune is tested on, built offline with the shipped tokenizer.
+
+Every config is the architecture's own (``AutoConfig.for_model``) with its default layout: fused or
+separate projections, tied or untied heads, RoPE or learned positions, parallel or sequential blocks.
+Only sizes shrink (hidden 64, 2 layers, 4 heads, the tokenizer's 1024 ids) and dropout is off, so a run
+on one process and on several computes the same numbers. The keys are the standard ones; transformers
+maps them to each config's own names (``n_embd``, ``n_layer``, ``n_head`` for GPT-2).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from conftest import TINY_MODEL
+from transformers import AutoConfig
+
+COMMON = {
+    "vocab_size": 1024,  # the shipped tokenizer's
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+}
+GROUPED_QUERY = {"num_key_value_heads": 2, "intermediate_size": 128}
+NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+DENSE_ARCHITECTURES = {
+    "llama": GROUPED_QUERY,
+    "mistral": GROUPED_QUERY,
+    "qwen2": GROUPED_QUERY,
+    "qwen3": {**GROUPED_QUERY, "head_dim": 16},
+    "gemma2": {**GROUPED_QUERY, "head_dim": 16, "query_pre_attn_scalar": 16},
+    "gemma3_text": {**GROUPED_QUERY, "head_dim": 16, "query_pre_attn_scalar": 16},
+    "phi3": GROUPED_QUERY,  # fused qkv_proj and gate_up_proj
+    # No num_key_value_heads in the configs below; GPT-2's projections are Conv1D, not nn.Linear.
+    "gpt2": NO_DROPOUT_GPT2,
+    "gpt_neox": {"intermediate_size": 128, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.0, "attention_dropout": 0.0},
+    "falcon": {"ffn_hidden_size": 128},  # multi-query attention, fused query_key_value
+}
+MOE_ARCHITECTURES = {
+    # Every layer sparse: 8 experts, 2 per token.
+    "qwen3_moe": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    # GLM-4.5's layout: a dense first layer, then sparse layers with a shared expert and a sigmoid router.
+    "glm4_moe": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_hidden_layers": 3,
+    },
+}
+ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
+# DeepSeek-V3's layout (MLA attention; group-limited routing: the best of 2 groups of 4 experts, with a
+# routed scaling factor), for the fused MoE block's tests: kept out of the other matrices.
+DEEPSEEK_V3 = {
+    "tie_word_embeddings": False,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,  # MLA: keys and values per head
+    "num_hidden_layers": 3,
+}
+FUSED_MOE_ARCHITECTURES = {**MOE_ARCHITECTURES, "deepseek_v3": DEEPSEEK_V3}
+
+
+def tiny_config(architecture: str):
+    return AutoConfig.for_model(
+        architecture, **{**COMMON, **{**ARCHITECTURES, **FUSED_MOE_ARCHITECTURES}[architecture]}
+    )
+
+
+def write_tiny_model(directory: Path, architecture: str) -> Path:
+    """A model directory (config + tokenizer, no weights: train it with model.init=random)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_config(architecture).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_MODEL / name, directory / name)
+    return directory
