@@ -165,9 +165,9 @@ def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Pat
 
 
 def is_moe(model_config) -> bool:
-    from shardtune.metrics.flops import routed_experts
-
-    return routed_experts(model_config.get_text_config()) is not None
+    """Whether a shape has routed experts (transformers' names for their count)."""
+    text = model_config.get_text_config()
+    return any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
 
 
 def bench_config(

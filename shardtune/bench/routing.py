@@ -92,13 +92,14 @@ def set_init_routing(
     a replica will receive) change."""
     if routing == "random":
         return
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
     if not blocks:
-        raise ConfigError(f"model.init_routing: {routing} needs MoE layers; {type(model).__name__} has none")
+        raise ConfigError(f"model.init_routing: {routing} needs MoE layers; {name} has none")
     projections = [
         module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in ATTENTION_OUTPUT_NAMES
     ]
     if not projections:
-        raise ConfigError(f"model.init_routing: no attention output projection (o_proj) in {type(model).__name__}")
+        raise ConfigError(f"model.init_routing: no attention output projection (o_proj) in {name}")
     if not materialized:
         return
     layers = model.config.get_text_config().num_hidden_layers
