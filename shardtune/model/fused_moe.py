@@ -331,15 +331,28 @@ def _projection(
             b = lora_b.view(lora_b.shape[0], rank, num_experts).mean(dim=-1).to(dtype)  # (out, r)
             result = result + F.linear(F.linear(rows, a) * scaling, b)
             continue
-        a = lora_a.to(dtype).view(num_experts, rank, -1)  # (E, r, in)
-        b = lora_b.to(dtype).view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
-        pad = -rank % 8  # grouped GEMMs want 16-byte aligned rows: pad the rank with zeros
-        if pad:
-            a = F.pad(a, (0, 0, 0, pad))
-            b = F.pad(b, (0, pad))
-        low = grouped_mm(rows, a.transpose(-2, -1), offsets) * scaling  # (pairs, r)
-        result = result + grouped_mm(low, b.contiguous().transpose(-2, -1), offsets)
+        a, b = expert_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+        low = grouped_mm(rows, a, offsets) * scaling  # (pairs, r)
+        result = result + grouped_mm(low, b, offsets)
     return result
+
+
+# Outside the compiled graph: the grouped GEMM needs its weight operand in one of two exact layouts, and
+# inductor (torch 2.11) may give a re-laid-out intermediate other strides than .contiguous() asked for
+# ("Invalid strides/sizes" from _grouped_mm). Inputs of a compiled graph keep the strides they have.
+@torch.compiler.disable
+def expert_lora_factors(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's per-expert factors as grouped-GEMM weights: A_e^T (E, in, r) and B_e^T (E, r, out), each
+    expert's matrix column-major, the rank zero-padded to a multiple of 8 (16-byte aligned rows)."""
+    a = lora_a.to(dtype).view(num_experts, rank, -1)  # (E, r, in)
+    b = lora_b.to(dtype).view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
+    pad = -rank % 8
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+        b = F.pad(b, (0, pad))
+    return a.contiguous().transpose(-2, -1), b.contiguous().transpose(-2, -1)
 
 
 class GatherRows(torch.autograd.Function):

@@ -25,3 +25,30 @@ def test_ddp_runs_each_compiled_layer_as_one_graph_and_trains_like_one_process(t
     assert "parallelism: ddp over 2 rank(s)" in ddp["log"]
     assert "split graph" not in ddp["log"]
     assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
+def test_fused_moe_layers_compile_inside_checkpointing_and_train_like_eager(tmp_path):
+    """A fused MoE block hands its routing to the recorder outside the graph (a graph break), so its
+    layers are compiled inside their checkpoint wrappers: the compiled run (Triton kernels, not an
+    eager fallback) trains to the eager run's losses and expert counts, LoRA on the routed experts too."""
+    from cli_runs import jsonl
+    from tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    common = [
+        f"model.name_or_path={model}", "model.init=random", "training.gradient_checkpointing=true",
+        "data.pad_to=max_length", "data.max_length=64", "lora.target_modules=null",
+        "lora.moe_targets=[attention,routed_experts]",
+    ]  # fmt: skip
+    eager = train(tmp_path, "eager", 1, *common, steps=3)
+    compiled = train(
+        tmp_path, "compiled", 1, *common, "parallel.compile=true", steps=3, env={"TORCH_LOGS": "graph_breaks"}
+    )
+    assert "moe experts: fused" in compiled["log"] and "torch.compile on 2 decoder layers" in compiled["log"]
+    assert "Graph break" in compiled["log"]  # at the recorder: the layer was traced, not skipped whole
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+
+    def counts(run: dict) -> list:
+        return [[layer["counts"] for layer in row["layers"]] for row in jsonl(run["out"] / "logs/expert_usage.jsonl")]
+
+    assert counts(compiled) == counts(eager)
