@@ -52,3 +52,17 @@ def schema_checked_logs(out: Path) -> dict[str, list[dict]]:
                 validate(kind, row)
     assert logs.get("train"), f"{out}: no train_log.jsonl rows"
     return logs
+
+
+def children_of(parent: int) -> list[int]:
+    """Processes whose parent is ``parent`` (a launcher): its workers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return found

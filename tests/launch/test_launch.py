@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runs import children_of
 from conftest import REPO
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -101,20 +102,6 @@ def test_two_nodes_claiming_one_rank_are_told(tmp_path):
     assert "another node already joined" in logs[1] and "as node rank 0" in logs[1]
 
 
-def _workers_of(launcher: subprocess.Popen) -> list[int]:
-    """Processes whose parent is the launcher: its workers."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == launcher.pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _wait_for(path_glob: Path, count: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while len(list(path_glob.parent.glob(path_glob.name))) < count:
@@ -130,7 +117,7 @@ def test_a_killed_worker_is_restarted_and_training_resumes(tmp_path):
     options = ["--max-restarts", "1"]
     nodes = [start_node(tmp_path, out, rank, port, *steps, options=options) for rank in (0, 1)]
     _wait_for(out / "checkpoint-4", 1)
-    victims = _workers_of(nodes[1])
+    victims = children_of(nodes[1].pid)
     assert victims, "node 1 has a worker"
     os.kill(victims[0], signal.SIGKILL)
     logs = [finish(tmp_path, node, rank, out) for rank, node in enumerate(nodes)]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runs import children_of
 from conftest import REPO
 from faulty_runs import command, train_log, worker_env
 
@@ -133,7 +134,7 @@ def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tm
     out = tmp_path / "run"
     process = start(tmp_path, out, "training.max_steps=8", "training.save_steps=100", fault="optimizer:slow:rank=0")
     wait_for(lambda: logged_steps(out) >= 1, process)
-    workers = _workers_of(process.pid)
+    workers = children_of(process.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGINT)  # one worker only; the other learns at the step boundary
     stdout, stderr = process.communicate(timeout=240)
@@ -143,20 +144,6 @@ def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tm
     assert len(lines) == 1 and "resume with: shardtune train" in lines[0], stderr[-4000:]
     checkpoints = sorted(out.glob("checkpoint-*"))
     assert len(checkpoints) == 1 and f"saved {checkpoints[0]};" in lines[0]
-
-
-def _workers_of(parent: int) -> list[int]:
-    """Processes whose parent is ``parent`` (the launcher): its workers."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry.name))
-    return found
 
 
 def test_the_resume_command_is_the_starting_command_with_the_checkpoint(monkeypatch):
