@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shardtune.checkpoint.checkpointer import read_trainable_shards
 from shardtune.checkpoint.export import saved_run_config
 from shardtune.config import Config, load_config, looks_local, not_a_checkpoint
 from shardtune.distributed.env import DistributedEnv
@@ -190,34 +190,10 @@ def check_request(
 def load_trained_weights(weights: TrainedWeights, model: torch.nn.Module) -> None:
     """Put the trained tensors of ``weights`` into ``model`` (whole, on the CPU, not yet parallelized)."""
     if weights.kind == "checkpoint":
-        _load_checkpoint_shards(weights.path, model)
+        read_trainable_shards(weights.path, model, "be evaluated")
     elif weights.kind == "adapter":
         _load_adapter(weights.path, model)
     # A full model in final/ is the model itself: build_run_model loaded it (see run_eval).
-
-
-def _load_checkpoint_shards(path: Path, model: torch.nn.Module) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from shardtune.checkpoint.checkpointer import SET_TRAINABLE, TRAINABLE_ONLY, describe_missing
-    from shardtune.checkpoint.shards import ShardsReader
-
-    state = get_model_state_dict(model, options=TRAINABLE_ONLY)
-    reader = ShardsReader(path / "model")
-    manifest = json.loads((path / "manifest.json").read_text())
-    problems = describe_missing(path, "model", state, reader, manifest)
-    if problems:
-        raise InputError(f"{path}: cannot be evaluated: {'; '.join(problems)}")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            # This process alone reads every rank's shards; parallelize then spreads the weights.
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"{path}: its tensors do not fit the config's model ({first_line})") from None
-    set_model_state_dict(model, state, options=SET_TRAINABLE)
 
 
 def _load_adapter(path: Path, model: torch.nn.Module) -> None:

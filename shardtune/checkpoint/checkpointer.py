@@ -31,6 +31,7 @@ import random
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ from shardtune.checkpoint.shards import (
 from shardtune.config import Config, dump_config, load_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
-from shardtune.errors import CheckpointSaveError, ConfigError
+from shardtune.errors import CheckpointSaveError, ConfigError, InputError
 from shardtune.faults import fault_point
 from shardtune.run_dir import prepare_output_dir
 from shardtune.run_manifest import config_hash
@@ -441,6 +442,29 @@ class Checkpointer:
             path, manifest["step"], manifest["world_size"], manifest["strategy"], self.env.world_size,
         )  # fmt: skip
         return int(manifest["step"])
+
+
+def read_trainable_shards(path: Path, model: torch.nn.Module, purpose: str) -> None:
+    """Put a checkpoint's trained tensors into ``model`` (whole, in this one process: ``export`` and
+    ``eval`` read every rank's shards here, and parallelize spreads them); a missing or mismatched tensor
+    is one ``InputError`` saying the checkpoint ``cannot {purpose}``."""
+    state = trainable_state_dict(model)
+    reader = ShardsReader(path / "model")
+    manifest = json.loads((path / "manifest.json").read_text())
+    problems = describe_missing(path, "model", state, reader, manifest)
+    if problems:
+        raise InputError(f"{path}: cannot {purpose}: {'; '.join(problems)}")
+    try:
+        with warnings.catch_warnings():
+            # DCP warns that no process group exists; reading every rank's shards in one process is the point.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(
+            f"{path}: cannot {purpose}: its tensors do not fit the config's model ({first_line})"
+        ) from None
+    set_model_state_dict(model, state, options=SET_TRAINABLE)
 
 
 def describe_missing(

@@ -7,19 +7,14 @@ gathered into one directory (the error names the files still missing).
 
 from __future__ import annotations
 
-import json
 import logging
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from shardtune.checkpoint.checkpointer import SET_TRAINABLE, describe_missing, trainable_state_dict
+from shardtune.checkpoint.checkpointer import read_trainable_shards
 from shardtune.checkpoint.export import save_final
 from shardtune.checkpoint.layout import not_a_checkpoint
-from shardtune.checkpoint.shards import ShardsReader
 from shardtune.config import load_config
 from shardtune.errors import InputError
 from shardtune.model.load import Precision, build_model, load_tokenizer
@@ -42,17 +37,7 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     cpu = torch.device("cpu")
     base_dtype = Precision.resolve(config, cpu).compute
     model = build_model(config, cpu)
-    state = trainable_state_dict(model)
-    reader = ShardsReader(checkpoint / "model")
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    problems = describe_missing(checkpoint, "model", state, reader, manifest)
-    if problems:
-        raise InputError(f"{checkpoint}: cannot export: {'; '.join(problems)}")
-    with warnings.catch_warnings():
-        # DCP warns that no process group exists; reading every rank's shards in one process is the point.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader)
-    set_model_state_dict(model, state, options=SET_TRAINABLE)
+    read_trainable_shards(checkpoint, model, "export")
     if config.lora.enabled and merge:
         merged = model.merge_and_unload()
         save_final(merged, tokenizer, out, base_dtype, config=config)
