@@ -40,7 +40,7 @@ class ModelConfig(_Section):
     init_routing: Literal["random", "balanced", "skewed"] = Field(
         "random",
         description="with init: random, MoE models: router weights for an even or a trained-like long-tailed "
-        "expert load (shardtune/bench/routing.py); random: as drawn",
+        "expert load (shardtune/model/init_routing.py); random: as drawn",
     )
     revision: str | None = None
     experts_implementation: Literal["auto", "fused", "eager", "grouped_mm", "batched_mm"] = Field(

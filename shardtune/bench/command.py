@@ -29,8 +29,8 @@ from shardtune.errors import InputError
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from shardtune.bench.routing import ROUTINGS
     from shardtune.bench.shapes import SHAPES
+    from shardtune.model.init_routing import ROUTINGS
 
     parser = commands.add_parser("bench", help="throughput and memory on a real-shaped model (random weights)")
     parser.add_argument("--shape", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model directory")
@@ -53,7 +53,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         choices=ROUTINGS,
         default="skewed",
         help="MoE router weights: skewed (a trained-like long tail, the default), balanced (an even expert load) "
-        "or random (as drawn: a few experts take most tokens); see shardtune/bench/routing.py",
+        "or random (as drawn: a few experts take most tokens); see shardtune/model/init_routing.py",
     )
     parser.add_argument("--full", action="store_true", help="full fine-tuning (default: LoRA)")
     parser.add_argument("--lora-r", type=int, default=16)

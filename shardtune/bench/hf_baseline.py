@@ -83,12 +83,12 @@ def main(argv: list[str]) -> int:
     import transformers
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from shardtune.bench.routing import router_weights_digest, set_init_routing
     from shardtune.config import load_config
     from shardtune.data.prepare import prepare_dataset
     from shardtune.distributed.parallelize import decoder_layers
     from shardtune.metrics.flops import routed_expert_trainable
     from shardtune.metrics.memory import peak_memory_gib
+    from shardtune.model.init_routing import router_weights_digest, set_init_routing
     from shardtune.model.load import load_model, load_tokenizer, resolve_dtype
     from shardtune.model.lora import apply_lora
     from shardtune.model.moe import find_moe_blocks

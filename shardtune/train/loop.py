@@ -20,7 +20,6 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from shardtune.bench.routing import set_init_routing
 from shardtune.checkpoint.checkpointer import Checkpointer, RunTotals, find_resume_checkpoint
 from shardtune.checkpoint.export import save_final
 from shardtune.config import Config
@@ -49,6 +48,7 @@ from shardtune.metrics.progress import Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.metrics.train_interval import TrainInterval
 from shardtune.model.fused_moe import use_fused_experts
+from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks

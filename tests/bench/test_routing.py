@@ -9,15 +9,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.bench.routing import (
+from shardtune.cli import main
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.model.init_routing import (
     router_weights_digest,
     set_init_routing,
     simulated_max_mean,
     skew_spread,
     skewed_max_mean,
 )
-from shardtune.cli import main
-from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 
 
