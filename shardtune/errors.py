@@ -18,14 +18,20 @@ EXIT_SAVE_FAILED = 4
 EXIT_INTERRUPTED = 130
 
 
-class InputError(Exception):
-    """Bad input; each line names the key, file or row and what was expected."""
+class ReportedError(Exception):
+    """An error the command line reports as its lines, one each, and ends with ``exit_code``."""
 
-    exit_code = EXIT_BAD_INPUT
+    exit_code = 1
 
     def __init__(self, lines: list[str] | str):
         self.lines = [lines] if isinstance(lines, str) else list(lines)
         super().__init__("\n".join(self.lines))
+
+
+class InputError(ReportedError):
+    """Bad input; each line names the key, file or row and what was expected."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class ConfigError(InputError):
@@ -36,15 +42,9 @@ class DataError(InputError):
     """A dataset file or row the user must fix."""
 
 
-class RunFault(Exception):
+class RunFault(ReportedError):
     """A fault the run met (not bad input); each line says what happened and what to do. Every rank
     raises it together, so the launcher does not restart: the same fault would stop the next attempt."""
-
-    exit_code = 1
-
-    def __init__(self, lines: list[str] | str):
-        self.lines = [lines] if isinstance(lines, str) else list(lines)
-        super().__init__("\n".join(self.lines))
 
 
 class NonFiniteError(RunFault):

@@ -20,7 +20,7 @@ from typing import Any
 
 from shardtune.atomic import write_atomic
 from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, is_checkpoint
-from shardtune.config import Config, ConfigError, dump_config
+from shardtune.config import Config, ConfigError, TrainingConfig, dump_config
 from shardtune.errors import InputError
 from shardtune.metrics.schema import SCHEMA_VERSION
 
@@ -57,17 +57,29 @@ def existing_run_artifacts(output_dir: Path) -> list[str]:
     return [path.name for path in run_artifacts(output_dir)]
 
 
+def previous_run_problem(training: TrainingConfig) -> str | None:
+    """The line with which a fresh run refuses its output directory (``train``, and ahead of it ``doctor``
+    and ``slurm``), or None: the directory holds no run, or the config replaces or continues it."""
+    if training.overwrite_output_dir or training.resume_from_checkpoint:
+        return None
+    existing = existing_run_artifacts(Path(training.output_dir))
+    return _holds_a_run(training.output_dir, existing) if existing else None
+
+
+def _holds_a_run(output_dir: Path | str, names: list[str]) -> str:
+    return (
+        f"training.output_dir: {output_dir} already holds a run ({', '.join(names)}); choose another output_dir, "
+        "set training.overwrite_output_dir=true, or continue it with training.resume_from_checkpoint=auto"
+    )
+
+
 def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     """A fresh run's directory: refuse to mix two runs in one, or with ``overwrite`` remove what the
     previous run wrote (only that) before this one writes anything, so neither checkpoint rotation nor a
     later ``resume_from_checkpoint: auto`` ever sees the old checkpoints."""
     existing = run_artifacts(output_dir)
     if existing and not overwrite:
-        raise ConfigError(
-            f"training.output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); "
-            "choose another output_dir, set training.overwrite_output_dir=true, or continue it with "
-            "training.resume_from_checkpoint=auto"
-        )
+        raise ConfigError(_holds_a_run(output_dir, [path.name for path in existing]))
     if existing:
         log.info(
             "training.overwrite_output_dir: removing the previous run's %s from %s",
@@ -101,10 +113,9 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> None:
                 f"--out {out}: {directory} is a checkpoint, which is never written to; choose another --out"
             )
     # A run's directory is protected; a new directory inside it (RUN/adapter) is not.
-    if run_artifacts(target):
+    if run := existing_run_artifacts(target):
         raise InputError(
-            f"--out {out}: holds a training run ({', '.join(existing_run_artifacts(target)[:4])}), which is never "
-            "replaced; choose another --out"
+            f"--out {out}: holds a training run ({', '.join(run[:4])}), which is never replaced; choose another --out"
         )
     occupied = any(out.iterdir()) if out.is_dir() else out.exists()
     if occupied and not overwrite:

@@ -26,7 +26,7 @@ from shardtune.doctor.estimates import available_host_memory, disk_check, memory
 from shardtune.doctor.report import FAIL, GIB, OK, WARN, Check, plural, size
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
-from shardtune.run_dir import existing_run_artifacts
+from shardtune.run_dir import previous_run_problem
 
 
 def guarded(name: str, check: Callable[[], list[Check]]) -> list[Check]:
@@ -282,19 +282,8 @@ def resume_check(training: TrainingConfig) -> list[Check]:
 
 def previous_run_check(training: TrainingConfig) -> list[Check]:
     """A fresh run refuses an output directory that holds another run (a FAIL row; none when free)."""
-    output_dir = Path(training.output_dir)
-    existing = existing_run_artifacts(output_dir)
-    if existing and not training.overwrite_output_dir and training.resume_from_checkpoint is None:
-        return [
-            Check(
-                "previous run",
-                FAIL,
-                f"training.output_dir: {output_dir} already holds a run ({', '.join(existing)})",
-                fix="choose another training.output_dir, set training.overwrite_output_dir=true, or "
-                "training.resume_from_checkpoint=auto",
-            )
-        ]
-    return []
+    problem = previous_run_problem(training)
+    return [] if problem is None else [Check("previous run", FAIL, problem)]  # the line says what to change
 
 
 def run_preflight_checks(config: Config, device: torch.device) -> list[Check]:

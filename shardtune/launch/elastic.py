@@ -202,7 +202,7 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
                 _ignore_further_signals()
             # Bad input, a run stopped for non-finite losses, a checkpoint that cannot be written fail
             # again on restart: every rank found it, so every node stops here alike. Ctrl-C is final too.
-            final = (0, PREEMPTED_EXIT_CODE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED)
+            final = (0, PREEMPTED_EXIT_CODE, *SELF_REPORTED)
             if status in final or status >= 128 or attempt == spec.max_restarts:
                 return status
             print(
@@ -275,13 +275,11 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
     except ChildFailedError as failure:
         # The agent has already printed each failed worker's error; name the first for the user.
         rank, error = failure.get_first_failure()
-        if error.exitcode == EXIT_BAD_INPUT:
-            return EXIT_BAD_INPUT  # the workers have said why, once (see say_once)
         if error.exitcode == PREEMPTED_EXIT_CODE:
             print(f"shardtune: workers stopped for preemption (exit {PREEMPTED_EXIT_CODE})", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         if error.exitcode in SELF_REPORTED:
-            return error.exitcode  # every worker stopped alike, and global rank 0 said why in one line
+            return error.exitcode  # every worker stopped alike and said why in one line, once (see say_once)
         print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
         return error.exitcode if error.exitcode > 0 else 1
     except SignalException as signalled:

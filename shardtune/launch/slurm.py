@@ -25,7 +25,7 @@ from pathlib import Path
 from shardtune.config import Config, add_config_arguments, dump_config, load_config
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
-from shardtune.run_dir import existing_run_artifacts
+from shardtune.run_dir import previous_run_problem
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE
 
 DEFAULT_PORT = 29500
@@ -300,16 +300,9 @@ def job_from_args(args: argparse.Namespace, config: Config) -> SlurmJob:
 
 def check_run_dir_is_free(config: Config) -> None:
     """Refuse now, not after the job waited in the queue, what ``shardtune train`` would refuse at its start."""
-    training = config.training
-    if training.overwrite_output_dir or training.resume_from_checkpoint:
-        return
-    existing = existing_run_artifacts(Path(training.output_dir))
-    if existing:
-        raise InputError(
-            f"training.output_dir: {training.output_dir} already holds a run ({', '.join(existing)}); choose another "
-            "output_dir, set training.overwrite_output_dir=true, or continue it with "
-            "training.resume_from_checkpoint=auto"
-        )
+    problem = previous_run_problem(config.training)
+    if problem:
+        raise InputError(problem)
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
