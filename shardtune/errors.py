@@ -58,3 +58,10 @@ class CheckpointSaveError(RunFault):
     names the failing rank(s) and the OS error."""
 
     exit_code = EXIT_SAVE_FAILED
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (a library's message may go on for a traceback's length),
+    or its type's name when it has none: what a one-line error quotes of its cause."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

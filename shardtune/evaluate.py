@@ -20,9 +20,10 @@ import torch
 
 from shardtune.checkpoint.checkpointer import read_trainable_shards
 from shardtune.checkpoint.export import saved_run_config
-from shardtune.config import Config, load_config, looks_local, not_a_checkpoint
+from shardtune.checkpoint.layout import not_a_checkpoint, read_step
+from shardtune.config import Config, load_config, looks_local
 from shardtune.distributed.env import DistributedEnv
-from shardtune.errors import ConfigError, DataError, InputError
+from shardtune.errors import ConfigError, DataError, InputError, first_line
 from shardtune.run_dir import write_atomic
 
 log = logging.getLogger("shardtune")
@@ -53,8 +54,7 @@ def find_trained_weights(path: Path) -> TrainedWeights:
         problem = not_a_checkpoint(path)
         if problem:
             raise InputError(f"--checkpoint {path} {problem}")
-        step = json.loads((path / "manifest.json").read_text())["step"]
-        return TrainedWeights(path, "checkpoint", int(step), load_config(path / "config.yaml", check_paths=False))
+        return TrainedWeights(path, "checkpoint", read_step(path), load_config(path / "config.yaml", check_paths=False))
     if (path / "adapter_config.json").is_file():
         kind = "adapter"
     elif (path / "config.json").is_file():
@@ -203,8 +203,7 @@ def _load_adapter(path: Path, model: torch.nn.Module) -> None:
     try:
         result = set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"))
     except RuntimeError as error:  # size mismatches
-        first_line = str(error).strip().splitlines()[0]
-        raise InputError(f"{path}: its adapter does not fit the config's model ({first_line})") from None
+        raise InputError(f"{path}: its adapter does not fit the config's model ({first_line(error)})") from None
     trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
     missing = sorted(trainable.intersection(result.missing_keys))
     unexpected = sorted(result.unexpected_keys)

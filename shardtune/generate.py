@@ -18,12 +18,7 @@ from shardtune.checkpoint.export import saved_run_config
 from shardtune.config import looks_local
 from shardtune.data.formats import render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
-from shardtune.errors import InputError
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+from shardtune.errors import InputError, first_line
 
 
 def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.nn.Module:
@@ -50,7 +45,7 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
             base_model = AutoModelForCausalLM.from_pretrained(base)
         except (OSError, ValueError, KeyError) as error:
             raise InputError(
-                f"{where}: {base} is not a model this machine can read ({_first_line(error)}); "
+                f"{where}: {base} is not a model this machine can read ({first_line(error)}); "
                 "pass --base with the base model's directory or hub id"
             ) from None
         # Paths like mlp.shared_experts.gate_proj are shardtune's MoE targets, taken from a transformers-5
@@ -61,13 +56,13 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
             with targets_as_given() if ours else contextlib.nullcontext():
                 return PeftModel.from_pretrained(base_model, model_dir)
         except (RuntimeError, ValueError, KeyError) as error:  # e.g. shapes of another base model
-            raise InputError(f"{model_dir}: the adapter does not fit {base} ({_first_line(error)})") from None
+            raise InputError(f"{model_dir}: the adapter does not fit {base} ({first_line(error)})") from None
     if base:
         raise InputError(f"--base {base}: {model_dir} holds a full model, not an adapter; leave --base out")
     try:
         return AutoModelForCausalLM.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as error:
-        raise InputError(f"{model_dir}: its model cannot be loaded ({_first_line(error)})") from None
+        raise InputError(f"{model_dir}: its model cannot be loaded ({first_line(error)})") from None
 
 
 def _check_model_dir(model_dir: Path) -> None:
@@ -123,7 +118,7 @@ def generate_response(
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as error:
-        raise InputError(f"{model_dir}: its tokenizer cannot be loaded ({_first_line(error)})") from None
+        raise InputError(f"{model_dir}: its tokenizer cannot be loaded ({first_line(error)})") from None
     ids = prompt_ids(tokenizer, format, instruction, input_text, system)
     model = load_for_inference(model_dir, base).eval()
     input_ids = torch.tensor([ids])

@@ -71,7 +71,7 @@ from shardtune.checkpoint.shards import (
 from shardtune.config import Config, dump_config, load_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.storage import storage_domains
-from shardtune.errors import CheckpointSaveError, ConfigError, InputError
+from shardtune.errors import CheckpointSaveError, ConfigError, InputError, first_line
 from shardtune.faults import fault_point
 from shardtune.run_dir import prepare_output_dir
 from shardtune.run_manifest import config_hash
@@ -460,10 +460,8 @@ def read_trainable_shards(path: Path, model: torch.nn.Module, purpose: str) -> N
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, no_dist=True)
     except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(
-            f"{path}: cannot {purpose}: its tensors do not fit the config's model ({first_line})"
-        ) from None
+        problem = f"its tensors do not fit the config's model ({first_line(error)})"
+        raise InputError(f"{path}: cannot {purpose}: {problem}") from None
     set_model_state_dict(model, state, options=SET_TRAINABLE)
 
 

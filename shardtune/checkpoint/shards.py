@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, SavePlan
 from torch.distributed.tensor import DTensor
 
+from shardtune.errors import first_line
+
 METADATA_FILE = ".metadata"
 
 
@@ -104,7 +106,7 @@ def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[li
         raise
     except Exception as error:  # a damaged .metadata: pickle's errors are of many kinds
         raise ShardMismatch(
-            f"{reader.path}: its DCP metadata does not read ({_first_line(error)}): the checkpoint is damaged; "
+            f"{reader.path}: its DCP metadata does not read ({first_line(error)}): the checkpoint is damaged; "
             "resume from an earlier checkpoint"
         ) from None
     planner = DefaultLoadPlanner()
@@ -113,7 +115,7 @@ def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[li
     try:
         plan = planner.create_local_plan()
     except (RuntimeError, ValueError) as error:  # DCP's planner: a key the checkpoint lacks, or another size
-        raise ShardMismatch(f"{_first_line(error)}{ANOTHER_CONFIG}") from None
+        raise ShardMismatch(f"{first_line(error)}{ANOTHER_CONFIG}") from None
     read: dict[str, int] = {}
     needed_files: set[str] = set()
     for item in plan.items:
@@ -147,11 +149,6 @@ def _check_shapes(state_dict: dict[str, Any], metadata: Metadata) -> None:
     if differing:
         more = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
         raise ShardMismatch(f"{len(differing)} tensor(s) differ in shape: {differing[0]}{more}{ANOTHER_CONFIG}")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def resized_files(checkpoint: Path, manifest: dict[str, Any]) -> list[str]:

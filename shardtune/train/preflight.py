@@ -23,12 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from shardtune.config import Config, looks_local
 from shardtune.data.prepare import PreparedData
-from shardtune.errors import ConfigError, DataError, InputError
+from shardtune.errors import ConfigError, DataError, InputError, first_line
 from shardtune.train.loss import logit_transforms
 
 # Where configs of different families keep the number of positions the model was built for.
@@ -38,14 +38,13 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 def check_model(config: Config) -> PretrainedConfig:
     """The model's config, once it is known to describe a causal LM that takes ``data.max_length`` tokens."""
     model = config.model
+    from shardtune.model.load import load_model_config
+
     try:
-        model_config = AutoConfig.from_pretrained(
-            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
-        )
+        model_config = load_model_config(model)
     except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
-            f"model.name_or_path: {model.name_or_path} is not a model this machine can read ({first_line})"
+            f"model.name_or_path: {model.name_or_path} is not a model this machine can read ({first_line(error)})"
         ) from None
     remote = "AutoModelForCausalLM" in (getattr(model_config, "auto_map", None) or {})
     if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
