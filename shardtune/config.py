@@ -164,6 +164,9 @@ class TrainingConfig(_Section):
         0.0, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the LM loss"
     )
     resume_from_checkpoint: str | None = Field(None, description="auto, a checkpoint directory, or null")
+    merge_final: bool = Field(
+        False, description="LoRA: also write final-merged/, the base model with the adapter merged (from_pretrained)"
+    )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a step with a non-finite loss or gradient is skipped; stop: stop after max_nonfinite_steps"
     )
@@ -235,8 +238,16 @@ class ParallelConfig(_Section):
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     cpu_offload: bool = False
     reshard_after_forward: bool = True
-    compile: bool = Field(False, description="torch.compile each decoder layer (after checkpointing, before FSDP)")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile each decoder layer (after checkpointing, before FSDP); auto: on CUDA, off on "
+        "CPU; where compilation fails, one warning and the run goes on eagerly",
+    )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
+        return device_type == "cuda" if self.compile == "auto" else self.compile
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

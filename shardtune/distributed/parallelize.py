@@ -119,7 +119,7 @@ def parallelize(
         )
         offloaded = ", their inputs kept in host memory" if training.activation_offloading else ""
         log.info("activation checkpointing on %d decoder layers%s", count, offloaded)
-    if config.parallel.compile:
+    if config.parallel.compiles_on(env.device.type):
         # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
         # graph serves them all, and FSDP's hooks between layers stay outside the graphs.
         if plan.strategy == "ddp":
