@@ -4,7 +4,7 @@
 #   benchmarks/suite.sh SUITE RESULTS_DIR
 #
 # SUITE: h100 (the seed's setting on alpaca-like data against HF Trainer + PEFT, FlexAttention for packed
-# sequences, liger-kernel), h100-long (the longest sequence on one 80 GB GPU), h200 (1 GPU against
+# sequences, liger-kernel), h100-default (the default config against HF Trainer + PEFT), h100-long (the longest sequence on one 80 GB GPU), h200 (1 GPU against
 # HF Trainer + PEFT's best setting, and the 1-GPU references of the 2-GPU runs), h200x2 (DDP scaling,
 # FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one
 # machine), h200-speed (batch 4, packed batches of one shape), h200x2-ddp (DDP against one GPU of the same
@@ -57,6 +57,20 @@ h100)
     bench seed-flex "${mistral[@]}" "${seed_setting[@]}" --steps 30 --warmup 10 "${compiled[@]}" \
         model.attn_implementation=flex_attention
     bench liger "${mistral[@]}" --seq 4096 --batch 2 --steps 6 --warmup 4 "${compiled[@]}" model.liger_kernel=true
+    ;;
+h100-default)
+    # Issue 21: the default config (no speed overrides: parallel.compile is auto, on for CUDA) against HF
+    # Trainer + PEFT in the same run, at seq 4096 with checkpointing and at the seed's setting. BENCH_CODE: a
+    # directory holding another shardtune package to time instead (the "before" of a change), same commands.
+    # seed_only=1 runs the seed's setting alone; BENCH_OVERRIDES: settings added to every run.
+    code=${BENCH_CODE:-.}
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    baseline=(--baseline hf)
+    [[ ${seed_only:-0} == 1 ]] && baseline=()
+    [[ ${seed_only:-0} == 1 ]] || (cd "$code" && bench default-4096 "${mistral[@]}" --seq 4096 --batch 2 \
+        --gradient-checkpointing --steps 8 --warmup 4 --baseline hf "${extra[@]}")
+    (cd "$code" && bench seed-default "${mistral[@]}" "${seed_setting[@]}" --steps 40 --warmup 15 "${baseline[@]}" \
+        "${extra[@]}")
     ;;
 h100-long)
     long=(--batch 1 --steps 1 --warmup 0 --gradient-checkpointing training.loss_chunk_tokens=8192

@@ -139,6 +139,11 @@ class TrainingConfig(_Section):
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     adam_epsilon: float = Field(1e-8, gt=0)
     max_grad_norm: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    fused_optimizer: bool | Literal["auto"] = Field(
+        "auto",
+        description="AdamW as one fused kernel, which also skips a non-finite step without a host sync; "
+        "auto: on CUDA (on CPU the foreach implementation, bit-equal to a plain PyTorch loop)",
+    )
     seed: int = 42
     bf16: bool | None = Field(None, description="bf16 autocast; null follows model.dtype")
     gradient_checkpointing: bool = False

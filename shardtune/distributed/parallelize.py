@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardtune.config import Config
 from shardtune.distributed.activations import apply_activation_checkpointing, tile_mlps
+from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock
@@ -105,8 +106,10 @@ def parallelize(
     env: DistributedEnv,
     compute_dtype: torch.dtype,
     materialized: bool,
+    compiler: LayerCompiler | None = None,
 ) -> torch.nn.Module:
-    """Activation memory, compile, then DDP or FSDP2, then weights from rank 0 onto every rank's device."""
+    """Activation memory, compile (with ``compiler``, by default a new one), then DDP or FSDP2, then weights
+    from rank 0 onto every rank's device."""
     training = config.training
     # Found once: wrappers added below (checkpointing, compile) sit around these same modules.
     layers = decoder_layers(model)
@@ -128,12 +131,13 @@ def parallelize(
             # reduces between layers; the splits only cost fusions (extra dtype copies, unfused
             # SiLU): on 2xH200 at seq 4096 they made a DDP step 5% slower than one GPU's.
             torch._dynamo.config.optimize_ddp = False
+        compiler = compiler if compiler is not None else LayerCompiler()
         for layer in layers:
             # A fused MoE block hands its routing to the recorder outside the graph (a graph break),
             # and dynamo runs a checkpointed region with a graph break entirely eagerly: such layers
             # are compiled inside their checkpoint wrapper, whose recomputation replays the graphs.
             breaks_graph = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
-            (layer if breaks_graph else _outer_wrapper(model, layer)).compile()
+            (layer if breaks_graph else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

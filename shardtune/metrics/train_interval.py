@@ -69,9 +69,10 @@ class TrainInterval:
             self.squared_lengths += int((lengths * lengths).sum())
         self.run_tokens += sum(batch.num_tokens for batch in micro_batches)
 
-    def add_loss(self, loss_sum: torch.Tensor, targets: torch.Tensor) -> None:
-        self.device_sums[0] += loss_sum
-        self.device_sums[1] += targets
+    def add_loss(self, loss_sum: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor) -> None:
+        """A step's loss and target tokens, where ``counted`` (a device flag): a skipped step's are left out."""
+        self.device_sums[0] += torch.where(counted, loss_sum, 0.0)
+        self.device_sums[1] += torch.where(counted, targets, 0.0)
 
     def end_step(self) -> None:
         """This rank's part of the step is done (the wait for the other ranks comes after)."""

@@ -27,6 +27,7 @@ from shardtune.data.collate import Batch, collate
 from shardtune.data.prepare import PreparedData, describe, prepare_dataset
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.data.store import SequenceArrays
+from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.parallelize import (
     decoder_layers,
@@ -214,7 +215,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     plan = plan_parallelism(model, config, env)
     log.info("%s", plan.describe(env.world_size))
-    model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
+    compiler = LayerCompiler()
+    model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler)
     model.train()
     install_faults(env.rank).attach(model)
 
@@ -279,7 +281,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         """A save's heartbeat phase: beats while any rank's save writes (see ``SaveTicker``)."""
         return heartbeat.saving(step, phase, env.store(), output_dir, watchdog.poll_s)
 
-    nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir)
+    nonfinite = NonFiniteGuard(env, training.on_nonfinite, training.max_nonfinite_steps, output_dir, optimizer)
     run_started = time.perf_counter()
 
     def segment_totals(tokens_per_rank: list[int], wall_time_s: float) -> RunTotals:
@@ -310,9 +312,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         heartbeat.beat(step, "optimizer")
         grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
         # A non-finite step changes neither the weights nor the logged loss, on every rank alike.
-        update = nonfinite.step_is_finite(step, loss_sum, grad_norm)
-        if update:
-            interval.add_loss(loss_sum, step_targets)
+        update, counted = nonfinite.check(step, loss_sum, grad_norm)
+        interval.add_loss(loss_sum, step_targets, counted)
 
         lr = optimizer.param_groups[0]["lr"]
         if update:
@@ -320,10 +321,13 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         interval.end_step()
+        if step == start_step + 1:
+            compiler.report_once()  # the first step compiled every graph
         profiler.step_ends(step)
         progress.advance()
 
         if step % training.logging_steps == 0 or step == total_steps:
+            nonfinite.settle()  # at no cost here: the logging waits for the device anyway
             measured = interval.reduce()  # the host sync of this interval
             last_loss = measured["loss"]
             record = {
@@ -348,6 +352,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             run_eval(step)
         saved = None
         if training.save_steps and (step % training.save_steps == 0 or step == total_steps):
+            nonfinite.settle()  # a run that must stop saves nothing more
             with saving(step, "checkpoint"):
                 saved = checkpointer.save(step)
         heartbeat.beat(step, "end_of_step")
@@ -356,6 +361,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             # Ctrl-C saves only in a run that saves checkpoints anyway; a preemption always saves. Whatever
             # checkpoint_mode says, in full: a resumed run must continue exactly where this one stopped.
             wanted = stop != "SIGINT" or bool(training.save_steps)
+            nonfinite.settle()
             if wanted and (saved is None or training.checkpoint_mode != "full"):
                 with saving(step, "stop_checkpoint"):
                     saved = checkpointer.save(step, mode="full")
@@ -365,6 +371,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             preemption.close()
             raise Preempted(stop, step, None if saved is None else str(saved))
     preemption.close()
+    nonfinite.settle()
     heartbeat.beat(total_steps, "final")
 
     wall_time = time.perf_counter() - run_started

@@ -4,8 +4,15 @@ A NaN or inf may show up on one rank only: in its loss (a bad batch, an overflow
 in its gradients (before or after the data-parallel reduction). If each rank judged for itself, one
 would step and another would not, and the replicas would silently diverge. So each rank puts what it
 saw (1: its loss, 2: its gradient norm) into its own slot of a world-sized vector, one all-reduce sums
-the vector, and every rank then holds the same verdict and knows which ranks saw what. That costs one
-small collective and one host sync per step, the price of deciding before ``optimizer.step()``.
+the vector, and every rank then holds the same verdict and knows which ranks saw what.
+
+Where the optimizer is fused (``training.fused_optimizer``; CUDA by default), the verdict never leaves
+the device before the update: it is the optimizer's ``found_inf``, with which the fused kernel leaves
+weights, moments and step count untouched. The host reads the verdict one step later, when the device
+has long computed it, so the host keeps queueing work ahead of the device. It then logs the skipped
+step and counts it; a stop is raised before the next update (the one after the last bad step, which
+was itself skipped). Other optimizers need the verdict on the host before ``optimizer.step()``: one
+host sync per step (free on CPU, where there is no device to wait for).
 
 ``training.on_nonfinite``: ``stop`` skips the update and stops the run (every rank raises
 ``shardtune.errors.NonFiniteError``: exit status 3) once ``training.max_nonfinite_steps`` steps in a
@@ -31,26 +38,62 @@ log = logging.getLogger("shardtune")
 LOSS, GRADIENT = 1, 2
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` itself skips an update flagged in ``optimizer.found_inf`` (fused Adam
+    and AdamW do; the for-loop and foreach implementations refuse the flag)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
 class NonFiniteGuard:
-    def __init__(self, env: DistributedEnv, policy: str, max_consecutive: int, run_dir: Path):
+    def __init__(
+        self, env: DistributedEnv, policy: str, max_consecutive: int, run_dir: Path, optimizer: torch.optim.Optimizer
+    ):
         self.env, self.policy, self.max_consecutive = env, policy, max_consecutive
         self.log_path = run_dir / "logs" / LOG_FILES["nonfinite"] if env.is_main else None
+        self.optimizer = optimizer
+        self.on_device = skips_on_device(optimizer)
         self.consecutive = 0
         self.skipped = 0
+        self._unread: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []  # verdicts not yet on the host
 
-    def step_is_finite(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether every rank's loss and gradient norm are finite (a collective: every rank calls it
-        every step, and all get the same answer). ``False``: do not apply this step's update."""
+    def check(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """Judge this step on every rank (a collective: every rank calls it every step, before
+        ``optimizer.step()``). Returns (whether to call ``optimizer.step()``, a device flag: 1 where the
+        step counts, 0 where its update is skipped). On the device path the answer to the first is always
+        yes: the optimizer skips by itself. May raise ``NonFiniteError`` for an earlier step."""
         verdict = torch.zeros(self.env.world_size, dtype=torch.int32, device=loss_sum.device)
         verdict[self.env.rank] = (~torch.isfinite(loss_sum)).int() * LOSS + (
             ~torch.isfinite(grad_norm.to(loss_sum.device))
         ).int() * GRADIENT
         if self.env.world_size > 1:
             dist.all_reduce(verdict, op=dist.ReduceOp.SUM)  # slots are disjoint: the sum is each rank's code
-        codes = verdict.tolist()
+        finite = verdict.count_nonzero() == 0
+        if not self.on_device:
+            self._settle(step, verdict.tolist())  # the host sync of this path
+            return bool(finite), finite
+        self.settle()  # the previous step's verdict: computed by now
+        self.optimizer.found_inf = (~finite).float()
+        on_host = verdict.to("cpu", non_blocking=True)
+        ready = None
+        if verdict.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self._unread.append((step, on_host, ready))
+        return True, finite
+
+    def settle(self) -> None:
+        """Read, log and count the verdicts still on their way to the host (a host sync where there are
+        any): before anything that must know them (a checkpoint, the end of the run)."""
+        while self._unread:
+            step, on_host, ready = self._unread.pop(0)
+            if ready is not None:
+                ready.synchronize()
+            self._settle(step, on_host.tolist())
+
+    def _settle(self, step: int, codes: list[int]) -> None:
         if not any(codes):
             self.consecutive = 0
-            return True
+            return
         self.consecutive += 1
         self.skipped += 1
         loss_ranks = [rank for rank, code in enumerate(codes) if code & LOSS]
@@ -84,4 +127,3 @@ class NonFiniteGuard:
                 "those steps was applied. Lower training.learning_rate, check the data, or set "
                 "training.on_nonfinite=skip"
             )
-        return False

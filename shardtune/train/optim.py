@@ -23,5 +23,5 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: to
         betas=(training.adam_beta1, training.adam_beta2),
         eps=training.adam_epsilon,
         # The fused kernel updates all parameters in a few launches instead of several per tensor.
-        fused=device.type == "cuda",
+        fused=device.type == "cuda" if training.fused_optimizer == "auto" else training.fused_optimizer,
     )

@@ -7,8 +7,9 @@ one line saying where it is and the exact command that resumes from it -> the pr
 ``resume_from_checkpoint: auto`` picks the checkpoint up) or ``EXIT_INTERRUPTED`` (SIGINT).
 
 A signal handler may run between any two bytecodes, so inside the loop it only records the request;
-the loop asks at each step boundary whether any rank has one (a one-integer all-reduce on the CPU
-backend: no GPU synchronization), so all ranks save the same step together. Outside the loop (setup,
+at each step boundary every rank sends what it has in a one-integer all-reduce on the CPU backend
+(no GPU synchronization) and reads the answer at the next boundary, when it has long arrived: no rank
+waits for the others at every step, and all ranks still stop after the same step together. Outside the loop (setup,
 the final evaluation and save) Ctrl-C interrupts at once, as ``KeyboardInterrupt``; the command line
 then prints one line, also without a traceback, and exits with ``EXIT_INTERRUPTED``.
 """
@@ -22,7 +23,7 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardtune.errors import EXIT_INTERRUPTED
 
@@ -100,6 +101,7 @@ class PreemptionWatch:
         self.env = env
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
+        self._in_flight: tuple[Any, Any] | None = None  # (flag, its all-reduce) sent at the last boundary
         # Handlers can only be installed from the main thread (tests may run the loop elsewhere).
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_PRIORITY:
@@ -114,17 +116,26 @@ class PreemptionWatch:
 
     def requested(self) -> str | None:
         """The signal any rank got (the highest priority one), or None: a collective, every rank must
-        call it each step, and all get the same answer."""
+        call it at each step boundary, and all get the same answer. With several ranks the answer is
+        the previous boundary's: the all-reduce started here is read at the next one."""
         import torch
 
         priority = STOP_PRIORITY[signal.Signals[self.signal_name]] if self.signal_name else 0
         flag = torch.tensor([priority], dtype=torch.int32)
         if self.env.world_size > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        agreed = {value: signum.name for signum, value in STOP_PRIORITY.items()}
-        return agreed.get(int(flag.item()))
+            sent = self._in_flight
+            reduction = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+            self._in_flight = (flag, reduction)
+            if sent is None:
+                return None
+            flag, reduction = sent
+            reduction.wait()
+        return {value: signum.name for signum, value in STOP_PRIORITY.items()}.get(int(flag.item()))
 
     def close(self) -> None:
+        if self._in_flight is not None:  # every rank started it: it completes
+            self._in_flight[1].wait()
+            self._in_flight = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()

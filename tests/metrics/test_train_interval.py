@@ -28,7 +28,8 @@ def batch_of(*lengths: int):
 def one_step(interval: TrainInterval, lengths: tuple[int, ...], loss: float, targets: float) -> None:
     interval.start_step()
     interval.data_ready([batch_of(*lengths)])
-    interval.add_loss(torch.tensor(loss, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64))
+    counted = torch.tensor(True)
+    interval.add_loss(torch.tensor(loss, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64), counted)
     interval.end_step()
 
 

@@ -12,8 +12,18 @@ def test_compiled_layers_train_like_eager_ones(tmp_path):
     eager = train(tmp_path, "eager", 1, *common, steps=3)
     compiled = train(tmp_path, "compiled", 1, *common, "parallel.compile=true", steps=3)
     assert "torch.compile on 4 decoder layers" in compiled["log"]
-    assert "torch.compile" not in eager["log"]
+    assert compiled["log"].count("graph(s) compiled in") == 1  # the compile time, once
+    assert "torch.compile" not in eager["log"]  # parallel.compile: auto, the default, is off on CPU
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+
+    # No working C++ compiler (inductor's CPU backend needs one, as its GPU backend needs Triton): one
+    # warning naming the cause, and the run trains eagerly to the same losses.
+    fallback = train(tmp_path, "fallback", 1, *common, "parallel.compile=true", steps=3, env={"CXX": "/no/such/g++"})
+    warnings = [line for line in fallback["log"].splitlines() if "torch.compile failed" in line]
+    assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0], fallback["log"][-3000:]
+    assert "the decoder layers run eagerly" in warnings[0] and "Traceback" not in fallback["log"]
+    assert "graph(s) compiled in" not in fallback["log"]
+    assert fallback["losses"] == pytest.approx(eager["losses"], rel=1e-6)
 
 
 def test_ddp_runs_each_compiled_layer_as_one_graph_and_trains_like_one_process(tmp_path):

@@ -14,7 +14,10 @@ from shardtune.errors import EXIT_NONFINITE, NonFiniteError
 from shardtune.train.nonfinite import NonFiniteGuard
 
 
-def test_nonfinite_steps_on_one_rank_are_skipped_by_every_rank_then_stop_the_run(tmp_path):
+@pytest.mark.parametrize("fused_optimizer", [False, True], ids=["host_verdict", "device_verdict"])
+def test_nonfinite_steps_on_one_rank_are_skipped_by_every_rank_then_stop_the_run(fused_optimizer, tmp_path):
+    """Decided on the host before the update (the foreach optimizer), or on the device by the fused
+    optimizer and read by the host a step later: the same skips, logs, weights and stop."""
     out = tmp_path / "run"
     faults = ",".join([
         "forward_backward:nan_loss:rank=1:step=3",  # NaN loss, and so NaN gradients after the all-reduce
@@ -24,7 +27,7 @@ def test_nonfinite_steps_on_one_rank_are_skipped_by_every_rank_then_stop_the_run
     ])  # fmt: skip
     result = run(
         tmp_path, out, 2, "training.max_steps=9", "training.save_steps=1", "training.checkpoint_mode=lite",
-        "training.max_nonfinite_steps=2", fault=faults,
+        "training.max_nonfinite_steps=2", f"training.fused_optimizer={str(fused_optimizer).lower()}", fault=faults,
     )  # fmt: skip
     assert result.returncode == EXIT_NONFINITE, result.log[-4000:]
     errors = [line for line in result.log.splitlines() if line.startswith("shardtune: error: training stopped")]
@@ -56,16 +59,36 @@ def test_nonfinite_steps_on_one_rank_are_skipped_by_every_rank_then_stop_the_run
     assert not (out / "checkpoint-8").exists()
 
 
+def guard(world, tmp_path, policy: str, max_consecutive: int, fused: bool) -> NonFiniteGuard:
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([parameter], fused=fused)
+    return NonFiniteGuard(world, policy, max_consecutive, tmp_path, optimizer)
+
+
 def test_skip_never_stops_and_stop_counts_only_consecutive_steps(world, tmp_path):
     nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
-    skip = NonFiniteGuard(world, "skip", 1, tmp_path)
-    assert [skip.step_is_finite(step, nan, one) for step in range(1, 6)] == [False] * 5
-    assert skip.step_is_finite(6, one, one) and skip.skipped == 5
+    skip = guard(world, tmp_path, "skip", 1, fused=False)
+    assert [skip.check(step, nan, one) for step in range(1, 6)] == [(False, torch.tensor(False))] * 5
+    assert skip.check(6, one, one) == (True, torch.tensor(True)) and skip.skipped == 5
 
-    stop = NonFiniteGuard(world, "stop", 3, tmp_path)
-    verdicts = [stop.step_is_finite(step, loss, one) for step, loss in enumerate([nan, nan, one, nan, nan], 1)]
+    stop = guard(world, tmp_path, "stop", 3, fused=False)
+    verdicts = [stop.check(step, loss, one)[0] for step, loss in enumerate([nan, nan, one, nan, nan], 1)]
     assert verdicts == [False, False, True, False, False]  # the good step reset the count
     with pytest.raises(NonFiniteError, match="at step 6: 3 step"):
-        stop.step_is_finite(6, one, torch.tensor(float("inf")))
+        stop.check(6, one, torch.tensor(float("inf")))
     lines = (tmp_path / "logs/nonfinite.jsonl").read_text().splitlines()
     assert len(lines) == 5 + 5 and json.loads(lines[-1])["action"] == "stop"
+
+
+def test_a_fused_optimizer_skips_on_the_device_and_the_host_learns_a_step_later(world, tmp_path):
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    stop = guard(world, tmp_path, "stop", 2, fused=True)
+    # Always "step": the optimizer skips by itself, flagged by found_inf; the flag also uncounts the loss.
+    assert stop.check(1, nan, one) == (True, torch.tensor(False))
+    assert stop.optimizer.found_inf == 1.0 and stop.skipped == 0  # not read yet
+    assert stop.check(2, one, one) == (True, torch.tensor(True))
+    assert stop.optimizer.found_inf == 0.0 and stop.skipped == 1  # step 1 read while step 2 was judged
+    stop.check(3, nan, one)
+    stop.check(4, one, torch.tensor(float("inf")))  # reads step 3: one in a row
+    with pytest.raises(NonFiniteError, match="at step 4: 2 step"):
+        stop.settle()  # before a checkpoint, or at the end: the last verdict is read

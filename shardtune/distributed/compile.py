@@ -1,0 +1,71 @@
+"""``parallel.compile``: each decoder layer compiled by inductor, and a run that goes on eagerly where
+inductor cannot compile it.
+
+Compilation can fail for reasons that have nothing to do with the run's correctness: no C++ compiler
+or Triton on the machine, an op inductor cannot lower, a kernel that does not build. A failed graph
+runs as the plain PyTorch code dynamo traced (the same computation, unfused), so the run trains to the
+same result, only slower: one warning says so, and every later graph skips the failing compiler.
+
+The failure must surface while its graph is compiled, not later: AOTAutograd otherwise compiles a
+backward graph at its first backward pass, where a failure could no longer fall back to eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._functorch.config
+
+from shardtune.errors import first_line
+
+log = logging.getLogger("shardtune")
+
+# Compile each backward graph together with its forward graph (torch versions without the switch compile
+# it at the first backward pass, where a failure is not caught here).
+_BACKWARD_NOW = (
+    {"force_non_lazy_backward_lowering": True}
+    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")
+    else {}
+)
+
+
+class LayerCompiler:
+    """The torch.compile backend of the decoder layers: inductor, timed, with an eager fallback."""
+
+    def __init__(self) -> None:
+        self.graphs = 0  # graphs inductor compiled
+        self.seconds = 0.0  # time spent compiling them (tracing by dynamo not included)
+        self.failure: str | None = None  # the first failure's one-line cause; from then on, eager
+        self._reported = False
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if self.failure is not None:
+            return graph.forward
+        started = time.perf_counter()
+        try:
+            with torch._functorch.config.patch(**_BACKWARD_NOW):
+                compiled = torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
+        except Exception as error:  # whatever inductor, Triton or the C++ toolchain raised
+            self.failure = f"{type(error).__name__}: {first_line(error)}"
+            log.warning(
+                "parallel.compile: torch.compile failed (%s); the decoder layers run eagerly (same results, "
+                "slower); set parallel.compile=false to skip the attempt",
+                self.failure,
+            )
+            return graph.forward
+        finally:
+            self.seconds += time.perf_counter() - started
+        self.graphs += 1
+        return compiled
+
+    def report_once(self) -> None:
+        """After the first step, which compiled every graph: how long compiling took (once per run)."""
+        if self._reported or (self.graphs == 0 and self.failure is None):
+            return
+        self._reported = True
+        if self.graphs:
+            log.info("torch.compile: %d graph(s) compiled in %.1f s", self.graphs, self.seconds)
