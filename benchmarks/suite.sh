@@ -4,14 +4,15 @@
 #   benchmarks/suite.sh SUITE RESULTS_DIR
 #
 # SUITE: h100 (the seed's setting on alpaca-like data against HF Trainer + PEFT, FlexAttention for packed
-# sequences, liger-kernel), h100-default (the default config against HF Trainer + PEFT), h100-long (the longest sequence on one 80 GB GPU), h200 (1 GPU against
-# HF Trainer + PEFT's best setting, and the 1-GPU references of the 2-GPU runs), h200x2 (DDP scaling,
-# FSDP2 full fine-tuning), h200-profile (where a step's time goes), h200x2-scaling (1 and 2 GPUs of one
-# machine), h200-speed (batch 4, packed batches of one shape), h200x2-ddp (DDP against one GPU of the same
-# machine), x4-scaling / x8-scaling and x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
-# MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1 adds a profile) and h200-moe-profile (the GEMM
-# share of the Qwen3-30B-A3B LoRA step's device time). Each run's
-# bench.json (and profile report, where one is taken) is copied to
+# sequences, liger-kernel), h100-default (the default config against HF Trainer + PEFT), h100-long (the
+# longest sequence on one 80 GB GPU), h200 (1 GPU against HF Trainer + PEFT's best setting, and the 1-GPU
+# references of the 2-GPU runs), h200x2 (DDP scaling, FSDP2 full fine-tuning), h200-profile (where a step's
+# time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-speed (batch 4, packed batches of one
+# shape), h200x2-ddp (DDP against one GPU of the same machine), h200x2-default (the default config's DDP
+# scaling), x4-scaling / x8-scaling and x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
+# MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
+# adds a profile) and h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time). Each
+# run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -106,6 +107,19 @@ h200x2-ddp)
         --strategy ddp "${compiled[@]}" data.pad_to=max_length
     bench seed-fixed-1of2 "${mistral[@]}" "${seed_setting[@]}" --steps 20 --warmup 10 --nproc 1 "${compiled[@]}" \
         data.pad_to=max_length
+    ;;
+h200x2-default)
+    # Issue 23, runs 2 and 3: the default config (no speed overrides) with DDP on 2 GPUs against one GPU of
+    # the same machine (--nproc 1): the seed's setting (targets: >= 95% scaling) with a profile of both ranks,
+    # and seq 4096 (>= 98%).
+    bench seed-default-ddp "${mistral[@]}" "${seed_setting[@]}" --steps 40 --warmup 20 --strategy ddp \
+        'logging.profile_steps=[12,14]'
+    bench seed-default-1of2 "${mistral[@]}" "${seed_setting[@]}" --steps 40 --warmup 20 --nproc 1 \
+        'logging.profile_steps=[12,14]'
+    bench 4096-default-ddp "${mistral[@]}" --seq 4096 --batch 2 --gradient-checkpointing --steps 8 --warmup 4 \
+        --strategy ddp
+    bench 4096-default-1of2 "${mistral[@]}" --seq 4096 --batch 2 --gradient-checkpointing --steps 8 --warmup 4 \
+        --nproc 1
     ;;
 h200x2-scaling)
     bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 --nproc 1 "${compiled[@]}"
