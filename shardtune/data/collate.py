@@ -24,7 +24,11 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.to(device, non_blocking=True)
+            if tensor is None:
+                return None
+            # From pageable memory a copy to the GPU waits for the copy engine; from pinned memory it is
+            # queued, and the host goes on preparing the next micro-batch.
+            return (tensor.pin_memory() if device.type == "cuda" else tensor).to(device, non_blocking=True)
 
         return Batch(
             move(self.input_ids),
@@ -33,7 +37,7 @@ class Batch:
             move(self.position_ids),
             self.num_targets,
             self.num_tokens,
-            self.real_tokens.to(device, non_blocking=True),
+            move(self.real_tokens),
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
