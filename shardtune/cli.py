@@ -28,6 +28,7 @@ from shardtune.launch.local import say_once
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
 from shardtune.metrics.plot import add_plot_parser
+from shardtune.plan import add_plan_parser
 
 if TYPE_CHECKING:
     from shardtune.evaluate import EvalRequest
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurm_parser(commands)
     add_doctor_parser(commands)
+    add_plan_parser(commands)
 
     prepare = commands.add_parser("prepare", help="tokenize, validate and cache the dataset ahead of training")
     add_config_arguments(prepare)

@@ -427,9 +427,15 @@ def _check_paths(config: Config) -> list[str]:
     problem = not_a_checkpoint(Path(resume)) if resume not in (None, "auto") else None
     if problem:
         problems.append(f"training.resume_from_checkpoint: {resume} {problem}")
-    if looks_local(config.model.name_or_path) and not Path(config.model.name_or_path).is_dir():
-        problems.append(f"model.name_or_path: directory not found: {config.model.name_or_path}")
-    return problems
+    problem = model_path_problem(config.model)
+    return problems + ([problem] if problem else [])
+
+
+def model_path_problem(model: ModelConfig) -> str | None:
+    """What is wrong with a local ``model.name_or_path`` that is not there, or None."""
+    if looks_local(model.name_or_path) and not Path(model.name_or_path).is_dir():
+        return f"model.name_or_path: directory not found: {model.name_or_path}"
+    return None
 
 
 def looks_local(name_or_path: str) -> bool:
@@ -452,18 +458,27 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_path
         raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from exc
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (model, data, training, ...)")
-    for text in overrides or []:
-        keys, value = parse_override(text)
-        _apply_override(tree, keys, value, text)
-    try:
-        config = Config.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError([_format_error(error) for error in exc.errors()]) from None
+    config = _validated(tree, overrides or [])
     if check_paths:
         problems = _check_paths(config)
         if problems:
             raise ConfigError(problems)
     return config
+
+
+def _validated(tree: dict[str, Any], overrides: list[str]) -> Config:
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply_override(tree, keys, value, text)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError([_format_error(error) for error in exc.errors()]) from None
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """``config`` with ``section.key=value`` overrides applied and validated, as on the command line."""
+    return _validated(config.to_dict(), overrides)
 
 
 def dump_config(config: Config) -> str:

@@ -19,8 +19,9 @@ from conftest import REPO
 from shardtune.config import NetworkConfig
 from shardtune.doctor.bandwidth import AllReduceTiming
 from shardtune.doctor.checks import nccl_interfaces, network_checks
-from shardtune.doctor.estimates import ModelShape, disk_check
+from shardtune.doctor.estimates import disk_check
 from shardtune.doctor.report import FAIL, OK, WARN, Check, format_report
+from shardtune.plan.shape import ModelShape
 
 # The launcher's node options also read SHARDTUNE_* variables: none may leak in from the caller.
 ENV = {key: value for key, value in os.environ.items() if not key.startswith("SHARDTUNE_")}
@@ -255,8 +256,9 @@ def test_bus_bandwidth_follows_nccl_tests():
 
 def _shape(trainable: int, total: int) -> ModelShape:
     return ModelShape(
-        trainable, total, total * 2, 2, None, hidden=64, intermediate=256, layers=2, vocab=100, flops_per_token=1e6
-    )
+        trainable, total, total * 2, 2, hidden=64, attention_width=64, kv_width=64, vocab=100, layers=(),
+        flops_per_token=1e6,
+    )  # fmt: skip
 
 
 def test_disk_counts_the_checkpoints_kept(tmp_path):

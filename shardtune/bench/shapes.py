@@ -61,8 +61,11 @@ SHAPES = {
             "tie_word_embeddings": False,
         },
     ),
-    # zai-org/GLM-4.7 (its config.json): 92 layers (the first 3 dense), 160 routed + 1 shared expert (8 active),
-    # 358B total / 33B active parameters (without the multi-token-prediction layer transformers does not build).
+    # zai-org/GLM-4.7: the glm4_moe architecture of GLM-4.5 and GLM-4.6 at GLM-4.5's size (slime's
+    # glm4.5-355B-A32B model arguments; transformers' Glm4Moe docs cover all three; NVIDIA Megatron Bridge's GLM-4.7
+    # page) with GLM-4.6's 202,752 positions: 92 layers, the first 3 dense (12,288 wide), then 160 routed experts
+    # (1,536 wide, 8 active, sigmoid routing scaled by 2.5) and 1 shared expert. As transformers builds it, without
+    # the multi-token-prediction layer it leaves out: 352.9B parameters (358B with that layer).
     "glm-4.7": (
         "glm4_moe",
         {
@@ -105,12 +108,36 @@ SHAPES = {
 }  # fmt: skip
 
 
+# Hub ids of the models above -> (shape, where the model's own config.json differs from the shape): what
+# ``shardtune plan`` sizes a hub model by without its config.json. The Mistral and Llama 3 shapes stretch their
+# positions for long-sequence benchmarks; the hub configs' own values come back here.
+MISTRAL_V01 = {"max_position_embeddings": 32768, "sliding_window": 4096}
+# v0.3: a 32,768-token vocabulary and rope theta 1e6, no sliding window.
+MISTRAL_V03 = {"vocab_size": 32768, "rope_theta": 1e6, "max_position_embeddings": 32768}
+HUB_SHAPES = {
+    "mistralai/Mistral-7B-v0.1": ("mistral-7b", MISTRAL_V01),
+    "mistralai/Mistral-7B-Instruct-v0.1": ("mistral-7b", MISTRAL_V01),
+    "mistralai/Mistral-7B-v0.3": ("mistral-7b", MISTRAL_V03),
+    "mistralai/Mistral-7B-Instruct-v0.3": ("mistral-7b", MISTRAL_V03),
+    "meta-llama/Meta-Llama-3-8B": ("llama3-8b", {"max_position_embeddings": 8192}),
+    "meta-llama/Llama-3.2-1B": ("llama3.2-1b", {}),
+    "Qwen/Qwen3-30B-A3B": ("qwen3-30b-a3b", {}),
+    "zai-org/GLM-4.5-Air": ("glm-4.5-air", {}),
+    "zai-org/GLM-4.7": ("glm-4.7", {}),
+    "mistralai/Mixtral-8x7B-v0.1": ("mixtral-8x7b", {}),
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": ("mixtral-8x7b", {}),
+}
+
+
 def shape_config(name: str, layers: int | None = None, **overrides) -> PretrainedConfig:
-    """A named shape, or the config of a ``config.json`` path or a model directory, with ``overrides``;
-    ``layers`` keeps only the first that many decoder layers (the dense first layers of GLM-4.5 and
-    DeepSeek-style models stay)."""
+    """A named shape, a hub id of ``HUB_SHAPES``, or the config of a ``config.json`` path or a model directory,
+    with ``overrides``; ``layers`` keeps only the first that many decoder layers (the dense first layers of
+    GLM-4.5 and DeepSeek-style models stay)."""
     if layers is not None and layers <= 0:
         raise InputError(f"--layers: must be positive, got {layers}")
+    if name in HUB_SHAPES:
+        shape, differences = HUB_SHAPES[name]
+        return shape_config(shape, layers, **{**differences, **overrides})
     if name in SHAPES:
         model_type, values = SHAPES[name]
         layer_count = {"num_hidden_layers": layers} if layers else {}
@@ -128,5 +155,6 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
                 text.layer_types = text.layer_types[:layers]
         return config
     raise InputError(
-        f"--shape {name}: neither a named shape ({', '.join(SHAPES)}) nor a config.json or model directory"
+        f"--shape {name}: neither a named shape ({', '.join(SHAPES)}), a hub id of one, nor a config.json or "
+        "model directory"
     )

@@ -72,14 +72,15 @@ class PreparedData:
 
 @dataclass
 class _Example:
-    rendered: Rendered
+    rendered: Rendered | None  # None: read, not rendered (no tokenizer)
     where: str
 
 
 class _RowReader:
-    """Reads and renders rows, applying ``data.on_bad_row`` and counting what it skipped."""
+    """Reads and renders rows, applying ``data.on_bad_row`` and counting what it skipped. Without a tokenizer
+    rows are read but not rendered (``shardtune plan`` counts rows where the model's tokenizer is not at hand)."""
 
-    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None):
         self.data = config.data
         self.tokenizer = tokenizer
         self.rows_read = 0
@@ -92,6 +93,9 @@ class _RowReader:
             self.rows_read += 1
             if isinstance(row, BadRow):
                 self._bad(row.where, row.reason)
+                continue
+            if self.tokenizer is None:
+                examples.append(_Example(None, row.where))
                 continue
             try:
                 rendered = render_row(
@@ -120,7 +124,11 @@ def _weighted(items: list, weight: float, rng: random.Random) -> list:
     return items * int(whole) + _sample(items, round(fraction * len(items)), rng)
 
 
-def select_rows(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[list[_Example], list[_Example], dict]:
+def select_rows(
+    config: Config, tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[list[_Example], list[_Example], dict]:
+    """The training and eval rows of a run, chosen as its token store chooses them (see the module docstring),
+    and what reading them found. ``tokenizer`` None: the rows are read and chosen, not rendered."""
     data, training = config.data, config.training
     rng = random.Random(training.seed)
     reader = _RowReader(config, tokenizer)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,64 +24,25 @@ from shardtune.config import Config
 from shardtune.distributed.activations import apply_activation_checkpointing, tile_mlps
 from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock
 from shardtune.model.moe import find_moe_blocks
 
 log = logging.getLogger("shardtune")
 
-ADAM_STATE_BYTES = 8  # two fp32 moments per trainable parameter
-# DDP keeps everything replicated; choose it only when that leaves most of the device for activations.
-DDP_MEMORY_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class ParallelPlan:
-    strategy: str  # "single", "ddp" or "fsdp"
-    reason: str
-    param_bytes: int  # per device
-    grad_bytes: int
-    optimizer_bytes: int
-
-    def describe(self, world_size: int) -> str:
-        gib = 2**30
-        return (
-            f"parallelism: {self.strategy} over {world_size} rank(s) ({self.reason}); per device: "
-            f"parameters {self.param_bytes / gib:.2f} GiB, gradients {self.grad_bytes / gib:.2f} GiB, "
-            f"optimizer state {self.optimizer_bytes / gib:.2f} GiB"
-        )
-
 
 def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv) -> ParallelPlan:
-    """The strategy, from the config or (``auto``) from the model's size and the device's memory.
-
-    ``auto``: DDP when replicated parameters, fp32 gradients and Adam state of the trainable
-    parameters take at most half of one device's memory (the rest is for activations), FSDP
-    otherwise. On CPU, where there is no device memory to run out of, DDP.
-    """
+    """The strategy for ``model`` on ``env``'s devices, by ``choose_parallelism``'s rule."""
     params = list(model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    grad_bytes, optimizer_bytes = trainable * 4, trainable * ADAM_STATE_BYTES
-    replicated = param_bytes + grad_bytes + optimizer_bytes
-    strategy, reason = config.parallel.strategy, "parallel.strategy"
-    if env.world_size == 1:
-        if strategy == "fsdp" and config.parallel.cpu_offload:
-            strategy, reason = "fsdp", "parallel.strategy with cpu_offload"
-        else:
-            strategy, reason = "single", "one rank"
-    elif strategy == "auto":
-        if env.device.type != "cuda":
-            strategy, reason = "ddp", "auto: CPU"
-        else:
-            memory = torch.cuda.get_device_properties(env.device).total_memory
-            share = replicated / memory
-            strategy = "ddp" if share <= DDP_MEMORY_SHARE else "fsdp"
-            reason = f"auto: replicated state is {share:.0%} of device memory"
-    if strategy == "fsdp":
-        shards = env.world_size
-        return ParallelPlan(strategy, reason, param_bytes // shards, grad_bytes // shards, optimizer_bytes // shards)
-    return ParallelPlan(strategy, reason, param_bytes, grad_bytes, optimizer_bytes)
+    memory = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+    return choose_parallelism(
+        sum(p.numel() * p.element_size() for p in params),
+        sum(p.numel() for p in params if p.requires_grad),
+        config,
+        env.world_size,
+        memory,
+    )
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -22,10 +22,11 @@ from shardtune.checkpoint.layout import not_a_checkpoint
 from shardtune.config import Config, DataConfig, ModelConfig, NetworkConfig, TrainingConfig, looks_local
 from shardtune.data.sources import is_local
 from shardtune.distributed.env import DistributedEnv
-from shardtune.doctor.estimates import available_host_memory, disk_check, memory_checks, model_shape
+from shardtune.doctor.estimates import available_host_memory, disk_check, memory_checks
 from shardtune.doctor.report import FAIL, GIB, OK, WARN, Check, plural, size
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
+from shardtune.plan.shape import model_shape_on
 from shardtune.run_dir import previous_run_problem
 
 
@@ -317,7 +318,7 @@ def node_checks(config: Config, env: DistributedEnv) -> list[Check]:
         *run_preflight_checks(config, env.device),
     ]
     try:
-        shape = model_shape(config, env)
+        shape = model_shape_on(config, env.device)
     except Exception as exc:  # a model that cannot even be shaped is the finding
         reason = "; ".join(exc.lines) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
         return [

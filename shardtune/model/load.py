@@ -33,13 +33,16 @@ log = logging.getLogger(__name__)
 ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bf16 on GPUs that support it and fp32 everywhere else (CPUs emulate bf16 slowly)."""
+def resolve_dtype(name: str, device: torch.device, bf16_supported: bool | None = None) -> torch.dtype:
+    """``auto`` is bf16 on GPUs that support it and fp32 everywhere else (CPUs emulate bf16 slowly).
+
+    ``bf16_supported``: whether ``device`` does, for a GPU that is not this machine's (``shardtune plan``
+    sizes runs for GPUs it does not have); None asks this machine's."""
+    if bf16_supported is None:
+        bf16_supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
     if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.bfloat16 if device.type == "cuda" and bf16_supported else torch.float32
+    if name == "bfloat16" and device.type == "cuda" and not bf16_supported:
         raise ConfigError(f"model.dtype: bfloat16 is not supported by {torch.cuda.get_device_name(device)}")
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
@@ -59,8 +62,9 @@ class Precision:
     autocast: torch.dtype | None
 
     @classmethod
-    def resolve(cls, config: Config, device: torch.device) -> Precision:
-        compute = resolve_dtype(config.model.dtype, device)
+    def resolve(cls, config: Config, device: torch.device, bf16_supported: bool | None = None) -> Precision:
+        """On ``device`` (``bf16_supported``: as ``resolve_dtype``)."""
+        compute = resolve_dtype(config.model.dtype, device, bf16_supported)
         bf16 = config.training.bf16 if config.training.bf16 is not None else compute == torch.bfloat16
         if compute == torch.bfloat16 and not bf16:
             raise ConfigError("training.bf16: false contradicts model.dtype: bfloat16; set one of them differently")
@@ -139,6 +143,7 @@ def load_model(
     materialize: bool = True,
     random_init_device: torch.device | None = None,
     auto_attention: str = "sdpa",
+    model_config: PretrainedConfig | None = None,
 ) -> PreTrainedModel:
     """The causal LM on the CPU with weights stored in ``dtype``.
 
@@ -147,9 +152,10 @@ def load_model(
     (``init: random``) are drawn on ``random_init_device`` when given: a GPU draws tens of billions in
     seconds where a CPU takes minutes (the values then depend on the device type, not on the world size).
     ``auto_attention`` is what ``attn_implementation: auto`` asks for (``supported_attention``): plain
-    sdpa outside training (export, evaluation of padded examples).
+    sdpa outside training (export, evaluation of padded examples). ``model_config``: the architecture's
+    config when it is not read from ``config.name_or_path`` (``shardtune plan``'s shapes of hub models).
     """
-    model_config = load_model_config(config)
+    model_config = model_config or load_model_config(config)
     requested = config.attn_implementation
     attention = supported_attention(model_config, requested, auto_attention if requested == "auto" else requested)
     log.info("attention: %s", attention)
@@ -179,7 +185,13 @@ def load_model(
 
 
 def build_model(
-    config: Config, device: torch.device, *, training: bool = False, materialize: bool = True
+    config: Config,
+    device: torch.device,
+    *,
+    training: bool = False,
+    materialize: bool = True,
+    precision: Precision | None = None,
+    model_config: PretrainedConfig | None = None,
 ) -> PreTrainedModel | peft.PeftModel:
     """The model a run computes with on ``device``: loaded, kernels patched, LoRA adapters added.
 
@@ -191,12 +203,15 @@ def build_model(
     for ``attn_implementation: auto`` (export, generation, evaluation of padded examples). Either way an
     architecture without the chosen kernel gets the best one it has. ``materialize=False`` builds it on
     the meta device (no weights read): what replicas that receive their weights later, and ``doctor``'s
-    estimates, use. Returns a ``peft.PeftModel`` when ``lora.enabled``, else the transformers model.
+    estimates, use. ``precision`` and ``model_config``, when given, replace what ``device`` and
+    ``model.name_or_path`` would say (``shardtune plan`` builds, on the meta device, the model of GPUs and
+    hub models it does not have). Returns a ``peft.PeftModel`` when ``lora.enabled``, else the transformers
+    model.
     """
     from shardtune.model.liger import apply_liger_kernels
     from shardtune.model.lora import apply_lora
 
-    precision = Precision.resolve(config, device)
+    precision = precision or Precision.resolve(config, device)
     model = load_model(
         config.model,
         precision.frozen_storage,
@@ -204,6 +219,7 @@ def build_model(
         materialize=materialize,
         random_init_device=device if device.type == "cuda" else None,
         auto_attention=training_attention(config, device) if training else "sdpa",
+        model_config=model_config,
     )
     if training and config.model.liger_kernel:
         apply_liger_kernels(model, device)

@@ -37,15 +37,26 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 def check_model(config: Config) -> PretrainedConfig:
     """The model's config, once it is known to describe a causal LM that takes ``data.max_length`` tokens."""
-    model = config.model
+    return check_model_config(config, read_model_config(config))
+
+
+def read_model_config(config: Config) -> PretrainedConfig:
+    """The model's config, or a ``ConfigError`` saying why this machine cannot read it."""
     from shardtune.model.load import load_model_config
 
+    model = config.model
     try:
-        model_config = load_model_config(model)
+        return load_model_config(model)
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(
             f"model.name_or_path: {model.name_or_path} is not a model this machine can read ({first_line(error)})"
         ) from None
+
+
+def check_model_config(config: Config, model_config: PretrainedConfig) -> PretrainedConfig:
+    """The text config of ``model_config``, once it is known to describe a causal LM that takes
+    ``data.max_length`` tokens and a loss as ``config`` computes it."""
+    model = config.model
     remote = "AutoModelForCausalLM" in (getattr(model_config, "auto_map", None) or {})
     if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
         architectures = ", ".join(getattr(model_config, "architectures", None) or []) or "no architectures listed"

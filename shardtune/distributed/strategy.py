@@ -1,0 +1,63 @@
+"""The data-parallel strategy of a run and what it places on each device: the one rule that training
+(``parallelize.plan_parallelism``, on the built model), ``shardtune doctor`` and ``shardtune plan`` (on
+counts from the model's config, before any weight exists) share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtune.config import Config
+
+GRADIENT_BYTES = 4  # fp32 gradients of the trainable (fp32 master) parameters
+ADAM_STATE_BYTES = 8  # two fp32 moments per trainable parameter
+# DDP keeps everything replicated; choose it only when that leaves most of the device for activations.
+DDP_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    strategy: str  # "single", "ddp" or "fsdp"
+    reason: str
+    param_bytes: int  # per device
+    grad_bytes: int
+    optimizer_bytes: int
+
+    def describe(self, world_size: int) -> str:
+        gib = 2**30
+        return (
+            f"parallelism: {self.strategy} over {world_size} rank(s) ({self.reason}); per device: "
+            f"parameters {self.param_bytes / gib:.2f} GiB, gradients {self.grad_bytes / gib:.2f} GiB, "
+            f"optimizer state {self.optimizer_bytes / gib:.2f} GiB"
+        )
+
+
+def choose_parallelism(
+    param_bytes: int, trainable: int, config: Config, world_size: int, device_memory: int | None
+) -> ParallelPlan:
+    """The strategy, from the config or (``auto``) from the model's size and the device's memory.
+
+    ``param_bytes``: every parameter as training stores it; ``trainable``: how many train;
+    ``device_memory``: bytes of one GPU, None on CPU. ``auto``: DDP when replicated parameters, fp32
+    gradients and Adam state of the trainable parameters take at most half of one device's memory (the
+    rest is for activations), FSDP otherwise. On CPU, where there is no device memory to run out of, DDP.
+    """
+    grad_bytes, optimizer_bytes = trainable * GRADIENT_BYTES, trainable * ADAM_STATE_BYTES
+    replicated = param_bytes + grad_bytes + optimizer_bytes
+    strategy, reason = config.parallel.strategy, "parallel.strategy"
+    if world_size == 1:
+        if strategy == "fsdp" and config.parallel.cpu_offload:
+            strategy, reason = "fsdp", "parallel.strategy with cpu_offload"
+        else:
+            strategy, reason = "single", "one rank"
+    elif strategy == "auto":
+        if device_memory is None:
+            strategy, reason = "ddp", "auto: CPU"
+        else:
+            share = replicated / device_memory
+            strategy = "ddp" if share <= DDP_MEMORY_SHARE else "fsdp"
+            reason = f"auto: replicated state is {share:.0%} of device memory"
+    if strategy == "fsdp":
+        shards = world_size
+        return ParallelPlan(strategy, reason, param_bytes // shards, grad_bytes // shards, optimizer_bytes // shards)
+    return ParallelPlan(strategy, reason, param_bytes, grad_bytes, optimizer_bytes)

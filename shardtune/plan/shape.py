@@ -1,0 +1,193 @@
+"""What the memory estimate needs to know about a model, read off the model exactly as training builds it
+(``build_model``, LoRA adapters included) on the meta device: no weights are read or allocated.
+
+``shardtune doctor`` builds it for the device it runs on; ``shardtune plan`` for the GPUs it plans for, from
+the model's ``config.json`` when the model is on this machine, else from bench's shape of the hub model
+(``shardtune.bench.shapes.HUB_SHAPES``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardtune.config import Config, looks_local, model_path_problem
+from shardtune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from shardtune.model.load import Precision
+
+# Where configs of different families keep the MLP width (Llama, GPT-2, OPT, Falcon); 4 x hidden otherwise.
+MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+# Matrices of a gated (SwiGLU) expert or MLP: gate, up and down, each hidden x width.
+GATED_MATRICES = 3
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer: the widths its activations have per token, and its FSDP units' sizes."""
+
+    mlp_width: int  # a dense layer's MLP intermediate width; 0 in an MoE layer
+    expert_width: int  # MoE: one routed expert's intermediate width
+    top_k: int  # MoE: routed experts per token
+    num_experts: int  # MoE: routed experts (0: a dense layer)
+    shared_width: int  # MoE: the shared experts' intermediate width
+    adapter_inputs: int  # LoRA: the input features of its adapted linear layers, summed (dropout copies them)
+    params: int  # parameters outside its routed experts: one FSDP unit
+    expert_params: int  # its routed experts' parameters: an FSDP unit of their own
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model as a run trains it."""
+
+    trainable: int
+    total: int
+    stored_bytes: int  # every parameter as training stores it: frozen in model.dtype, trainable fp32
+    compute_bytes: int  # per element, in the compute dtype (activations; final/ of a full fine-tune)
+    hidden: int
+    attention_width: int  # query heads x head size
+    kv_width: int  # key/value heads x head size
+    vocab: int
+    layers: tuple[LayerShape, ...]
+    flops_per_token: float  # training's FLOP count (for MFU) at data.max_length
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers (embeddings, LM head, final norm): FSDP's root unit."""
+        return self.total - sum(layer.params + layer.expert_params for layer in self.layers)
+
+    @property
+    def moe_layers(self) -> list[LayerShape]:
+        return [layer for layer in self.layers if layer.num_experts]
+
+
+def read_model_shape(model: torch.nn.Module, config: Config, precision: Precision) -> ModelShape:
+    """The shape of ``model``, built by ``build_model`` for ``config`` with ``precision`` (on any device)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
+    from shardtune.model.moe import find_moe_blocks
+
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    text = model.config.get_text_config()
+    embedding = model.get_input_embeddings()
+    hidden = getattr(text, "hidden_size", None) or embedding.embedding_dim
+    mlp_width = next((getattr(text, key) for key in MLP_WIDTH_KEYS if getattr(text, key, None)), 4 * hidden)
+    width = attention_width(model)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    layers = decoder_layers(model)
+    blocks = {block.layer: block for block in find_moe_blocks(model, layers)}
+    shapes = []
+    for index, layer in enumerate(layers):
+        adapter_inputs = sum(module.in_features for module in layer.modules() if isinstance(module, LoraLinear))
+        layer_params = sum(p.numel() for p in layer.parameters())
+        block = blocks.get(index)
+        if block is None:
+            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, layer_params, 0))
+            continue
+        expert_params = sum(p.numel() for p in block.experts.parameters())
+        shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
+        shared_params = sum(p.numel() for p in shared.parameters()) if shared is not None else 0
+        shapes.append(
+            LayerShape(
+                mlp_width=0,
+                expert_width=expert_params // (GATED_MATRICES * block.num_experts * hidden),
+                top_k=block.top_k,
+                num_experts=block.num_experts,
+                shared_width=shared_params // (GATED_MATRICES * hidden),
+                adapter_inputs=adapter_inputs,
+                params=layer_params - expert_params,
+                expert_params=expert_params,
+            )
+        )
+    routed = routed_expert_trainable(list(blocks.values()))
+    flops = run_token_flops(model, config.data.max_length, config.lora.enabled, trainable, routed)
+    return ModelShape(
+        trainable=trainable,
+        total=sum(p.numel() for p in params),
+        stored_bytes=sum(p.numel() * p.element_size() for p in params),
+        compute_bytes=(precision.autocast or precision.compute).itemsize,
+        hidden=hidden,
+        attention_width=width,
+        kv_width=width * kv_heads // heads if heads else width,
+        vocab=embedding.num_embeddings,
+        layers=tuple(shapes),
+        flops_per_token=flops.per_token,
+    )
+
+
+def model_shape_on(config: Config, device: torch.device) -> ModelShape:
+    """The shape of the model a run of ``config`` trains on ``device`` (this machine's: ``shardtune doctor``)."""
+    from shardtune.model.load import Precision, build_model
+
+    precision = Precision.resolve(config, device)
+    # The LoRA adapters on the meta device too (PEFT makes them where tensors are made by default): for a
+    # 7B model that is 0.2 GB and 3 s of host work the estimate has no use for.
+    with torch.device("meta"):
+        model = build_model(config, device, training=True, materialize=False)
+    return read_model_shape(model, config, precision)
+
+
+def gpu_precision(config: Config) -> Precision:
+    """The precision of a run of ``config`` on the GPUs ``shardtune plan`` plans for: bf16-capable ones
+    (A100, H100, H200, B200)."""
+    from shardtune.model.load import Precision
+
+    return Precision.resolve(config, torch.device("cuda"), bf16_supported=True)
+
+
+def planned_model_config(config: Config) -> tuple[PretrainedConfig, str]:
+    """The model's architecture without its weights, and where it came from: the ``config.json`` of a local
+    model directory, the hub's copy in this machine's Hugging Face cache, or bench's shape of a hub model."""
+    from transformers import AutoConfig
+
+    from shardtune.bench.shapes import HUB_SHAPES, shape_config
+    from shardtune.train.preflight import read_model_config
+
+    model = config.model
+    problem = model_path_problem(model)
+    if problem:
+        raise ConfigError(problem)
+    if looks_local(model.name_or_path):
+        return read_model_config(config), f"{model.name_or_path}/config.json"
+    try:
+        cached = AutoConfig.from_pretrained(
+            model.name_or_path,
+            revision=model.revision,
+            trust_remote_code=model.trust_remote_code,
+            local_files_only=True,
+        )
+        return cached, "its config.json in the Hugging Face cache"
+    except (OSError, ValueError):
+        pass  # not downloaded here: bench's shape of it, if it has one
+    if model.name_or_path in HUB_SHAPES:
+        return shape_config(model.name_or_path), f"bench's shape {HUB_SHAPES[model.name_or_path][0]}"
+    raise ConfigError(
+        f"model.name_or_path: {model.name_or_path}: no config.json on this machine and no shape of it in "
+        f"shardtune/bench/shapes.py ({', '.join(HUB_SHAPES)}); point model.name_or_path at a directory holding the "
+        "model's config.json"
+    )
+
+
+def planned_model_shape(config: Config) -> tuple[ModelShape, str]:
+    """The shape of the model ``config`` trains, on the GPUs ``shardtune plan`` plans for, and where its
+    architecture came from (``planned_model_config``)."""
+    from shardtune.model.load import build_model
+    from shardtune.train.preflight import check_model_config
+
+    model_config, source = planned_model_config(config)
+    check_model_config(config, model_config)
+    precision = gpu_precision(config)
+    with torch.device("meta"):  # adapters too, as in ``model_shape_on``
+        model = build_model(
+            config, torch.device("cuda"), materialize=False, precision=precision, model_config=model_config
+        )
+    return read_model_shape(model, config, precision), source

@@ -1,0 +1,307 @@
+"""``shardtune plan`` as a user runs it: each recipe with its own cluster, the quickstart with its local data, a
+run that does not fit and what it says to change, bad input; and the estimate against every measured peak
+memory in benchmarks/RESULTS.md, recomputed from the bench.json files, so that table cannot go stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from shardtune.plan.run import GIB, GPU_MEMORY_GIB
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+BENCH_RESULTS = REPO / "benchmarks" / "results"
+RECIPES = REPO / "examples" / "recipes"
+TOLERANCE = 0.15
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+
+
+def recipe_plans() -> dict[str, list[str]]:
+    """Each ``shardtune plan`` command in a recipe's header comment, by recipe and its options."""
+    commands = {}
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        for line in recipe.read_text().splitlines():
+            match = re.match(r"#\s+shardtune plan (\S+)(.*)$", line)
+            if match:
+                assert match.group(1) == f"examples/recipes/{recipe.name}", line
+                commands[f"{recipe.stem}{match.group(2)}"] = ["plan", match.group(1), *shlex.split(match.group(2))]
+    return commands
+
+
+@pytest.fixture(scope="module")
+def recipe_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Each recipe's plan commands through the command line, started at once (the machine's cores share them)."""
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "shardtune", *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for name, args in recipe_plans().items()
+    }  # fmt: skip
+    done = {}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
+
+
+def plan_here(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """``shardtune plan ARGS`` in this process (as the command line runs it, without starting Python again)."""
+    from shardtune.cli import main
+
+    monkeypatch.chdir(REPO)
+    status = main(["plan", *args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["plan", *args], status, captured.out, captured.err)
+
+
+def lines(result: subprocess.CompletedProcess) -> dict[str, str]:
+    """The plan's lines by their first word (model, cluster, strategy, batch, memory, peak, host, data)."""
+    return {line.split()[0]: line.split(maxsplit=1)[1] for line in result.stdout.splitlines() if line[:1].isalpha()}
+
+
+def gib(text: str) -> float:
+    """The first ``~N GiB`` of a line, in GiB."""
+    number, unit = re.search(r"~([\d.]+) (GiB|MiB)", text).groups()
+    return float(number) / (1024 if unit == "MiB" else 1)
+
+
+# Per recipe plan: strategy, cluster, peak per GPU (GiB) within a range derived from the sizes involved.
+RECIPE_EXPECTATIONS = {
+    # The bench runs at the seed's setting (Mistral-7B, 512-token micro-batches, LoRA r=16 without dropout)
+    # measured 16.5-16.7 GiB a GPU; r=8 keeps less state, dropout 0.05 a mask per adapted input (~0.6 GiB).
+    "mistral-7b-lora-alpaca --gpus-per-node 8": ("ddp (parallel.strategy)", "1 node x 8 GPUs", 15.5, 18.5),
+    "mistral-7b-lora-alpaca --nodes 2 --gpus-per-node 8": ("ddp (parallel.strategy)", "2 nodes x 8 GPUs", 15.5, 18.5),
+    # 106.9B bf16 weights / 16 = 12.4 GiB; the root unit and two gathered expert units (128 x 3 x 4096 x 1408,
+    # 4.4 GB each) 10.6 GiB; 46 checkpointed layer inputs of 16,384 x 4096 in bf16 5.8 GiB; the logits at
+    # 12 bytes x 16,384 x 151,552 = 27.7 GiB: ~56.5 GiB, of 139.8.
+    "glm-4.5-air-fsdp-16k --nodes 2 --gpus-per-node 8 --gpu-memory-gib 139.8": (
+        "fsdp (parallel.strategy)", "2 nodes x 8 GPUs", 50, 63,
+    ),
+    # 352.9B bf16 weights / 32 = 20.5 GiB; the root and two gathered expert units (160 x 3 x 5120 x 1536) 17 GiB;
+    # 92 layer inputs of 2,048 x 5120 1.8 GiB; logits 12 x 2,048 x 151,552 = 3.5 GiB: ~43 GiB, of 178.
+    "glm-4.7-lora-messages --nodes 4 --gpus-per-node 8 --gpu-memory-gib 178": (
+        "fsdp (parallel.strategy)", "4 nodes x 8 GPUs", 38, 48,
+    ),
+}  # fmt: skip
+
+
+def test_every_recipe_has_a_plan_line():
+    assert sorted(RECIPE_EXPECTATIONS) == sorted(recipe_plans())
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_EXPECTATIONS))
+def test_recipes_fit_their_clusters(recipe_runs, name):
+    result = recipe_runs[name]
+    assert result.returncode == 0, result.stdout + result.stderr
+    strategy, cluster, low, high = RECIPE_EXPECTATIONS[name]
+    plan = lines(result)
+    assert plan["strategy"] == strategy
+    assert plan["cluster"].startswith(cluster)
+    assert low <= gib(plan["peak"]) <= high, plan["peak"]
+    assert result.stdout.splitlines()[-1].startswith(f"fits: ~{plan['peak'].split()[0][1:]} GiB per GPU of the ")
+    assert result.stderr == ""
+
+
+def test_recipes_describe_their_models(recipe_runs):
+    air = lines(recipe_runs["glm-4.5-air-fsdp-16k --nodes 2 --gpus-per-node 8 --gpu-memory-gib 139.8"])
+    assert air["model"].startswith("zai-org/GLM-4.5-Air (bench's shape glm-4.5-air): 46 layers, 106.9B parameters")
+    assert "128 routed experts in 45 layers, 8 a token" in air["model"]
+    glm47 = lines(recipe_runs["glm-4.7-lora-messages --nodes 4 --gpus-per-node 8 --gpu-memory-gib 178"])
+    # 352.9B as transformers builds GLM-4.7, plus LoRA r=128 on every linear layer (802.2M).
+    assert "92 layers, 353.6B parameters" in glm47["model"] and "802.2M trainable (LoRA r=128)" in glm47["model"]
+    assert "160 routed experts in 89 layers, 8 a token" in glm47["model"]
+    assert glm47["batch"].startswith("micro-batch 1 x 2,048 = 2,048 tokens, 1 accumulation step: 32 sequences")
+    mistral = lines(recipe_runs["mistral-7b-lora-alpaca --nodes 2 --gpus-per-node 8"])
+    assert "16 sequences, 8,192 tokens a step" in mistral["batch"]
+    assert (
+        mistral["data"]
+        == "steps per epoch unknown: yahma/alpaca-cleaned is a hub dataset (shardtune prepare counts it)"
+    )
+
+
+def test_quickstart_steps_per_epoch_from_its_local_data(capsys, monkeypatch):
+    result = plan_here(capsys, monkeypatch, "examples/quickstart.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = lines(result)
+    assert plan["strategy"] == "single (one rank)"
+    # 2,400 rows, 5% (120) held out for evaluation: 2,280 sequences unpacked; 16 a step, 5 epochs.
+    assert plan["data"] == (
+        "2,280 sequences (tokenized with examples/tiny-llama's tokenizer): 142 steps an epoch; 710 steps in 5 epochs"
+    )
+    packed = lines(
+        plan_here(capsys, monkeypatch, "examples/quickstart.yaml", "--gpus-per-node", "2", "data.packing=true")
+    )
+    assert packed["strategy"] == "ddp (auto: replicated state is 0% of device memory)"
+    # Packed into 128-token sequences, as `shardtune prepare` packs them; 32 sequences a step on 2 GPUs.
+    sequences = int(re.match(r"([\d,]+) sequences", packed["data"]).group(1).replace(",", ""))
+    assert 450 < sequences < 650  # 65,393 tokens in 128-token sequences, packed whole examples
+    assert f"{sequences // 32} steps an epoch; {5 * (sequences // 32)} steps in 5 epochs" in packed["data"]
+
+
+def test_a_run_that_does_not_fit_says_what_to_change(capsys, monkeypatch):
+    result = plan_here(capsys, monkeypatch, "examples/recipes/mistral-7b-lora-alpaca.yaml", "lora.enabled=false")
+    assert result.returncode == 1, result.stdout + result.stderr
+    output = result.stdout.splitlines()
+    end = output.index("any one of these fits:")
+    # Mistral-7B fully fine-tuned on one GPU: fp32 weights, gradients and Adam state, 16 bytes x 7.24B = 108 GiB.
+    assert output[end - 1].startswith("does not fit: ~") and 105 <= gib(output[end - 1]) <= 112
+    assert output[end - 1].endswith(" GiB per GPU, more than the 71.19 GiB a run may use (90% of 79.10 GiB)")
+    changes = {line.rsplit(": ~", 1)[0]: gib(line) for line in output[end + 1 :]}
+    # FSDP halves the 108 GiB of state on 2 GPUs; LoRA is the seed's setting (16.5-16.7 GiB measured); offloaded
+    # state leaves the activations and the gathered units.
+    assert list(changes) == [
+        "  needs ≥ 2 GPUs with FSDP: --gpus-per-node 2 parallel.strategy=fsdp",
+        "  lora.enabled=true",
+        "  parallel.strategy=fsdp parallel.cpu_offload=true (weights, gradients and Adam state in host memory)",
+    ]
+    low_high = [(50, 60), (15.5, 18.5), (2.5, 5)]
+    assert all(low <= peak <= high for peak, (low, high) in zip(changes.values(), low_high, strict=True)), changes
+
+
+def test_changes_that_fit_only_together_are_the_fewest():
+    from shardtune.config import load_config
+    from shardtune.plan.run import Cluster, changes_that_fit, plan_run
+    from shardtune.plan.shape import planned_model_shape
+
+    overrides = ["lora.enabled=false", "data.max_length=4096", "training.per_device_train_batch_size=4"]
+    config = load_config(RECIPES / "mistral-7b-lora-alpaca.yaml", overrides, check_paths=False)
+    shape, _ = planned_model_shape(config)
+    run = plan_run(config, shape, Cluster(1, 1, int(GPU_MEMORY_GIB["H100 80GB"] * GIB)))
+    # 108 GiB of state and 72 GiB of activations (16,384 tokens): no single change fits, FSDP over 2 GPUs
+    # with 4,096-token micro-batches does; checkpointing and the chunked loss, tried first, are not needed.
+    single, combined = changes_that_fit(run, lambda changed: planned_model_shape(changed)[0])
+    assert single == []
+    assert combined.what == (
+        "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=4 (the same global batch); "
+        "needs ≥ 2 GPUs with FSDP: --gpus-per-node 2 parallel.strategy=fsdp"
+    )
+    assert combined.run.fits and combined.run.cluster.world_size == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["examples/recipes/no-such-recipe.yaml"], "config file not found: examples/recipes/no-such-recipe.yaml"),
+        (
+            ["examples/quickstart.yaml", "training.learning_rat=1e-4"],
+            "training.learning_rat: unknown key (did you mean 'training.learning_rate'?)",
+        ),
+        (["examples/quickstart.yaml", "--gpus-per-node", "0"], "--gpus-per-node: must be positive, got 0"),
+        (
+            ["examples/quickstart.yaml", "model.name_or_path=./no-such-model"],
+            "model.name_or_path: directory not found: ./no-such-model",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(capsys, monkeypatch, args, error):
+    result = plan_here(capsys, monkeypatch, *args)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"shardtune: error: {error}\n")
+
+
+def test_a_hub_model_plan_does_not_know_is_one_line(capsys, monkeypatch):
+    result = plan_here(capsys, monkeypatch, "examples/quickstart.yaml", "model.name_or_path=acme/unheard-of-7b")
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(
+        "shardtune: error: model.name_or_path: acme/unheard-of-7b: no config.json on this machine and no shape of it"
+    )
+    assert line.endswith("point model.name_or_path at a directory holding the model's config.json")
+
+
+# -- the estimate against measured peaks (benchmarks/RESULTS.md, "Planner against measured peak memory") ----
+# Arguments a row may add to restore a default of the run's time, and options removed since.
+RESTORED_DEFAULTS = {"parallel.compile=false", "model.attn_implementation=sdpa"}
+REMOVED_OPTIONS = ("parallel.compile_mode=",)
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    line: str
+    file: str
+    arguments: str
+
+
+def measured_rows() -> list[MeasuredRow]:
+    text = RESULTS.read_text().split("## Planner against measured peak memory", 1)[1]
+    rows = []
+    for line in text.splitlines():
+        match = re.match(r"\| `(bench_[^`]+\.json)` \| `([^`]+)` \|", line)
+        if match:
+            rows.append(MeasuredRow(line, *match.groups()))
+    return rows
+
+
+def test_every_measured_run_has_a_row():
+    assert sorted(row.file for row in measured_rows()) == sorted(
+        path.name for path in BENCH_RESULTS.glob("bench_*.json")
+    )
+
+
+def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
+    from shardtune.bench.command import bench_config, write_model_dir
+    from shardtune.bench.shapes import shape_config
+    from shardtune.cli import build_parser
+    from shardtune.config import load_config
+    from shardtune.distributed.strategy import choose_parallelism
+    from shardtune.plan.memory import estimate_memory
+    from shardtune.plan.shape import planned_model_shape
+
+    model_dirs: dict[tuple, Path] = {}
+    shapes: dict[str, object] = {}
+    stale = []
+    for row in measured_rows():
+        bench = json.loads((BENCH_RESULTS / row.file).read_text())
+        run = bench["shardtune"]
+        args, extra = build_parser().parse_known_args(["bench", *shlex.split(row.arguments)])
+        overrides = [*args.overrides, *extra]
+        # The row's arguments are the run's: its recorded settings and its train command's overrides.
+        recorded = (bench["shape"], bench["seq"], bench["batch_per_device"], bench["nproc"])
+        assert recorded == (args.shape, args.seq, args.batch, args.nproc or 1), row.file
+        assert bench.get("data") in (None, args.data), row.file  # the first runs had synthetic data only
+        ran = [
+            item for item in run["command"].split(" --nproc ")[1].split()[1:] if not item.startswith(REMOVED_OPTIONS)
+        ]
+        assert [item for item in overrides if item not in RESTORED_DEFAULTS] == ran, row.file
+
+        # The config bench trains on, from bench's own parser and config (its model directory written once).
+        key = (args.shape, args.layers)
+        if key not in model_dirs:
+            model_dirs[key] = write_model_dir(tmp_path / f"model-{len(model_dirs)}", shape_config(*key))
+        model_config = shape_config(*key)
+        tree = bench_config(args, tmp_path, model_dirs[key], tmp_path / "data.jsonl", "text", model_config)
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
+        config = load_config(tmp_path / "config.yaml", overrides, check_paths=False)
+        built = json.dumps([config.model.model_dump(), config.lora.model_dump(), config.data.max_length])
+        if built not in shapes:
+            shapes[built] = planned_model_shape(config)[0]
+        shape = shapes[built]
+        assert (shape.trainable, shape.total) == (run["trainable_params"], run["total_params"]), row.file
+        assert bench.get("layers") in (None, len(shape.layers)), row.file
+
+        gpu = "H100 80GB" if "H100" in run["device"] else "H200"
+        plan = choose_parallelism(
+            shape.stored_bytes, shape.trainable, config, bench["nproc"], int(GPU_MEMORY_GIB[gpu] * GIB)
+        )
+        assert plan.strategy == run["strategy"], row.file
+        estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on("cuda")).peak / GIB
+        measured = run["peak_memory_gib_per_device"]
+        error = estimate / measured - 1
+        assert abs(error) <= TOLERANCE, f"{row.file}: measured {measured:.2f} GiB, estimated {estimate:.2f}"
+        expected = (
+            f"| `{row.file}` | `{row.arguments}` | {bench['nproc']}×{gpu.split()[0]} | {measured:.2f} | "
+            f"{estimate:.2f} | {100 * error:+.1f}% |"
+        )
+        if row.line != expected:
+            stale.append(expected)
+    assert not stale, "RESULTS.md rows that no longer hold; as recomputed:\n" + "\n".join(stale)
