@@ -342,6 +342,10 @@ class Config(_Section):
                 "training.bf16: false contradicts model.dtype: bfloat16; set model.dtype: float32 (or auto) for "
                 "full precision, or drop training.bf16"
             )
+        if self.training.merge_final and not self.lora.enabled:
+            raise ValueError(
+                "training.merge_final: needs lora.enabled: true; a full fine-tune's final/ is already the whole model"
+            )
         hang, collective = self.training.hang_timeout_s, self.parallel.timeout_s
         if hang and hang >= collective:
             # The collective timeout would end the run first, without the watchdog's diagnosis.

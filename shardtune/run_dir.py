@@ -28,10 +28,12 @@ log = logging.getLogger("shardtune")
 
 # What a finished or interrupted run leaves; any of them means the directory holds a run.
 RUN_ARTIFACTS = (
-    "config.yaml", "run_args.json", "metrics.json", "logs", "final", "tensorboard", "wandb", "heartbeat", "hang",
+    "config.yaml", "run_args.json", "metrics.json", "logs", "final", "final-merged", "tensorboard", "wandb",
+    "heartbeat", "hang",
 )  # fmt: skip
-# What else shardtune writes there: profiler traces, earlier hang reports, and the staging name of final/.
-_OTHER_ARTIFACTS = ("profile", "hang-*", ".final.tmp-*", ".final.old-*")
+# What else shardtune writes there: profiler traces, earlier hang reports, and the staging names of final/ and
+# final-merged/.
+_OTHER_ARTIFACTS = ("profile", "hang-*", ".final.tmp-*", ".final.old-*", ".final-merged.tmp-*", ".final-merged.old-*")
 
 
 def run_artifacts(output_dir: Path) -> list[Path]:

@@ -3,7 +3,8 @@ GPT-2, GPT-NeoX, OPT, Falcon, Qwen3-MoE, Mixtral and GLM-4.5 (``tests/tiny_model
 command line, LoRA on every linear layer and full fine-tuning: one process, then FSDP over 2 workers with
 the same global batch (the same losses), then ``shardtune export`` of the 2-worker checkpoint (adapter, and
 merged for LoRA) reloaded with plain transformers + PEFT, whose loss on the run's eval examples is the loss
-the trained model measured in the run.
+the trained model measured in the run; a LoRA run's own ``final-merged/`` (``training.merge_final``) is the
+merged export.
 
 The whole matrix takes minutes: CI runs a representative subset (GPT-2, whose projections are Conv1D and
 whose config has no num_key_value_heads, and GLM-4.5, an MoE with a dense layer and a shared expert, both
@@ -141,7 +142,8 @@ def test_architecture_trains_under_fsdp_and_exports(arch, mode, tmp_path, archit
         *(["lora.enabled=false"] if mode == "full" else []),
     ]  # fmt: skip
     single = train(tmp_path, "single", 1, *common, "training.gradient_accumulation_steps=2", steps=STEPS)
-    sharded = train(tmp_path, "fsdp", 2, *common, "parallel.strategy=fsdp", steps=STEPS)
+    merge_final = ["training.merge_final=true"] if mode == "lora" else []
+    sharded = train(tmp_path, "fsdp", 2, *common, "parallel.strategy=fsdp", *merge_final, steps=STEPS)
     assert sharded["metrics"]["strategy"] == "fsdp" and sharded["metrics"]["world_size"] == 2
     assert len(single["losses"]) == STEPS
     assert sharded["losses"] == pytest.approx(single["losses"], rel=1e-5)
@@ -175,3 +177,7 @@ def test_architecture_trains_under_fsdp_and_exports(arch, mode, tmp_path, archit
     )
     assert not any("lora" in name for name, _ in merged.named_parameters())
     assert eval_loss(merged.eval(), sharded["out"]) == pytest.approx(trained_loss, rel=1e-5)
+    # The run's own final-merged/ (training.merge_final) is that export: the last checkpoint's adapter, one merge.
+    merged_final = AutoModelForCausalLM.from_pretrained(sharded["out"] / "final-merged", dtype=torch.float32)
+    for name, tensor in merged.state_dict().items():
+        assert torch.equal(merged_final.state_dict()[name], tensor), name

@@ -146,3 +146,12 @@ def test_reliability_keys(seed_config: Path):
     ]
     with pytest.raises(ConfigError, match="training.on_nonfinite"):
         load_config(seed_config, ["training.on_nonfinite=ignore"])
+
+
+def test_merge_final_needs_a_lora_run(seed_config: Path, capsys):
+    assert load_config(seed_config, ["training.merge_final=true"]).training.merge_final
+    assert main(["train", str(seed_config), "training.merge_final=true", "lora.enabled=false"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "shardtune: error: training.merge_final: needs lora.enabled: true; a full fine-tune's final/ is already "
+        "the whole model"
+    ]

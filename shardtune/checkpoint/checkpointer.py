@@ -84,9 +84,12 @@ TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def _without_wrappers(name: str) -> str:
-    # DDP's ``module.`` and torch.compile's ``_orig_mod.`` are not part of a parameter's name in a state dict.
-    return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod"))
+def without_wrappers(name: str) -> str:
+    """A parameter's or module's name as state dicts spell it: DDP's ``module.``, torch.compile's ``_orig_mod.``
+    and activation checkpointing's ``_checkpoint_wrapped_module.`` are not part of it."""
+    return ".".join(
+        part for part in name.split(".") if part not in ("module", "_orig_mod", "_checkpoint_wrapped_module")
+    )
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
@@ -96,11 +99,11 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     ``lm_head.weight`` of a model with tied embeddings would stay. Every name of a frozen tensor goes here."""
     state = get_model_state_dict(model, options=TRAINABLE_ONLY)
     frozen = {
-        _without_wrappers(name)
+        without_wrappers(name)
         for name, parameter in model.named_parameters(remove_duplicate=False)
         if not parameter.requires_grad
     }
-    return {name: value for name, value in state.items() if _without_wrappers(name) not in frozen}
+    return {name: value for name, value in state.items() if without_wrappers(name) not in frozen}
 
 
 @dataclass
@@ -445,10 +448,20 @@ class Checkpointer:
 
 
 def read_trainable_shards(path: Path, model: torch.nn.Module, purpose: str) -> None:
-    """Put a checkpoint's trained tensors into ``model`` (whole, in this one process: ``export`` and
-    ``eval`` read every rank's shards here, and parallelize spreads them); a missing or mismatched tensor
+    """Put a checkpoint's trained tensors into ``model`` (parallelize then spreads them): see
+    ``read_trainable_state``."""
+    set_model_state_dict(model, read_trainable_state(path, model, purpose), options=SET_TRAINABLE)
+
+
+def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> dict[str, Any]:
+    """A checkpoint's trained tensors, whole, in this one process (``export`` and ``eval`` read every rank's
+    shards here), keyed as ``model``'s state dict: read into the model's own tensors, or into new CPU tensors
+    where it is on the meta device (a merging export needs only the adapter). A missing or mismatched tensor
     is one ``InputError`` saying the checkpoint ``cannot {purpose}``."""
-    state = trainable_state_dict(model)
+    state = {
+        name: torch.empty_like(tensor, device="cpu") if tensor.is_meta else tensor
+        for name, tensor in trainable_state_dict(model).items()
+    }
     reader = ShardsReader(path / "model")
     manifest = json.loads((path / "manifest.json").read_text())
     problems = describe_missing(path, "model", state, reader, manifest)
@@ -462,7 +475,7 @@ def read_trainable_shards(path: Path, model: torch.nn.Module, purpose: str) -> N
     except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
         problem = f"its tensors do not fit the config's model ({first_line(error)})"
         raise InputError(f"{path}: cannot {purpose}: {problem}") from None
-    set_model_state_dict(model, state, options=SET_TRAINABLE)
+    return state
 
 
 def describe_missing(

@@ -21,6 +21,10 @@ def portable_model_name(name_or_path: str) -> str:
     return str(path.resolve()) if looks_local(name_or_path) and path.is_dir() else name_or_path
 
 
+# Shards of a full model that shardtune writes itself, as the hub splits large models.
+MAX_SHARD_SIZE = "5GB"
+
+
 def saved_run_config(directory: Path) -> Config | None:
     """The config a ``final/`` (or an export) was trained with: its own ``config.yaml``, else its run's."""
     for candidate in (directory / "config.yaml", directory.parent / "config.yaml"):
@@ -64,8 +68,7 @@ def save_final(
             adapter_config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         else:
             state = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-            # Large models are split into safetensors shards with an index, as the hub does.
-            model.save_pretrained(staging, state_dict=state, safe_serialization=True, max_shard_size="5GB")
+            model.save_pretrained(staging, state_dict=state, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
             # save_pretrained records the dtype of the fp32 master weights; record the saved one.
             config_path = staging / "config.json"
             saved_config = json.loads(config_path.read_text())
@@ -75,9 +78,15 @@ def save_final(
         base.config.use_cache = use_cache
     tokenizer.save_pretrained(staging)
     if config is not None:
-        model_section = config.model.model_copy(update={"name_or_path": portable_model_name(config.model.name_or_path)})
-        # A merged export holds a full model: its config says so.
-        lora = config.lora.model_copy(update={"enabled": isinstance(model, peft.PeftModel)})
-        saved = config.model_copy(update={"model": model_section, "lora": lora})
-        (staging / "config.yaml").write_text(dump_config(saved))
+        write_run_config(staging, config, adapter=isinstance(model, peft.PeftModel))
     replace_path(staging, out_dir)
+
+
+def write_run_config(directory: Path, config: Config, adapter: bool) -> None:
+    """The run's config as ``directory/config.yaml``, its model path made portable (``portable_model_name``).
+    ``adapter``: the directory holds a LoRA adapter; a full model (full fine-tuning, or a merged adapter) says
+    ``lora.enabled: false``, since nothing is to be added to it."""
+    model_section = config.model.model_copy(update={"name_or_path": portable_model_name(config.model.name_or_path)})
+    lora = config.lora.model_copy(update={"enabled": adapter})
+    saved = config.model_copy(update={"model": model_section, "lora": lora})
+    (directory / "config.yaml").write_text(dump_config(saved))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from shardtune.checkpoint.checkpointer import read_trainable_shards
+from shardtune.checkpoint.checkpointer import read_trainable_shards, read_trainable_state
 from shardtune.checkpoint.export import save_final
 from shardtune.checkpoint.layout import not_a_checkpoint
+from shardtune.checkpoint.merge import save_merged
 from shardtune.config import load_config
 from shardtune.errors import InputError
 from shardtune.model.load import Precision, build_model, load_tokenizer
@@ -35,14 +36,16 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
     # Built as training builds it, on the CPU; the checkpoint supplies the trained weights.
     cpu = torch.device("cpu")
-    base_dtype = Precision.resolve(config, cpu).compute
+    if config.lora.enabled and merge:
+        # The merge streams the base's weights from its files and takes only the adapter from the checkpoint:
+        # the model is its structure, on the meta device, unless a random init's weights are to be drawn.
+        model = build_model(config, cpu, materialize=config.model.init == "random")
+        state = {**model.state_dict(), **read_trainable_state(checkpoint, model, "export")}
+        save_merged(model, tokenizer, out, config, state)
+        return f"merged model (base {config.model.name_or_path} + LoRA adapter) in {out}"
     model = build_model(config, cpu)
     read_trainable_shards(checkpoint, model, "export")
-    if config.lora.enabled and merge:
-        merged = model.merge_and_unload()
-        save_final(merged, tokenizer, out, base_dtype, config=config)
-        return f"merged model (base {config.model.name_or_path} + LoRA adapter) in {out}"
-    save_final(model, tokenizer, out, base_dtype, config=config)
+    save_final(model, tokenizer, out, Precision.resolve(config, cpu).compute, config=config)
     if config.lora.enabled:
         return f"PEFT adapter for {config.model.name_or_path} in {out}"
     return f"model in {out}"

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from shardtune.checkpoint.checkpointer import Checkpointer, RunTotals, find_resume_checkpoint
 from shardtune.checkpoint.export import save_final
+from shardtune.checkpoint.merge import save_merged
 from shardtune.config import Config
 from shardtune.data.collate import Batch, collate
 from shardtune.data.prepare import PreparedData, describe, prepare_dataset
@@ -40,6 +41,7 @@ from shardtune.distributed.parallelize import (
     unwrap,
 )
 from shardtune.distributed.storage import is_builder
+from shardtune.doctor.report import size
 from shardtune.errors import ConfigError
 from shardtune.faults import install_faults
 from shardtune.metrics.flops import peak_flops, routed_expert_trainable, run_token_flops
@@ -383,6 +385,9 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         if env.is_main:
             save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state, config)
             log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
+            if training.merge_final:
+                merged_bytes = save_merged(unwrap(model), tokenizer, output_dir / "final-merged", config, state)
+                log.info("saved the merged model to %s (%s)", output_dir / "final-merged", size(merged_bytes))
         env.barrier()  # the others wait for rank 0's write inside the save, beating with its progress
 
     # A resumed run counts the segments before it too (their totals came with the checkpoint).

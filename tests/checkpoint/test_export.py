@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from cli_runs import train as cli_train
 from peft import PeftModel
 from test_checkpoints import train
 from transformers import AutoModelForCausalLM
 
 from shardtune.cli import main
+from shardtune.doctor.report import size
 
 INPUT = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
 
@@ -23,7 +28,7 @@ def lora_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("export")
     out = tmp_path / "run"
     train(tmp_path, out, 2, "parallel.strategy=fsdp", "training.max_steps=4", "training.save_steps=4",
-          "lora.lora_dropout=0", "training.checkpoint_mode=lite")  # fmt: skip
+          "lora.lora_dropout=0", "training.checkpoint_mode=lite", "training.merge_final=true")  # fmt: skip
     return out
 
 
@@ -41,6 +46,48 @@ def test_adapter_and_merged_exports_of_a_two_rank_checkpoint(lora_run, tmp_path,
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name, _ in merged.named_parameters())
     torch.testing.assert_close(logits(merged), trained, rtol=1e-5, atol=1e-5)
+    # One merge: the export of the last checkpoint is the run's own final-merged/, byte for byte.
+    weights = "model.safetensors"
+    assert (tmp_path / "merged" / weights).read_bytes() == (lora_run / "final-merged" / weights).read_bytes()
+
+
+def hub_cache(model_dir: Path, cache: Path, repo_id: str) -> Path:
+    """A Hugging Face cache holding ``model_dir``'s files as the snapshot of ``repo_id``'s main branch, as
+    ``from_pretrained`` leaves it after a download."""
+    revision = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(model_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return cache
+
+
+def test_merge_final_on_two_fsdp_workers_equals_one_worker_and_peft(lora_run, tmp_path, tiny_model_dir):
+    """``training.merge_final``: final-merged/ computes what PEFT's merge of final/ into the base computes,
+    for the two-worker FSDP run and for the same run on one worker (the same global batch), and the two
+    agree. The one-worker run names its base by a hub id, which training and the merge find offline in
+    a Hugging Face cache."""
+    cache = hub_cache(tiny_model_dir, tmp_path / "hub", "shardtune-tests/tiny-llama")
+    single = cli_train(
+        tmp_path, "single", 1, "model.name_or_path=shardtune-tests/tiny-llama",
+        "training.gradient_accumulation_steps=2", "training.merge_final=true", steps=4,
+        env={"HF_HUB_CACHE": str(cache)},
+    )  # fmt: skip
+    merged_dir = single["out"] / "final-merged"
+    written = sum(path.stat().st_size for path in merged_dir.iterdir())
+    assert f"saved the merged model to {merged_dir} ({size(written)})" in single["log"]
+    merged = {}
+    for name, run_dir in (("fsdp", lora_run), ("single", single["out"])):
+        merged[name] = logits(AutoModelForCausalLM.from_pretrained(run_dir / "final-merged"))
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run_dir / "final")
+        torch.testing.assert_close(merged[name], logits(reference.merge_and_unload()), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(merged["fsdp"], merged["single"], rtol=1e-5, atol=1e-5)
+    # Training moved the model: the comparisons above could not pass with an adapter left out.
+    assert (merged["single"] - logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).abs().max() > 1e-2
+    assert sorted(path.name for path in merged_dir.iterdir()) == [
+        "chat_template.jinja", "config.json", "config.yaml", "generation_config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
 
 
 def test_full_finetuning_checkpoint_exports_an_hf_model(tmp_path):
