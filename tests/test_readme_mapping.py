@@ -15,11 +15,6 @@ from shardtune.config import Config
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = "## Coming from hand-made scripts"
 
-# Commands being added in parallel (`plan`: sizing a run before an allocation), named in the section before
-# they reach this branch: allowed while the parser lacks them, checked like the others (flags included) once
-# it has them.
-PENDING_COMMANDS = {"plan"}
-
 SECTIONS = "|".join(Config.model_fields)
 # `training.save_steps`, `lora.r: 8`, `training.max_steps=10`, `logging.wandb.project`, `lora.*`
 KEY = re.compile(rf"(?<![\w.-])((?:{SECTIONS})(?:\.\w+)+|(?:{SECTIONS})\.\*)")
@@ -80,8 +75,7 @@ def test_section_names_only_real_commands_and_flags():
             name = match.group(1)
             named.add(name)
             if name not in commands:
-                if name not in PENDING_COMMANDS:
-                    problems.append(f"shardtune {name}: no such command")
+                problems.append(f"shardtune {name}: no such command")
                 continue
             # Flags after the command, up to the next `shardtune` in the same span.
             rest = COMMAND.split(span[match.end() :], maxsplit=1)[0]
@@ -89,4 +83,4 @@ def test_section_names_only_real_commands_and_flags():
             unknown = [flag for flag in FLAG.findall(rest) if flag not in options]
             problems += [f"shardtune {name} {flag}: no such option" for flag in unknown]
     assert not problems, "\n".join(problems)
-    assert {"launch", "slurm", "train", "convert", "prepare", "export", "doctor", "plot"} <= named
+    assert {"launch", "slurm", "train", "convert", "prepare", "export", "doctor", "plot", "plan"} <= named
