@@ -34,16 +34,16 @@ def local_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
     from shardtune.model.load import load_tokenizer
 
     model = config.model
-    if looks_local(model.name_or_path):
-        return load_tokenizer(model)
     try:
+        if looks_local(model.name_or_path):
+            return load_tokenizer(model)
         tokenizer = AutoTokenizer.from_pretrained(
             model.name_or_path,
             revision=model.revision,
             trust_remote_code=model.trust_remote_code,
             local_files_only=True,
         )
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # a model directory without a tokenizer, or nothing in the cache
         return None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
