@@ -337,22 +337,54 @@ def _projection(
     return result
 
 
-# Outside the compiled graph: the grouped GEMM needs its weight operand in one of two exact layouts, and
-# inductor (torch 2.11) may give a re-laid-out intermediate other strides than .contiguous() asked for
-# ("Invalid strides/sizes" from _grouped_mm). Inputs of a compiled graph keep the strides they have.
-@torch.compiler.disable
+# An opaque op, so that its outputs have exactly the strides its fake implementation states: the grouped
+# GEMM takes its weight operand only row- or column-major per expert, and inductor, left to lay out this
+# copy itself, kept lora_B's own order (the expert index innermost: "Invalid strides/sizes" from
+# _grouped_mm) and dropped the copy that .contiguous() asked for.
+@torch.library.custom_op("shardtune::expert_lora_factors", mutates_args=())
 def expert_lora_factors(
     lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, rank: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's per-expert factors as grouped-GEMM weights: A_e^T (E, in, r) and B_e^T (E, r, out), each
     expert's matrix column-major, the rank zero-padded to a multiple of 8 (16-byte aligned rows)."""
-    a = lora_a.to(dtype).view(num_experts, rank, -1)  # (E, r, in)
-    b = lora_b.to(dtype).view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
-    pad = -rank % 8
-    if pad:
-        a = F.pad(a, (0, 0, 0, pad))
-        b = F.pad(b, (0, pad))
-    return a.contiguous().transpose(-2, -1), b.contiguous().transpose(-2, -1)
+    a, b = _empty_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+    if a.shape[-1] != rank:  # the padding's rows and columns
+        a.zero_()
+        b.zero_()
+    a[..., :rank].copy_(lora_a.view(num_experts, rank, -1).transpose(-2, -1))  # A_e is rows e*r..(e+1)*r
+    b[:, :rank].copy_(lora_b.view(lora_b.shape[0], rank, num_experts).permute(2, 1, 0))  # B_e: columns e, e+E, ...
+    return a, b
+
+
+@expert_lora_factors.register_fake
+def _(lora_a, lora_b, num_experts, rank, dtype):
+    return _empty_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+
+
+def _empty_lora_factors(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    padded_rank = rank + -rank % 8
+    a = lora_a.new_empty(num_experts, padded_rank, lora_a.shape[1], dtype=dtype).transpose(-2, -1)
+    b = lora_b.new_empty(num_experts, lora_b.shape[0], padded_rank, dtype=dtype).transpose(-2, -1)
+    return a, b
+
+
+def _lora_factors_setup(ctx, inputs, output) -> None:
+    lora_a, lora_b, _, rank, _ = inputs
+    ctx.rank, ctx.dtypes = rank, (lora_a.dtype, lora_b.dtype)
+
+
+def _lora_factors_backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor):
+    """The forward's re-layout undone: (E, in, r) to lora_A's (r*E, in), (E, r, out) to lora_B's (out, r*E)."""
+    rank = ctx.rank
+    num_experts, fan_in, fan_out = grad_a.shape[0], grad_a.shape[1], grad_b.shape[2]
+    grad_lora_a = grad_a[..., :rank].transpose(-2, -1).reshape(num_experts * rank, fan_in)
+    grad_lora_b = grad_b[:, :rank].permute(2, 1, 0).reshape(fan_out, rank * num_experts)
+    return grad_lora_a.to(ctx.dtypes[0]), grad_lora_b.to(ctx.dtypes[1]), None, None, None
+
+
+expert_lora_factors.register_autograd(_lora_factors_backward, setup_context=_lora_factors_setup)
 
 
 class GatherRows(torch.autograd.Function):
