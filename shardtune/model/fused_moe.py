@@ -16,8 +16,8 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
 - the weighted sum back to token order is one batched GEMM (fp32 accumulation) over each token's
   ``top_k`` rows.
 
-Blocks record their routing themselves (``routing_log``, read by ``RoutingRecorder``) since their
-router module's forward no longer runs.
+Blocks report their routing to the ``RoutingRecorder`` themselves (their router module's forward no
+longer runs) from inside the graph: a compiled decoder layer has no graph break (``report_routing``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
-from shardtune.model.moe import MoeBlock, find_moe_blocks
+from shardtune.model.moe import (
+    MoeBlock,
+    RoutingRecorder,
+    find_moe_blocks,
+    routing_probabilities,
+    token_statistics,
+)
 
 log = logging.getLogger("shardtune")
 
@@ -162,6 +168,8 @@ def _parent_of(model: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Modu
 class FusedMoeBlock(torch.nn.Module):
     """A sparse MoE block computed as described in this module's docstring."""
 
+    reports_routing = True  # to the RoutingRecorder, from inside its forward (see report_routing)
+
     def __init__(self, original: torch.nn.Module, routing: Routing):
         super().__init__()
         for name, child in original.named_children():
@@ -170,8 +178,9 @@ class FusedMoeBlock(torch.nn.Module):
         self.replaced = type(original).__name__
         self.router_name = "gate" if hasattr(self, "gate") else "router"
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
-        # (fp32 logits, chosen experts) of each training forward while a RoutingRecorder records.
-        self.routing_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
+        # its gradient in this block's backward.
+        self.trains_balance = False
         self.train(original.training)
         # The experts run through their outermost module's call, so that hooks on it (FSDP2 gathers the
         # experts as a unit of their own) fire; its forward becomes the grouped computation, which reads
@@ -189,23 +198,74 @@ class FusedMoeBlock(torch.nn.Module):
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
         logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing)
-        self._record(logits, chosen)
+        if self.training:
+            weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         output = self.experts(tokens, chosen, weights)  # transformers' experts signature
         if hasattr(self, "shared_experts"):
             output = output + self.shared_experts(tokens)
         return output.reshape(shape)
 
-    # Outside the compiled graph: dynamo (torch 2.11) cannot let a tensor made inside a checkpointed
-    # region escape into a Python list, so a compiled layer breaks its graph here (once per MoE block).
-    @torch.compiler.disable
-    def _record(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
-        if self.routing_log is None:
-            return
-        # Activation checkpointing's recomputation in backward (eager) records nothing: each token once.
-        # Compiled, the recomputation happens in the graph and never reaches this Python code.
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return
-        self.routing_log.append((logits, chosen))
+
+def report_routing(
+    logits: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, scoring: str, trains_balance: bool
+) -> torch.Tensor:
+    """Hand one training forward's routing to the current RoutingRecorder; returns ``weights`` (a copy).
+
+    Without a graph break: the per-token statistics are computed in the graph, and an opaque op hands
+    them over when it runs (``shardtune::report_routing``). That op decides at run time what a traced
+    graph cannot: whether a recording is on, which tokens are real (its mask), and whether this is
+    activation checkpointing's recomputation inside backward (which records nothing, compiled or eager).
+    The routing weights pass through it so that it runs in the forward, in order, and, with
+    ``trains_balance``, so that its backward can give the router probabilities the load-balancing loss's
+    gradient (Megatron-LM attaches its auxiliary loss to the activations the same way): the loss pools
+    every layer, so that gradient is known only once the forward is over, when the recorder sets it.
+    """
+    probabilities = routing_probabilities(logits, scoring)
+    statistics = token_statistics(probabilities, chosen)
+    return torch.ops.shardtune.report_routing(weights, statistics, probabilities if trains_balance else None)
+
+
+@torch.library.custom_op("shardtune::report_routing", mutates_args=())
+def _report_routing(
+    weights: torch.Tensor, statistics: torch.Tensor, probabilities: torch.Tensor | None
+) -> torch.Tensor:
+    if RoutingRecorder.current is not None:
+        RoutingRecorder.current.report(statistics)
+    return weights.clone()
+
+
+@_report_routing.register_fake
+def _(weights, statistics, probabilities):
+    return torch.empty_like(weights)
+
+
+def _report_setup(ctx, inputs, output) -> None:
+    probabilities = inputs[2]
+    ctx.experts = None if probabilities is None else probabilities.shape[-1]
+
+
+def _report_backward(ctx, grad: torch.Tensor):
+    if not ctx.needs_input_grad[2]:
+        return grad, None, None
+    real, gradient = torch.ops.shardtune.balance_gradient(grad, ctx.experts)
+    return grad, None, real.unsqueeze(-1) * gradient  # d(objective)/d(probabilities) of each real token
+
+
+_report_routing.register_autograd(_report_backward, setup_context=_report_setup)
+
+
+@torch.library.custom_op("shardtune::balance_gradient", mutates_args=())
+def _balance_gradient(like: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which tokens of ``like`` (tokens, ...) are real, as 0/1, and the objective's gradient with respect
+    to the probability sum): the recorder's, read when the backward runs; zeros before any recording."""
+    if RoutingRecorder.current is None:
+        return like.new_zeros(like.shape[0]), like.new_zeros(experts)
+    return RoutingRecorder.current.balance_gradient(like)
+
+
+@_balance_gradient.register_fake
+def _(like, experts):
+    return like.new_empty(like.shape[0]), like.new_empty(experts)
 
 
 def _adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
@@ -240,8 +300,7 @@ def route(
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         if torch.compiler.is_compiling():
-            # Compiled, the partitioner decides what backward keeps (it recomputes casts); and logits
-            # of an autograd.Function inside a checkpointed graph cannot leave it through routing_log.
+            # Compiled, the partitioner decides what backward keeps (it recomputes casts).
             logits = F.linear(tokens.float(), router.weight.float())
         else:
             logits = Fp32Linear.apply(tokens, router.weight)
