@@ -13,8 +13,8 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
   two more grouped low-rank products on the same rows from PEFT's own ``lora_A``/``lora_B`` (W + ΔW is
   never formed);
 - SiLU(gate) * up is one autograd function that keeps only the GEMM output for backward;
-- the weighted sum back to token order is one batched GEMM (fp32 accumulation) over each token's
-  ``top_k`` rows.
+- the weighted sum back to token order accumulates in fp32: compiled, one fused gather-multiply-sum
+  kernel over each token's ``top_k`` rows; eager, one batched GEMM.
 
 Blocks report their routing to the ``RoutingRecorder`` themselves (their router module's forward no
 longer runs) from inside the graph: a compiled decoder layer has no graph break (``report_routing``).
@@ -364,7 +364,13 @@ def routed_experts(
     hidden = SiluMul.apply(projected)
     outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, expert_of_row, dtype)
     per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, -1)  # back to (token, choice)
-    # (tokens, 1, k) @ (tokens, k, H): the weighted sum of each token's k rows, accumulated in fp32.
+    if torch.compiler.is_compiling():
+        # Inductor makes the gather, the products with the fp32 weights and the fp32 sum over the k rows
+        # one kernel that reads each row once (no permuted copy; bmm runs (1 x k) @ (k x H) products far
+        # from memory bandwidth), and their backward one gather.
+        return (per_pair.float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+    # Eager, that formulation would make an fp32 copy of every row: (tokens, 1, k) @ (tokens, k, H), the
+    # weighted sum of each token's k rows, accumulated in fp32.
     return torch.bmm(weights.unsqueeze(1).to(dtype), per_pair).squeeze(1)
 
 
