@@ -56,12 +56,9 @@ class ExpertUsage:
         self.buffer[-1] += 1
         for record in records:
             row = table[self.row_of[id(record.block)]]
-            chosen = record.chosen.reshape(-1)
-            row[: self.num_experts].index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
-            p = record.probabilities.detach()
-            entropy = -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
-            row[self.num_experts] += entropy.sum().double()
-            row[self.num_experts + 1] += p.shape[0]
+            row[: self.num_experts] += record.counts.double()
+            row[self.num_experts] += record.entropy_sum.double()
+            row[self.num_experts + 1] += record.tokens.double()
 
     def reduce(self, env: DistributedEnv, step: int) -> dict[str, Any]:
         """Sum over ranks (a collective: every rank calls it at the same step); the record of the interval,

@@ -13,11 +13,11 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
   two more grouped low-rank products on the same rows from PEFT's own ``lora_A``/``lora_B`` (W + ΔW is
   never formed);
 - SiLU(gate) * up is one autograd function that keeps only the GEMM output for backward;
-- the weighted sum back to token order is one batched GEMM (fp32 accumulation) over each token's
-  ``top_k`` rows.
+- the weighted sum back to token order accumulates in fp32: compiled, one fused gather-multiply-sum
+  kernel over each token's ``top_k`` rows; eager, one batched GEMM.
 
-Blocks record their routing themselves (``routing_log``, read by ``RoutingRecorder``) since their
-router module's forward no longer runs.
+Blocks report their routing to the ``RoutingRecorder`` themselves (their router module's forward no
+longer runs) from inside the graph: a compiled decoder layer has no graph break (``report_routing``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
-from shardtune.model.moe import MoeBlock, find_moe_blocks
+from shardtune.model.moe import (
+    MoeBlock,
+    RoutingRecorder,
+    find_moe_blocks,
+    routing_probabilities,
+    token_statistics,
+)
 
 log = logging.getLogger("shardtune")
 
@@ -162,6 +168,8 @@ def _parent_of(model: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Modu
 class FusedMoeBlock(torch.nn.Module):
     """A sparse MoE block computed as described in this module's docstring."""
 
+    reports_routing = True  # to the RoutingRecorder, from inside its forward (see report_routing)
+
     def __init__(self, original: torch.nn.Module, routing: Routing):
         super().__init__()
         for name, child in original.named_children():
@@ -170,8 +178,9 @@ class FusedMoeBlock(torch.nn.Module):
         self.replaced = type(original).__name__
         self.router_name = "gate" if hasattr(self, "gate") else "router"
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
-        # (fp32 logits, chosen experts) of each training forward while a RoutingRecorder records.
-        self.routing_log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
+        # its gradient in this block's backward.
+        self.trains_balance = False
         self.train(original.training)
         # The experts run through their outermost module's call, so that hooks on it (FSDP2 gathers the
         # experts as a unit of their own) fire; its forward becomes the grouped computation, which reads
@@ -189,23 +198,74 @@ class FusedMoeBlock(torch.nn.Module):
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
         logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing)
-        self._record(logits, chosen)
+        if self.training:
+            weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         output = self.experts(tokens, chosen, weights)  # transformers' experts signature
         if hasattr(self, "shared_experts"):
             output = output + self.shared_experts(tokens)
         return output.reshape(shape)
 
-    # Outside the compiled graph: dynamo (torch 2.11) cannot let a tensor made inside a checkpointed
-    # region escape into a Python list, so a compiled layer breaks its graph here (once per MoE block).
-    @torch.compiler.disable
-    def _record(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
-        if self.routing_log is None:
-            return
-        # Activation checkpointing's recomputation in backward (eager) records nothing: each token once.
-        # Compiled, the recomputation happens in the graph and never reaches this Python code.
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return
-        self.routing_log.append((logits, chosen))
+
+def report_routing(
+    logits: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, scoring: str, trains_balance: bool
+) -> torch.Tensor:
+    """Hand one training forward's routing to the current RoutingRecorder; returns ``weights`` (a copy).
+
+    Without a graph break: the per-token statistics are computed in the graph, and an opaque op hands
+    them over when it runs (``shardtune::report_routing``). That op decides at run time what a traced
+    graph cannot: whether a recording is on, which tokens are real (its mask), and whether this is
+    activation checkpointing's recomputation inside backward (which records nothing, compiled or eager).
+    The routing weights pass through it so that it runs in the forward, in order, and, with
+    ``trains_balance``, so that its backward can give the router probabilities the load-balancing loss's
+    gradient (Megatron-LM attaches its auxiliary loss to the activations the same way): the loss pools
+    every layer, so that gradient is known only once the forward is over, when the recorder sets it.
+    """
+    probabilities = routing_probabilities(logits, scoring)
+    statistics = token_statistics(probabilities, chosen)
+    return torch.ops.shardtune.report_routing(weights, statistics, probabilities if trains_balance else None)
+
+
+@torch.library.custom_op("shardtune::report_routing", mutates_args=())
+def _report_routing(
+    weights: torch.Tensor, statistics: torch.Tensor, probabilities: torch.Tensor | None
+) -> torch.Tensor:
+    if RoutingRecorder.current is not None:
+        RoutingRecorder.current.report(statistics)
+    return weights.clone()
+
+
+@_report_routing.register_fake
+def _(weights, statistics, probabilities):
+    return torch.empty_like(weights)
+
+
+def _report_setup(ctx, inputs, output) -> None:
+    probabilities = inputs[2]
+    ctx.experts = None if probabilities is None else probabilities.shape[-1]
+
+
+def _report_backward(ctx, grad: torch.Tensor):
+    if not ctx.needs_input_grad[2]:
+        return grad, None, None
+    real, gradient = torch.ops.shardtune.balance_gradient(grad, ctx.experts)
+    return grad, None, real.unsqueeze(-1) * gradient  # d(objective)/d(probabilities) of each real token
+
+
+_report_routing.register_autograd(_report_backward, setup_context=_report_setup)
+
+
+@torch.library.custom_op("shardtune::balance_gradient", mutates_args=())
+def _balance_gradient(like: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which tokens of ``like`` (tokens, ...) are real, as 0/1, and the objective's gradient with respect
+    to the probability sum): the recorder's, read when the backward runs; zeros before any recording."""
+    if RoutingRecorder.current is None:
+        return like.new_zeros(like.shape[0]), like.new_zeros(experts)
+    return RoutingRecorder.current.balance_gradient(like)
+
+
+@_balance_gradient.register_fake
+def _(like, experts):
+    return like.new_empty(like.shape[0]), like.new_empty(experts)
 
 
 def _adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
@@ -240,8 +300,7 @@ def route(
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         if torch.compiler.is_compiling():
-            # Compiled, the partitioner decides what backward keeps (it recomputes casts); and logits
-            # of an autograd.Function inside a checkpointed graph cannot leave it through routing_log.
+            # Compiled, the partitioner decides what backward keeps (it recomputes casts).
             logits = F.linear(tokens.float(), router.weight.float())
         else:
             logits = Fp32Linear.apply(tokens, router.weight)
@@ -305,7 +364,13 @@ def routed_experts(
     hidden = SiluMul.apply(projected)
     outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, expert_of_row, dtype)
     per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, -1)  # back to (token, choice)
-    # (tokens, 1, k) @ (tokens, k, H): the weighted sum of each token's k rows, accumulated in fp32.
+    if torch.compiler.is_compiling():
+        # Inductor makes the gather, the products with the fp32 weights and the fp32 sum over the k rows
+        # one kernel that reads each row once (no permuted copy; bmm runs (1 x k) @ (k x H) products far
+        # from memory bandwidth), and their backward one gather.
+        return (per_pair.float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+    # Eager, that formulation would make an fp32 copy of every row: (tokens, 1, k) @ (tokens, k, H), the
+    # weighted sum of each token's k rows, accumulated in fp32.
     return torch.bmm(weights.unsqueeze(1).to(dtype), per_pair).squeeze(1)
 
 
@@ -337,22 +402,54 @@ def _projection(
     return result
 
 
-# Outside the compiled graph: the grouped GEMM needs its weight operand in one of two exact layouts, and
-# inductor (torch 2.11) may give a re-laid-out intermediate other strides than .contiguous() asked for
-# ("Invalid strides/sizes" from _grouped_mm). Inputs of a compiled graph keep the strides they have.
-@torch.compiler.disable
+# An opaque op, so that its outputs have exactly the strides its fake implementation states: the grouped
+# GEMM takes its weight operand only row- or column-major per expert, and inductor, left to lay out this
+# copy itself, kept lora_B's own order (the expert index innermost: "Invalid strides/sizes" from
+# _grouped_mm) and dropped the copy that .contiguous() asked for.
+@torch.library.custom_op("shardtune::expert_lora_factors", mutates_args=())
 def expert_lora_factors(
     lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, rank: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's per-expert factors as grouped-GEMM weights: A_e^T (E, in, r) and B_e^T (E, r, out), each
     expert's matrix column-major, the rank zero-padded to a multiple of 8 (16-byte aligned rows)."""
-    a = lora_a.to(dtype).view(num_experts, rank, -1)  # (E, r, in)
-    b = lora_b.to(dtype).view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
-    pad = -rank % 8
-    if pad:
-        a = F.pad(a, (0, 0, 0, pad))
-        b = F.pad(b, (0, pad))
-    return a.contiguous().transpose(-2, -1), b.contiguous().transpose(-2, -1)
+    a, b = _empty_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+    if a.shape[-1] != rank:  # the padding's rows and columns
+        a.zero_()
+        b.zero_()
+    a[..., :rank].copy_(lora_a.view(num_experts, rank, -1).transpose(-2, -1))  # A_e is rows e*r..(e+1)*r
+    b[:, :rank].copy_(lora_b.view(lora_b.shape[0], rank, num_experts).permute(2, 1, 0))  # B_e: columns e, e+E, ...
+    return a, b
+
+
+@expert_lora_factors.register_fake
+def _(lora_a, lora_b, num_experts, rank, dtype):
+    return _empty_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+
+
+def _empty_lora_factors(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    padded_rank = rank + -rank % 8
+    a = lora_a.new_empty(num_experts, padded_rank, lora_a.shape[1], dtype=dtype).transpose(-2, -1)
+    b = lora_b.new_empty(num_experts, lora_b.shape[0], padded_rank, dtype=dtype).transpose(-2, -1)
+    return a, b
+
+
+def _lora_factors_setup(ctx, inputs, output) -> None:
+    lora_a, lora_b, _, rank, _ = inputs
+    ctx.rank, ctx.dtypes = rank, (lora_a.dtype, lora_b.dtype)
+
+
+def _lora_factors_backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor):
+    """The forward's re-layout undone: (E, in, r) to lora_A's (r*E, in), (E, r, out) to lora_B's (out, r*E)."""
+    rank = ctx.rank
+    num_experts, fan_in, fan_out = grad_a.shape[0], grad_a.shape[1], grad_b.shape[2]
+    grad_lora_a = grad_a[..., :rank].transpose(-2, -1).reshape(num_experts * rank, fan_in)
+    grad_lora_b = grad_b[:, :rank].permute(2, 1, 0).reshape(fan_out, rank * num_experts)
+    return grad_lora_a.to(ctx.dtypes[0]), grad_lora_b.to(ctx.dtypes[1]), None, None, None
+
+
+expert_lora_factors.register_autograd(_lora_factors_backward, setup_context=_lora_factors_setup)
 
 
 class GatherRows(torch.autograd.Function):

@@ -10,10 +10,10 @@ Glm4Moe (GLM-4.5/4.6/4.7), and the DeepSeek-style models built the same way.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -107,57 +107,85 @@ def routing_probabilities(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def token_statistics(probabilities: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Per token, what a RoutingRecord sums over the real tokens, from (tokens, experts) router
+    probabilities and (tokens, top_k) chosen experts: [1 for each chosen expert (experts) | probabilities
+    (experts) | entropy in nats (1) | 1 (1)], (tokens, 2 x experts + 2) fp32, outside the autograd graph."""
+    probabilities = probabilities.detach().float()
+    choices = torch.zeros_like(probabilities).scatter_(1, chosen, 1.0)  # a token's top_k experts are distinct
+    entropy = -(probabilities * probabilities.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
+    return torch.cat([choices, probabilities, entropy, torch.ones_like(entropy)], dim=-1)
+
+
+def sum_real(values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """(tokens, n) values summed over the real tokens (``real``: (tokens,) bool; None: every token) by a
+    mask product: no host sync, unlike selecting the real rows."""
+    return values.sum(dim=0) if real is None else (values * real.unsqueeze(-1)).sum(dim=0)
+
+
+@dataclass(eq=False)
 class RoutingRecord:
-    """What one MoE block's router decided for the real tokens of one forward pass."""
+    """What one MoE block's router decided for the real tokens of one forward pass, summed over them."""
 
-    def __init__(self, block: MoeBlock, logits: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor | None):
-        self.block = block
-        self._logits = logits  # (tokens, experts), every token, in the autograd graph
-        self._real = real
-        self.chosen = chosen if real is None else chosen[real]  # (real tokens, top_k) expert indices
+    block: MoeBlock
+    counts: torch.Tensor  # (experts,) (token, choice) pairs routed to each expert
+    probability_sum: torch.Tensor  # (experts,) router probabilities, summed; see RoutingRecorder for its gradient
+    entropy_sum: torch.Tensor  # () the entropies of the tokens' router distributions, in nats
+    tokens: torch.Tensor  # ()
 
-    @functools.cached_property
-    def probabilities(self) -> torch.Tensor:
-        """(real tokens, experts) router probabilities, in the autograd graph.
-
-        Computed on first use, after the forward pass: ops run inside the hook would save tensors for
-        backward that activation checkpointing's recomputation (where hooks record nothing) does not.
-        """
-        logits = self._logits if self._real is None else self._logits[self._real]
-        return routing_probabilities(logits, self.block.scoring)
+    @classmethod
+    def of(cls, block: MoeBlock, sums: torch.Tensor, probability_sum: torch.Tensor | None = None) -> RoutingRecord:
+        """A record from the real-token sum of ``token_statistics``; ``probability_sum`` in the autograd graph
+        replaces the statistics' own (detached) one."""
+        experts = block.num_experts
+        probabilities = sums[experts : 2 * experts] if probability_sum is None else probability_sum
+        return cls(block, sums[:experts], probabilities, sums[2 * experts], sums[2 * experts + 1])
 
 
 @dataclass
 class RoutingRecorder:
     """While ``recording()``, each router's decision becomes a record.
 
-    Blocks computed by transformers are seen through forward hooks on their routers. Blocks that route
-    themselves (shardtune's fused block: a ``routing_log`` attribute) append (logits, chosen) to that
-    list while it is a list, and the recorder turns those entries into records when recording ends.
+    Blocks computed by transformers are seen through forward hooks on their routers; their records are
+    made when the forward is over (ops run inside a hook would save tensors for backward that activation
+    checkpointing's recomputation, where hooks record nothing, does not), with the probability sums in
+    the autograd graph: the load-balancing loss's gradient reaches the routers through them.
+
+    Blocks that route themselves (shardtune's fused block: ``reports_routing``) hand their per-token
+    ``token_statistics`` to ``report`` from inside the forward, compiled or not (see
+    ``shardtune.model.fused_moe``), without their probabilities' autograd graph: nothing leaves a
+    compiled graph but what the report needs. With ``trains_balance`` the loss's gradient enters each such
+    block's backward instead (``balance_objective`` sets it, ``balance_gradient`` hands it to the block).
+
     Forwards outside ``recording()`` (evaluation) and the recomputation that activation checkpointing
     runs inside backward record nothing, so every token is recorded exactly once per training forward.
-    Recording runs no differentiable op, so a checkpointed layer saves the same tensors in its forward
-    and in its recomputation.
     """
 
     blocks: list[MoeBlock]
+    trains_balance: bool = False
     records: list[RoutingRecord] = field(default_factory=list)
-    _mask: torch.Tensor | None = None
+    _real: torch.Tensor | None = None
     _active: bool = False
+    _routed: list[tuple[MoeBlock, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _reported: int = 0
+    _balance_gradient: torch.Tensor | None = None
+
+    # The recorder of the latest recording: self-routing blocks report to it. One recording at a time.
+    current: ClassVar[RoutingRecorder | None] = None
 
     def __post_init__(self) -> None:
+        self._reporting = [block for block in self.blocks if getattr(block.block, "reports_routing", False)]
+        for block in self._reporting:
+            block.block.trains_balance = self.trains_balance
         for block in self.blocks:
-            if not hasattr(block.block, "routing_log"):
+            if block not in self._reporting:
                 block.router.register_forward_hook(self._hook(block))
-        # A compiled, checkpointed layer would otherwise replay the recording in backward (or, without
-        # this option in older torch, break the layer's graph there): recording is forward-only.
+        # A compiled, checkpointed layer would otherwise replay the hooks' recording in backward (or,
+        # without this option in older torch, break the layer's graph there): recording is forward-only.
         import torch._dynamo
 
         if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-
-    def _self_recording(self) -> list[MoeBlock]:
-        return [block for block in self.blocks if hasattr(block.block, "routing_log")]
 
     def _hook(self, block: MoeBlock):
         def record(module: torch.nn.Module, inputs: tuple, output: object) -> None:
@@ -170,27 +198,64 @@ class RoutingRecorder:
             else:
                 with torch.no_grad():  # softmax and sigmoid keep the order of the logits
                     chosen = logits.topk(block.top_k, dim=-1).indices
-            self.records.append(RoutingRecord(block, logits, chosen.reshape(-1, block.top_k), self._mask))
+            self._routed.append((block, logits, chosen.reshape(-1, block.top_k)))
 
         return record
 
     @contextlib.contextmanager
     def recording(self, real_tokens: torch.Tensor | None) -> Iterator[list[RoutingRecord]]:
-        """Record the routers of one forward; ``real_tokens`` (batch, seq) masks out padding. The
-        records of self-recording blocks join ``records`` when the forward is over."""
+        """Record the routers of one forward; ``real_tokens`` (batch, seq) masks out padding. The records
+        of hooked routers join ``records`` when the forward is over."""
         self.records = []
-        self._mask = None if real_tokens is None else real_tokens.reshape(-1).bool()
+        self._real = None if real_tokens is None else real_tokens.reshape(-1).bool()
+        self._reported = 0
+        self._balance_gradient = None
         self._active = True
-        for block in self._self_recording():
-            block.block.routing_log = []
+        RoutingRecorder.current = self
         try:
             yield self.records
         finally:
             self._active = False
-            for block in self._self_recording():
-                for logits, chosen in block.block.routing_log:
-                    self.records.append(RoutingRecord(block, logits, chosen, self._mask))
-                block.block.routing_log = None
+            for block, logits, chosen in self._routed:
+                probabilities = routing_probabilities(logits, block.scoring)
+                sums = sum_real(token_statistics(probabilities, chosen), self._real)
+                self.records.append(RoutingRecord.of(block, sums, sum_real(probabilities, self._real)))
+            self._routed = []
+
+    def report(self, statistics: torch.Tensor) -> None:
+        """A self-routing block's ``token_statistics`` of a forward. Blocks report in the order they run,
+        which is the order of the layers."""
+        if not self._active or torch._C._current_graph_task_id() != -1:
+            return  # not a training forward, or checkpointing's recomputation during backward
+        block = self._reporting[self._reported % len(self._reporting)]
+        self._reported += 1
+        self.records.append(RoutingRecord.of(block, sum_real(statistics, self._real)))
+
+    def balance_objective(self, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the load-balancing loss of the forward just recorded, weight x it as a term of the objective).
+
+        Add the term to the objective and run backward through the model's output as usual: for hooked
+        routers the term carries the gradient; self-routing blocks get weight x the loss's gradient with
+        respect to their probability sums in their own backward (the term's value is the same)."""
+        loss = load_balancing_loss(self.records)
+        if self._reporting:
+            if not self.trains_balance:
+                raise ValueError("RoutingRecorder(trains_balance=False) has no balance gradient to give")
+            self._balance_gradient = weight * load_balancing_gradient(self.records)
+        return loss, weight * loss
+
+    def balance_gradient(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a self-routing block's backward, ``like`` a (tokens, ...) tensor of it: (which tokens are
+        real, as 0/1, and the gradient of the objective with respect to its probability sum), in
+        ``like``'s dtype; zeros before ``balance_objective``. Only the backward of the forward just
+        recorded asks (its tokens are those of ``recording``)."""
+        tokens, experts = like.shape[0], self.blocks[0].num_experts
+        if self._balance_gradient is None:
+            return like.new_zeros(tokens), like.new_zeros(experts)
+        real = like.new_ones(tokens) if self._real is None else self._real.to(like.dtype)
+        if real.shape[0] != tokens:
+            raise ValueError(f"a backward of {tokens} tokens after a recording of {real.shape[0]}")
+        return real, self._balance_gradient.to(like.dtype)
 
 
 def load_balancing_loss(records: list[RoutingRecord]) -> torch.Tensor:
@@ -203,15 +268,21 @@ def load_balancing_loss(records: list[RoutingRecord]) -> torch.Tensor:
     normalized scores as P.
     """
     num_experts = records[0].block.num_experts
-    device = records[0].probabilities.device
-    routed = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    probability_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = 0
-    for record in records:
-        ones = torch.ones(record.chosen.numel(), dtype=torch.float32, device=device)
-        routed = routed.index_add(0, record.chosen.reshape(-1), ones)
-        probability_sum = probability_sum + record.probabilities.sum(dim=0)
-        rows += record.probabilities.shape[0]
-    if rows == 0:
-        return probability_sum.sum() * 0.0
+    routed, probability_sum, rows = _pooled(records)
     return num_experts * torch.sum((routed / rows) * (probability_sum / rows))
+
+
+def load_balancing_gradient(records: list[RoutingRecord]) -> torch.Tensor:
+    """The gradient of ``load_balancing_loss(records)`` with respect to each record's probability sum: the
+    same (num_experts,) vector for every layer, since the loss pools the layers: num_experts * routed / rows²."""
+    num_experts = records[0].block.num_experts
+    routed, _, rows = _pooled(records)
+    return (num_experts * routed / rows**2).detach()
+
+
+def _pooled(records: list[RoutingRecord]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(routed pairs per expert, probability sums per expert, rows: at least 1) over the records."""
+    routed = sum(record.counts for record in records)
+    probability_sum = sum(record.probability_sum for record in records)
+    rows = sum(record.tokens for record in records).clamp_min(1.0)  # no real token: a loss of 0
+    return routed, probability_sum, rows

@@ -24,7 +24,7 @@ class RouterTraining:
         if len({(block.num_experts, block.top_k) for block in blocks}) > 1:
             raise ConfigError("this model's MoE layers differ in their number of experts or top_k: not supported")
         self.coef = aux_loss_coef
-        self.recorder = RoutingRecorder(blocks)
+        self.recorder = RoutingRecorder(blocks, trains_balance=aux_loss_coef > 0)
         self.usage = ExpertUsage(blocks, device)
         scoring = blocks[0].scoring
         log.info(
@@ -50,14 +50,15 @@ class RouterTraining:
         micro-batch losses / micro_batches; the average over ranks is then the global mean.
         """
         records = self.recorder.records
+        term = None
         if self.coef > 0:
-            loss = load_balancing_loss(records)
+            loss, term = self.recorder.balance_objective(self.coef / micro_batches)
         else:
             with torch.no_grad():  # logged, not trained on: no graph
                 loss = load_balancing_loss(records)
         self.usage.add(records, loss)
         self.recorder.records = []  # the probabilities keep the graph alive only until backward
-        return loss * (self.coef / micro_batches) if self.coef > 0 else None
+        return term
 
     def interval_record(self, env: DistributedEnv, step: int) -> dict[str, Any]:
         """The interval's expert usage, reduced over ranks (every rank calls this at logging steps)."""

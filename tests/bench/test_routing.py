@@ -38,8 +38,7 @@ def _loads(routing: str, seed: int = 0) -> list[float]:
         model(tokens)
     loads = []
     for record in recorder.records:
-        counts = torch.bincount(record.chosen.reshape(-1), minlength=32).double()
-        loads.append(float(counts.max() / counts.mean()))
+        loads.append(float(record.counts.max() / record.counts.mean()))
     return loads
 
 

@@ -22,7 +22,7 @@ from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
 from shardtune.model.lora import apply_lora, share_expert_adapters
-from shardtune.model.moe import RoutingRecorder, find_moe_blocks, load_balancing_loss
+from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 
 ARCHS = list(FUSED_MOE_ARCHITECTURES)
 SHARED = ("glm4_moe", "deepseek_v3")  # the architectures with shared experts
@@ -167,54 +167,111 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
         assert_same(got[name], expected[name], name)
 
 
+def record_and_balance(model: torch.nn.Module, inputs: dict, labels: torch.Tensor | None, weight: float):
+    """One recorded training forward and its backward, the LM loss (when ``labels``) plus ``weight`` x the
+    load-balancing loss as training adds them; (records, LM loss, balance loss)."""
+    recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)), trains_balance=True)
+    with recorder.recording(inputs.get("attention_mask")):
+        output = model(**inputs, labels=labels)
+    balance, term = recorder.balance_objective(weight)
+    lm = output.loss if labels is not None else output.logits.sum() * 0  # 0: the balance gradient alone
+    (lm + term).backward()
+    return recorder.records, lm.detach(), balance.detach()
+
+
+def assert_same_records(mine: list, theirs: list) -> None:
+    assert len(mine) == len(theirs) > 0
+    for record, reference in zip(mine, theirs, strict=True):
+        assert record.block.layer == reference.block.layer
+        assert torch.equal(record.counts, reference.counts) and record.tokens == reference.tokens
+        for name in ("probability_sum", "entropy_sum"):
+            assert_same(getattr(record, name).detach(), getattr(reference, name).detach(), name)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_routing_records_and_balance_loss_equal_the_router_hooks(moe_dirs, arch):
+def test_routing_records_and_balance_gradient_equal_the_router_hooks(moe_dirs, arch):
+    """The fused block reports what hooks on transformers' routers record, and gives the routers (and
+    every weight below them) the load-balancing loss's gradient in its own backward."""
     reference = build(moe_dirs[arch])
     fused = fused_copy(reference)
-    inputs, labels = padded_batch()
-    real = inputs["attention_mask"]
+    inputs, _ = padded_batch()
     results = []
     for model in (reference, fused):
-        recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)))
-        with recorder.recording(real):
-            model(**inputs)
+        records, _, balance = record_and_balance(model, inputs, None, weight=0.5)
         model(**inputs)  # outside recording: no records
-        loss = load_balancing_loss(recorder.records)
-        loss.backward()
-        router_grads = [block.router.weight.grad for block in recorder.blocks]
-        results.append((recorder.records, loss.detach(), router_grads))
+        assert sum(record.tokens for record in records) == len(records) * int(inputs["attention_mask"].sum())
+        results.append((records, balance, grads_of(model)))
     (hooked, hooked_loss, hooked_grads), (own, own_loss, own_grads) = results
-    assert len(own) == len(hooked) == len(find_moe_blocks(fused, decoder_layers(fused)))
-    for mine, theirs in zip(own, hooked, strict=True):
-        assert mine.block.layer == theirs.block.layer
-        assert mine.chosen.shape[0] == int(real.sum())
-        assert torch.equal(mine.chosen.sort(dim=-1).values, theirs.chosen.sort(dim=-1).values)
+    assert len(own) == len(find_moe_blocks(fused, decoder_layers(fused)))
+    assert_same_records(own, hooked)
     assert_same(own_loss, hooked_loss)
-    for mine, theirs in zip(own_grads, hooked_grads, strict=True):
-        assert_same(mine, theirs)
+    assert any(".gate." in name and grad.abs().sum() > 0 for name, grad in own_grads.items())
+    assert own_grads.keys() == hooked_grads.keys()
+    for name in own_grads:
+        assert_same(own_grads[name], hooked_grads[name], name)
 
 
-def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs):
-    """Each checkpointed decoder layer compiles (its graph breaks only where the block hands its routing
-    to the recorder), records its routing once per forward, and gives the eager block's gradients."""
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+
+
+@pytest.mark.parametrize("compiled", ["outside", "inside"])
+def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled):
+    """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
+    graph break fails the test) or inside it (where FSDP's hooks on the experts break the graph anyway),
+    records its routing once per forward (not again in the recomputation) and gives the eager block's
+    loss, balance loss and gradients."""
     reference = fused_copy(build(moe_dirs["glm4_moe"], ["attention", "routed_experts"]))
-    compiled = copy.deepcopy(reference)
-    for model in (reference, compiled):
+    compiled_model = copy.deepcopy(reference)
+    for model in (reference, compiled_model):
         apply_activation_checkpointing(model, decoder_layers(model), every=1)
-    for layer in decoder_layers(compiled):
-        wrapper = next(m for m in compiled.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer)
-        wrapper.compile(backend="aot_eager")
+    for layer in decoder_layers(compiled_model):
+        wrapper = next(m for m in compiled_model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer)
+        (wrapper if compiled == "outside" else layer).compile(backend="aot_eager", fullgraph=True)
     inputs, labels = padded_batch()
     results = []
-    for model in (reference, compiled):
+    for model in (reference, compiled_model):
+        records, loss, balance = record_and_balance(model, inputs, labels, weight=0.5)
+        assert len(records) == 2
+        results.append((records, {"loss": loss, "balance": balance} | grads_of(model)))
+    assert_same_records(results[1][0], results[0][0])
+    for name in results[0][1]:
+        assert_same(results[1][1][name], results[0][1][name], name)
+    for model in (reference, compiled_model):  # backward (and its recomputation) while still recording
         recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)))
         with recorder.recording(inputs["attention_mask"]):
-            loss = model(**inputs, labels=labels).loss
+            model(**inputs, labels=labels).loss.backward()
         assert len(recorder.records) == 2
-        (loss + load_balancing_loss(recorder.records)).backward()
-        results.append({"loss": loss.detach()} | {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    for name in results[0]:
-        assert_same(results[1][name], results[0][name], name)
+
+
+@pytest.mark.parametrize(
+    ("arch", "targets"), [("qwen3_moe", ["attention"]), ("glm4_moe", ["attention", "routed_experts"])]
+)
+def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, arch, targets):
+    """What GPUs run, on the CPU: bf16 through torch._grouped_mm (LoRA factors laid out for it), inductor,
+    each checkpointed decoder layer compiled outside its wrapper with fullgraph (a graph break fails the
+    test). Three AdamW steps, the balance loss trained, give eager's losses and record once per forward."""
+    reference = fused_copy(build(moe_dirs[arch], targets)).to(torch.bfloat16)
+    compiled_model = copy.deepcopy(reference)
+    for model in (reference, compiled_model):
+        apply_activation_checkpointing(model, decoder_layers(model), every=1)
+    for layer in decoder_layers(compiled_model):
+        next(m for m in compiled_model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
+            fullgraph=True
+        )
+    inputs, labels = padded_batch()
+    losses = []
+    for model in (reference, compiled_model):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        losses.append([])
+        for _ in range(3):
+            records, loss, _ = record_and_balance(model, inputs, labels, weight=0.01)
+            assert len(records) == len(find_moe_blocks(model, decoder_layers(model)))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[-1].append(loss.float().item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-3)
+    assert losses[0][-1] < losses[0][0]
 
 
 def test_saved_adapter_loads_in_peft_and_merges_to_the_fused_logits(moe_dirs, tmp_path):
