@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import peft
@@ -33,6 +35,25 @@ def saved_run_config(directory: Path) -> Config | None:
     return None
 
 
+@contextlib.contextmanager
+def checkpoint_wrappers_removed(model: torch.nn.Module) -> Iterator[None]:
+    """The model without activation checkpointing's wrappers, for as long as the context lasts. PEFT picks
+    an adapter's tensors out of a state dict by the names of the modules holding them; state dicts leave
+    the wrapper out of their names, module names keep it, and PEFT would find nothing to save."""
+    removed = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            inner = getattr(child, "_checkpoint_wrapped_module", None)
+            if inner is not None:
+                parent._modules[name] = inner
+                removed.append((parent, name, child))
+    try:
+        yield
+    finally:
+        for parent, name, child in removed:
+            parent._modules[name] = child
+
+
 def save_final(
     model: PreTrainedModel | peft.PeftModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -59,7 +80,8 @@ def save_final(
     use_cache, base.config.use_cache = base.config.use_cache, True
     try:
         if isinstance(model, peft.PeftModel):
-            model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+            with checkpoint_wrappers_removed(model):
+                model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
             adapter_config_path = staging / "adapter_config.json"
             adapter_config = json.loads(adapter_config_path.read_text())
             base_name = adapter_config.get("base_model_name_or_path")

@@ -26,7 +26,6 @@ from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
-from shardtune.model.fused_moe import FusedMoeBlock
 from shardtune.model.moe import find_moe_blocks
 
 log = logging.getLogger("shardtune")
@@ -93,11 +92,10 @@ def parallelize(
             torch._dynamo.config.optimize_ddp = False
         compiler = compiler if compiler is not None else LayerCompiler()
         for layer in layers:
-            # A fused MoE block hands its routing to the recorder outside the graph (a graph break),
-            # and dynamo runs a checkpointed region with a graph break entirely eagerly: such layers
-            # are compiled inside their checkpoint wrapper, whose recomputation replays the graphs.
-            breaks_graph = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
-            (layer if breaks_graph else _outer_wrapper(model, layer)).compile(backend=compiler)
+            # Around the checkpoint wrapper: the recomputation is part of the graph. (A graph break
+            # inside a checkpointed region would make dynamo run the whole region eagerly; fused MoE
+            # blocks report their routing from inside the graph for this reason.)
+            _outer_wrapper(model, layer).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

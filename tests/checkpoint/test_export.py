@@ -102,3 +102,17 @@ def test_export_refuses_an_incomplete_checkpoint(tmp_path, capsys):
     (tmp_path / "checkpoint-3").mkdir()
     assert main(["export", str(tmp_path / "checkpoint-3"), "--out", str(tmp_path / "x")]) == 2
     assert "not a complete checkpoint (no manifest.json)" in capsys.readouterr().err
+
+
+def test_final_adapter_of_a_checkpointed_run_holds_every_trained_tensor(tmp_path):
+    """Activation checkpointing's wrappers are in module names, not in state-dict names: PEFT matched the
+    two and saved an empty adapter. final/ must hold what the same run without checkpointing holds."""
+    from safetensors.torch import load_file
+
+    plain = cli_train(tmp_path, "plain", 1, steps=2)
+    checkpointed = cli_train(tmp_path, "checkpointed", 1, "training.gradient_checkpointing=true", steps=2)
+    expected = load_file(plain["out"] / "final/adapter_model.safetensors")
+    saved = load_file(checkpointed["out"] / "final/adapter_model.safetensors")
+    assert len(expected) == 56 and sorted(saved) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-7)
