@@ -26,6 +26,7 @@ from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import FusedMoeBlock
 from shardtune.model.moe import find_moe_blocks
 
 log = logging.getLogger("shardtune")
@@ -92,10 +93,13 @@ def parallelize(
             torch._dynamo.config.optimize_ddp = False
         compiler = compiler if compiler is not None else LayerCompiler()
         for layer in layers:
-            # Around the checkpoint wrapper: the recomputation is part of the graph. (A graph break
-            # inside a checkpointed region would make dynamo run the whole region eagerly; fused MoE
-            # blocks report their routing from inside the graph for this reason.)
-            _outer_wrapper(model, layer).compile(backend=compiler)
+            # Dense layers are compiled around their checkpoint wrapper (the recomputation is part of the
+            # graph). A fused MoE layer compiled so kept 17% more memory at its peak than HF's path on one
+            # H200 (Qwen3-30B-A3B, seq 4096: 84.6 GiB against 72.6; the partitioner saves routing tensors
+            # past the checkpoint); compiled inside its wrapper, the recomputation replays its graphs and
+            # nothing but the layer's input is kept.
+            is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
+            (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)
