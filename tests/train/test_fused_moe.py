@@ -167,6 +167,10 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
         assert_same(got[name], expected[name], name)
 
 
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+
+
 def record_and_balance(model: torch.nn.Module, inputs: dict, labels: torch.Tensor | None, weight: float):
     """One recorded training forward and its backward, the LM loss (when ``labels``) plus ``weight`` x the
     load-balancing loss as training adds them; (records, LM loss, balance loss)."""
@@ -209,10 +213,6 @@ def test_routing_records_and_balance_gradient_equal_the_router_hooks(moe_dirs, a
     assert own_grads.keys() == hooked_grads.keys()
     for name in own_grads:
         assert_same(own_grads[name], hooked_grads[name], name)
-
-
-def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
 
 
 @pytest.mark.parametrize("compiled", ["outside", "inside"])
