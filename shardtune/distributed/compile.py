@@ -40,7 +40,6 @@ class LayerCompiler:
         self.graphs = 0  # graphs inductor compiled
         self.seconds = 0.0  # time spent compiling them (tracing by dynamo not included)
         self.failure: str | None = None  # the first failure's one-line cause; from then on, eager
-        self._reported = False
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.failure is not None:
@@ -62,10 +61,7 @@ class LayerCompiler:
         self.graphs += 1
         return compiled
 
-    def report_once(self) -> None:
-        """After the first step, which compiled every graph: how long compiling took (once per run)."""
-        if self._reported or (self.graphs == 0 and self.failure is None):
-            return
-        self._reported = True
+    def log_compile_time(self) -> None:
+        """How long compiling took: called once, after the first step, which compiled every graph."""
         if self.graphs:
             log.info("torch.compile: %d graph(s) compiled in %.1f s", self.graphs, self.seconds)

@@ -324,7 +324,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         optimizer.zero_grad(set_to_none=True)
         interval.end_step()
         if step == start_step + 1:
-            compiler.report_once()  # the first step compiled every graph
+            compiler.log_compile_time()
         profiler.step_ends(step)
         progress.advance()
 

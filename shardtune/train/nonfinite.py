@@ -54,7 +54,8 @@ class NonFiniteGuard:
         self.on_device = skips_on_device(optimizer)
         self.consecutive = 0
         self.skipped = 0
-        self._unread: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []  # verdicts not yet on the host
+        # The device path's last verdict, not yet read on the host: (step, its host copy, the copy's event).
+        self._unread: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def check(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, torch.Tensor]:
         """Judge this step on every rank (a collective: every rank calls it every step, before
@@ -69,8 +70,7 @@ class NonFiniteGuard:
             dist.all_reduce(verdict, op=dist.ReduceOp.SUM)  # slots are disjoint: the sum is each rank's code
         finite = verdict.count_nonzero() == 0
         if not self.on_device:
-            self._settle(step, verdict.tolist())  # the host sync of this path
-            return bool(finite), finite
+            return self._settle(step, verdict.tolist()), finite  # the host sync of this path
         self.settle()  # the previous step's verdict: computed by now
         self.optimizer.found_inf = (~finite).float()
         on_host = verdict.to("cpu", non_blocking=True)
@@ -78,22 +78,24 @@ class NonFiniteGuard:
         if verdict.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        self._unread.append((step, on_host, ready))
+        self._unread = (step, on_host, ready)
         return True, finite
 
     def settle(self) -> None:
-        """Read, log and count the verdicts still on their way to the host (a host sync where there are
-        any): before anything that must know them (a checkpoint, the end of the run)."""
-        while self._unread:
-            step, on_host, ready = self._unread.pop(0)
-            if ready is not None:
-                ready.synchronize()
-            self._settle(step, on_host.tolist())
+        """Read, log and count the verdict still on its way to the host (a host sync where there is one):
+        before anything that must know it (a checkpoint, the end of the run)."""
+        if self._unread is None:
+            return
+        (step, on_host, ready), self._unread = self._unread, None
+        if ready is not None:
+            ready.synchronize()
+        self._settle(step, on_host.tolist())
 
-    def _settle(self, step: int, codes: list[int]) -> None:
+    def _settle(self, step: int, codes: list[int]) -> bool:
+        """Log and count one step's verdict (each rank's code); whether the step was finite."""
         if not any(codes):
             self.consecutive = 0
-            return
+            return True
         self.consecutive += 1
         self.skipped += 1
         loss_ranks = [rank for rank, code in enumerate(codes) if code & LOSS]
@@ -127,3 +129,4 @@ class NonFiniteGuard:
                 "those steps was applied. Lower training.learning_rate, check the data, or set "
                 "training.on_nonfinite=skip"
             )
+        return False
