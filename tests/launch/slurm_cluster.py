@@ -54,14 +54,23 @@ class SlurmCluster:
         return dict(field.split("=", 1) for field in fields if "=" in field)
 
     def wait(self, job_id: str, done: Callable[[dict[str, str]], bool], timeout_s: float, what: str) -> dict[str, str]:
-        """Poll the job until ``done(job)``; fail naming ``what`` and the job's state after ``timeout_s``."""
+        """Poll the job until ``done(job)``. After ``timeout_s`` the job is cancelled (so that it does not
+        hold the nodes the next test needs) and the error names ``what``, the job's state, the nodes'
+        states and the end of the job's output."""
         deadline = time.monotonic() + timeout_s
         while True:
             job = self.job(job_id)
             if done(job):
                 return job
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id}: no {what} within {timeout_s:.0f} s: {job}")
+                nodes = self.run("sinfo", "-N", "-h", "-o", "%N %t %E").stdout.strip()
+                self.run("scancel", job_id)
+                output = Path(job.get("StdOut", ""))
+                tail = output.read_text()[-6000:] if output.is_file() else f"(no output file {output})"
+                raise TimeoutError(
+                    f"job {job_id}: no {what} within {timeout_s:.0f} s (cancelled): {job}\n"
+                    f"nodes: {nodes}\njob output:\n{tail}"
+                )
             time.sleep(0.5)
 
     def wait_finished(self, job_id: str, timeout_s: float) -> dict[str, str]:

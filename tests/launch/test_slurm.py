@@ -159,7 +159,9 @@ def submit(cluster: SlurmCluster, out: Path, cache_dir: Path) -> str:
         sys.executable, "-m", "shardtune", "slurm", QUICKSTART, f"training.output_dir={out}",
         f"data.cache_dir={cache_dir}", *TRAINING, "--nodes", "2", "--port", str(free_port()), "--submit",
     ]  # fmt: skip
-    env = {**cluster.env, "OMP_NUM_THREADS": "1"}
+    # A node that never joins is named in the job's output within the join timeout, well before the
+    # test's own (JOB_TIMEOUT_S), so that a failure shows why.
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "SHARDTUNE_JOIN_TIMEOUT": "120"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip()
