@@ -105,7 +105,7 @@ def _train_here(config: Config) -> int:
         from shardtune.train.watchdog import enable_flight_recorder
 
         enable_flight_recorder()  # before the process group exists: it records from its creation
-    env = DistributedEnv.from_environment(config.parallel.timeout_s)
+    env = DistributedEnv.from_environment(config.parallel.timeout_s, config.parallel.expert_parallel_size)
     setup_logging(env.is_main)
     if "SHARDTUNE_NNODES" in os.environ and env.local_rank == 0:
         first = env.rank - env.local_rank
@@ -183,7 +183,9 @@ def _eval_here(request: EvalRequest) -> int:
     from shardtune.distributed.env import DistributedEnv
     from shardtune.evaluate import run_eval
 
-    env = DistributedEnv.from_environment(request.config.parallel.timeout_s)
+    env = DistributedEnv.from_environment(
+        request.config.parallel.timeout_s, request.config.parallel.expert_parallel_size
+    )
     setup_logging(env.is_main)
     try:
         run_eval(request, env)

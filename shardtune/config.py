@@ -249,6 +249,12 @@ class ParallelConfig(_Section):
         "CPU; where compilation fails, one warning and the run goes on eagerly",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="MoE: ranks of one expert-parallel group, each holding num_experts / this many routed experts "
+        "and exchanging tokens by all-to-all; groups are consecutive ranks (inside a node); 1: off",
+    )
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
@@ -259,6 +265,13 @@ class ParallelConfig(_Section):
         if self.cpu_offload and self.strategy != "fsdp":
             # DDP (and auto, which may choose it) keeps a whole replica on each device: nothing to offload.
             raise ValueError(f"cpu_offload: needs parallel.strategy: fsdp (got {self.strategy})")
+        if self.expert_parallel_size > 1 and self.strategy == "ddp":
+            # The experts differ across an EP group: DDP's replicas (and its all-world gradient average) cannot
+            # hold them; FSDP2 shards dense weights over all ranks and each expert over its holders.
+            raise ValueError(
+                f"expert_parallel_size: {self.expert_parallel_size} needs parallel.strategy: fsdp or auto "
+                "(got ddp)"
+            )
         return self
 
 
@@ -345,6 +358,18 @@ class Config(_Section):
         if self.training.merge_final and not self.lora.enabled:
             raise ValueError(
                 "training.merge_final: needs lora.enabled: true; a full fine-tune's final/ is already the whole model"
+            )
+        expert_parallel = self.parallel.expert_parallel_size
+        if expert_parallel > 1 and self.model.experts_implementation not in ("auto", "fused"):
+            raise ValueError(
+                f"parallel.expert_parallel_size: {expert_parallel} needs model.experts_implementation: fused "
+                f"(or auto), which dispatches tokens to the experts' ranks (got {self.model.experts_implementation})"
+            )
+        if expert_parallel > 1 and self.lora.shared_expert_adapter:
+            # Each EP rank would train its own experts' copies of the one adapter from its own tokens.
+            raise ValueError(
+                f"parallel.expert_parallel_size: {expert_parallel} cannot train lora.shared_expert_adapter "
+                "(its copies would drift apart across the EP group); set one of them off"
             )
         hang, collective = self.training.hang_timeout_s, self.parallel.timeout_s
         if hang and hang >= collective:

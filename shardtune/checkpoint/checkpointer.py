@@ -58,6 +58,7 @@ from shardtune.checkpoint.layout import (
     read_step,
     resume_conflicts,
 )
+from shardtune.checkpoint.names import without_wrappers
 from shardtune.checkpoint.shards import (
     METADATA_FILE,
     NodeSavePlanner,
@@ -82,14 +83,6 @@ TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 # Loading sets only the trainable parameters; the frozen ones come from the base model. Every
 # trainable key is still required: dcp.load fails on any key the checkpoint lacks.
 SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-def without_wrappers(name: str) -> str:
-    """A parameter's or module's name as state dicts spell it: DDP's ``module.``, torch.compile's ``_orig_mod.``
-    and activation checkpointing's ``_checkpoint_wrapped_module.`` are not part of it."""
-    return ".".join(
-        part for part in name.split(".") if part not in ("module", "_orig_mod", "_checkpoint_wrapped_module")
-    )
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
 
 
@@ -26,6 +27,7 @@ class DistributedEnv:
     local_world_size: int
     device: torch.device
     timeout_s: float
+    mesh: ParallelDims  # data- and expert-parallel dimensions: ask it which ranks share what
 
     @property
     def is_main(self) -> bool:
@@ -33,8 +35,9 @@ class DistributedEnv:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, timeout_s: float = 1800.0) -> DistributedEnv:
-        """Join (or, alone, create) the process group described by torchrun-style variables."""
+    def from_environment(cls, timeout_s: float = 1800.0, expert_parallel_size: int = 1) -> DistributedEnv:
+        """Join (or, alone, create) the process group described by torchrun-style variables. Parallel sizes
+        that do not fit the world size are a ConfigError raised before the process group exists."""
         env = os.environ
         if "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1:
             # One task of a multi-task srun: Slurm names the ranks; the rendezvous address comes
@@ -59,7 +62,9 @@ class DistributedEnv:
             # global rank 0, which writes the run directory, is on node 0 as the user expects.
             rank = int(env["SHARDTUNE_NODE_RANK"]) * local_world_size + local_rank
             os.environ["RANK"] = str(rank)
-        if torch.cuda.is_available():
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = ParallelDims(world_size, rank, local_world_size, device_type, expert_parallel_size)
+        if device_type == "cuda":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
             # gloo next to nccl: CPU tensors (e.g. object gathers) still have a backend.
@@ -74,7 +79,7 @@ class DistributedEnv:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-        return cls(rank, local_rank, world_size, local_world_size, device, timeout_s)
+        return cls(rank, local_rank, world_size, local_world_size, device, timeout_s, mesh)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks in place and return it."""

@@ -1,6 +1,7 @@
-"""Make a model ready for its mesh, in one fixed order: activation memory (tiled MLPs, checkpointing,
-offloading), compile, then data
-parallelism (DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root), then weights on every rank.
+"""Make a model ready for its mesh, in one fixed order: expert parallelism (each rank keeps its run of
+routed experts), activation memory (tiled MLPs, checkpointing, offloading), compile, then data
+parallelism (DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root: the dense weights over all
+ranks, the routed experts over the ranks that hold the same ones), then weights on every rank.
 
 Weights are read from disk once per job: global rank 0 holds the loaded model, the other ranks build
 the same architecture on the meta device (no memory), and after wrapping every rank gets its part
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -20,10 +22,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shardtune.checkpoint.names import without_wrappers
 from shardtune.config import Config
 from shardtune.distributed.activations import apply_activation_checkpointing, tile_mlps
 from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.expert_parallel import (
+    distribute_expert_weights,
+    expert_state_names,
+    shard_experts,
+)
+from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock
@@ -157,11 +166,18 @@ def _shard(
     compute_dtype: torch.dtype,
     materialized: bool,
 ) -> torch.nn.Module:
+    dims = env.mesh
     full_state = model.state_dict() if materialized else {}
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()} if materialized else {}
     if materialized:
         with _keeping_ties():
             model.to("meta")  # every rank shards the same empty model; rank 0's weights arrive below
+    expert_names = {}
+    if dims.ep_enabled:
+        # The routed experts' whole tensors stay in rank 0's full_state; each rank's run of them arrives below.
+        blocks = shard_experts(model, dims)
+        expert_names = expert_state_names(model)
+        log.info("expert parallel: %d MoE layers; %s", blocks, dims.describe())
     mixed = MixedPrecisionPolicy(
         param_dtype=compute_dtype if compute_dtype != torch.float32 else None, reduce_dtype=torch.float32
     )
@@ -173,17 +189,25 @@ def _shard(
     for block in find_moe_blocks(model, layers):
         # The routed experts are most of an MoE layer's weights: as a unit of their own they are
         # gathered just before they run and freed (and their gradients reduced) as soon as they are
-        # done, instead of living as long as the attention of the same layer.
-        fully_shard(block.block.get_submodule("experts"), **options)
+        # done, instead of living as long as the attention of the same layer. Under expert parallelism
+        # a unit holds this rank's experts, sharded over the ranks that hold the same ones; their
+        # gradients sum over those ranks and are divided by the world size, as the dense weights' are
+        # averaged over it: each rank's loss is scaled for an average over all ranks (see the loop).
+        experts = block.block.get_submodule("experts")
+        fully_shard(experts, mesh=dims.expert_mesh if dims.ep_enabled else dims.dense_mesh, **options)
+        if dims.ep_enabled:
+            experts.set_gradient_divide_factor(float(dims.world_size))
     for layer in layers:
-        fully_shard(_outer_wrapper(model, layer), **options)
-    fully_shard(model, **options)
+        fully_shard(_outer_wrapper(model, layer), mesh=dims.dense_mesh, **options)
+    fully_shard(model, mesh=dims.dense_mesh, **options)
     _to_empty(model, "cpu" if config.parallel.cpu_offload else env.device)
     set_model_state_dict(
         model,
-        full_state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        {name: value for name, value in full_state.items() if without_wrappers(name) not in expert_names},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not expert_names),
     )
+    if expert_names:
+        distribute_expert_weights(model, {without_wrappers(name): value for name, value in full_state.items()}, dims)
     _broadcast_buffers(model, buffers, env)
     return model
 
@@ -231,9 +255,36 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """clip_grad_norm_ over sharded gradients returns a DTensor of the global norm."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+@torch.no_grad()
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """Scale the gradients of ``params`` to a total 2-norm of at most ``max_norm``; returns the norm before.
+
+    ``clip_grad_norm_`` computes one norm over tensors of one mesh; under expert parallelism the routed
+    experts' gradients are sharded over another (the ranks holding the same experts). So: one norm per mesh
+    (a reduction over that mesh), the experts' squared norms summed over the EP group (whose ranks hold
+    different experts), and one scale for all. Without EP there is one mesh, and this is clip_grad_norm_."""
+    grads_by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            grads_by_mesh.setdefault(mesh, []).append(param.grad)
+    norms = []
+    for mesh, grads in grads_by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if dims.ep_enabled and mesh == dims.expert_mesh:
+            square = norm.float() ** 2
+            dist.all_reduce(square, group=dims.ep_group)
+            norm = square.sqrt()
+        norms.append(norm.float())
+    if not norms:
+        return torch.zeros(())
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if math.isfinite(max_norm):
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in grads_by_mesh.values():
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
+    return total
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -41,6 +41,9 @@ def choose_parallelism(
     ``device_memory``: bytes of one GPU, None on CPU. ``auto``: DDP when replicated parameters, fp32
     gradients and Adam state of the trainable parameters take at most half of one device's memory (the
     rest is for activations), FSDP otherwise. On CPU, where there is no device memory to run out of, DDP.
+    Expert parallelism (``parallel.expert_parallel_size`` > 1) always runs FSDP: the dense weights over all
+    ranks, each rank's experts over the ranks holding the same ones, so each GPU still stores 1/world of every
+    weight; what EP changes is what an MoE layer gathers to run (``plan/memory.py``).
     """
     grad_bytes, optimizer_bytes = trainable * GRADIENT_BYTES, trainable * ADAM_STATE_BYTES
     replicated = param_bytes + grad_bytes + optimizer_bytes
@@ -50,6 +53,8 @@ def choose_parallelism(
             strategy, reason = "fsdp", "parallel.strategy with cpu_offload"
         else:
             strategy, reason = "single", "one rank"
+    elif config.parallel.expert_parallel_size > 1:
+        strategy, reason = "fsdp", "parallel.expert_parallel_size"
     elif strategy == "auto":
         if device_memory is None:
             strategy, reason = "ddp", "auto: CPU"

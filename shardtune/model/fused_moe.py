@@ -178,6 +178,8 @@ class FusedMoeBlock(torch.nn.Module):
         self.replaced = type(original).__name__
         self.router_name = "gate" if hasattr(self, "gate") else "router"
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
+        # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
+        self.num_routed_experts = _adapters(self.experts)[0].gate_up_proj.shape[0]
         # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
         # its gradient in this block's backward.
         self.trains_balance = False
@@ -348,21 +350,29 @@ def routed_experts(
     experts: torch.nn.Module, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs."""
+    # Set under expert parallelism (distributed/expert_parallel.py): this rank holds a run of the experts,
+    # and rows travel to the rank of their expert and back.
+    dispatch = getattr(experts, "expert_dispatch", None)
     experts, adapters = _adapters(experts)
-    gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I)
-    num_experts = gate_up.shape[0]
+    gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up)
     count, top_k = chosen.shape
     flat = chosen.reshape(-1)
     expert_of_row, order = torch.sort(flat, stable=True)  # row p of the sorted layout is pair order[p]
-    offsets = torch.searchsorted(
-        expert_of_row, torch.arange(num_experts, device=flat.device, dtype=flat.dtype), right=True, out_int32=True
-    )  # offsets[e]: rows of experts 0..e
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
-    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, expert_of_row, dtype)
+    if dispatch is None:
+        offsets = torch.searchsorted(
+            expert_of_row, torch.arange(gate_up.shape[0], device=flat.device, dtype=flat.dtype), right=True,
+            out_int32=True,
+        )  # offsets[e]: rows of experts 0..e
+    else:
+        rows, offsets, receive_back = dispatch.send(rows, expert_of_row)
+    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype)
     hidden = SiluMul.apply(projected)
-    outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, expert_of_row, dtype)
+    outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, dtype)
+    if dispatch is not None:
+        outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
     per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, -1)  # back to (token, choice)
     if torch.compiler.is_compiling():
         # Inductor makes the gather, the products with the fp32 weights and the fp32 sum over the k rows
@@ -379,7 +389,6 @@ def _projection(
     weight: torch.Tensor,
     adapters: list[tuple],
     offsets: torch.Tensor,
-    expert_of_row: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """rows @ W_e^T for each row's expert e, plus each LoRA adapter's rows @ A_e^T @ B_e^T * scaling.

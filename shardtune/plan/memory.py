@@ -11,8 +11,8 @@ A step's memory is its state, which lives across steps, plus what one micro-batc
   buckets hold them for the whole run (measured: a 2-GPU DDP step peaks 0.156 GiB, Mistral-7B's LoRA
   gradients, above one GPU's);
 - FSDP's gathered parameters: the root unit (embeddings, LM head) stays whole from the start of forward to
-  the end of backward, and a decoder layer's units (an MoE layer's routed experts are a unit of their own)
-  are whole while they run, the next one prefetched;
+  the end of backward, and a decoder layer's units (an MoE layer's routed experts are a unit of their own:
+  1/EP of them under expert parallelism) are whole while they run, the next one prefetched;
 - activations: what each decoder layer keeps for backward, per token (below), for the micro-batch's
   ``per_device_train_batch_size x data.max_length`` tokens (the longest a batch can be); a checkpointed
   layer keeps only its input (in host memory with ``activation_offloading``);
@@ -144,7 +144,9 @@ def estimate_memory(config: Config, shape: ModelShape, plan: ParallelPlan, compi
     weights, gradients, optimizer = (0, 0, 0) if offload else (plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes)
     gathered = 0
     if plan.strategy == "fsdp":
-        units = [size for layer in shape.layers for size in (layer.params, layer.expert_params) if size]
+        # Under expert parallelism an MoE layer's experts unit holds (and gathers) only this rank's experts.
+        ep = parallel.expert_parallel_size
+        units = [size for layer in shape.layers for size in (layer.params, layer.expert_params // ep) if size]
         # Whole from forward to backward: the root unit always, every layer unit without resharding.
         held = shape.root_params + (0 if parallel.reshard_after_forward else sum(units))
         gathered = (held + 2 * max(units, default=0)) * shape.compute_bytes

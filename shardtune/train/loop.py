@@ -31,8 +31,8 @@ from shardtune.data.store import SequenceArrays
 from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.parallelize import (
+    clip_gradients,
     decoder_layers,
-    full_norm,
     full_state_dict,
     gradient_sync,
     local_parameter_bytes,
@@ -312,7 +312,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             config.model.liger_kernel,
         )
         heartbeat.beat(step, "optimizer")
-        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(trainable_params, max_norm))
+        grad_norm = clip_gradients(trainable_params, max_norm, env.mesh)
         # A non-finite step changes neither the weights nor the logged loss, on every rank alike.
         update, counted = nonfinite.check(step, loss_sum, grad_norm)
         interval.add_loss(loss_sum, step_targets, counted)

@@ -1,0 +1,250 @@
+"""Expert parallelism (``parallel.expert_parallel_size``): each rank of an EP group holds ``num_experts /
+ep_size`` routed experts of every MoE layer, and the fused MoE block moves tokens to them instead of
+gathering the experts (see ``mesh.py`` for which ranks form the groups).
+
+Inside ``routed_experts``, after the routing and the one sort by expert, :meth:`ExpertDispatch.send`
+exchanges the per-expert row counts (all-to-all of a small tensor), sends each rank the rows of its experts
+(all-to-all with uneven splits), and orders the received rows by local expert for the grouped GEMMs; the
+returned ``receive_back`` undoes both after the experts ran. Both all-to-alls are autograd functions whose
+backward is the reverse exchange. A rank whose experts receive no row, or that routes nothing (a padding
+batch), still takes part with empty splits: every rank of the group runs every exchange of every layer.
+
+The experts' tensors on a rank are its own run of experts (the ``local`` tensors below); a checkpoint and a
+final export see them as slices of the whole layer's tensors (:func:`expert_state_views`), so DCP can load
+them into any EP size and world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from shardtune.checkpoint.names import without_wrappers
+from shardtune.distributed.mesh import ParallelDims
+from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import FusedMoeBlock, Permute
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows sent to the ranks of ``group`` in ``input_splits`` runs, received in ``output_splits`` runs;
+    the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _exchange(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    received = rows.new_empty(sum(output_splits), *rows.shape[1:])
+    dist.all_to_all_single(received, rows.contiguous(), output_splits, input_splits, group=group)
+    return received
+
+
+@dataclass(frozen=True)
+class ExpertDispatch:
+    """One MoE layer's token exchange over an EP group of ``ep_size`` ranks, each holding ``local_experts``."""
+
+    group: dist.ProcessGroup
+    ep_size: int
+    local_experts: int
+
+    def send(
+        self, rows: torch.Tensor, expert_of_row: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """``rows`` sorted by (global) expert, ``expert_of_row`` their experts: (the rows this rank's experts
+        must compute, ordered by local expert; cumulative row counts per local expert (int32), as the
+        grouped GEMMs take them; the function that sends those rows' outputs back, in ``rows``' order)."""
+        ep, local = self.ep_size, self.local_experts
+        counts = torch.bincount(expert_of_row, minlength=ep * local)  # experts of rank k: run k
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
+        # The one host sync of a dispatch: all-to-all takes its split sizes as Python ints.
+        sizes = torch.cat([counts.view(ep, local).sum(1), received_counts.view(ep, local).sum(1)]).tolist()
+        send_splits, receive_splits = sizes[:ep], sizes[ep:]
+        received = AllToAll.apply(rows, receive_splits, send_splits, self.group)
+        # Received rows come by source rank, each source's sorted by expert: sort them by local expert.
+        local_ids = torch.arange(local, device=rows.device).repeat(ep)
+        expert_of_received = torch.repeat_interleave(local_ids, received_counts)
+        _, order = torch.sort(expert_of_received, stable=True)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        by_expert = Permute.apply(received, order, inverse)
+        offsets = received_counts.view(ep, local).sum(0).cumsum(0).to(torch.int32)
+
+        def receive_back(outputs: torch.Tensor) -> torch.Tensor:
+            by_source = Permute.apply(outputs, inverse, order)
+            return AllToAll.apply(by_source, send_splits, receive_splits, self.group)
+
+        return by_expert, offsets, receive_back
+
+
+def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:
+    return [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
+
+
+def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
+    """Keep only this rank's run of routed experts (weights and their LoRA adapters) in every fused MoE block
+    and give each block its token exchange; returns the number of blocks. The tensors may be on the meta
+    device (before their weights arrive, see ``parallelize``)."""
+    blocks = fused_blocks(model)
+    if not blocks:
+        raise ConfigError(
+            f"parallel.expert_parallel_size: {dims.ep_size} needs an MoE model whose experts run fused "
+            f"(model.experts_implementation: fused); {type(model).__name__} has no such block; set it to 1"
+        )
+    for block in blocks:
+        num_experts = block.num_routed_experts
+        dims.check_experts(num_experts, type(model).__name__)
+        experts = dims.local_experts(num_experts)
+        for name, tensor in expert_tensors(block).items():
+            owner, attribute = _owner(block.experts, name)
+            local = _local_slice(tensor_kind(name), tensor, num_experts, experts)
+            setattr(owner, attribute, torch.nn.Parameter(local, requires_grad=tensor.requires_grad))
+        block.experts.expert_dispatch = ExpertDispatch(dims.ep_group, dims.ep_size, len(experts))
+    return len(blocks)
+
+
+def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
+    """The block's routed-expert parameters by name under its ``experts`` module: the weights and the
+    per-expert LoRA factors."""
+    return {
+        name: param
+        for name, param in block.experts.named_parameters()
+        if tensor_kind(name) is not None
+    }
+
+
+def tensor_kind(name: str) -> str | None:
+    """"experts" (E, out, in), "lora_A" (r*E, in: expert e's rows e*r..(e+1)*r), "lora_B" (out, r*E: expert e's
+    columns e, e+E, ...), by a parameter's name under the experts module; None for others."""
+    last = without_wrappers(name).split(".")
+    if last[-1] in ("gate_up_proj", "down_proj"):
+        return "experts"
+    if len(last) >= 3 and last[-3] in ("lora_A", "lora_B") and last[-1] == "weight":
+        return last[-3]
+    return None
+
+
+def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, attribute = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attribute
+
+
+def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: range) -> torch.Tensor:
+    first, count = experts.start, len(experts)
+    if kind == "experts":
+        return tensor[first : first + count].clone()
+    if kind == "lora_A":
+        rank = tensor.shape[0] // num_experts
+        return tensor[first * rank : (first + count) * rank].clone()
+    rank = tensor.shape[1] // num_experts
+    return tensor.view(tensor.shape[0], rank, num_experts)[:, :, first : first + count].reshape(
+        tensor.shape[0], rank * count
+    )
+
+
+def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor."""
+    names: dict[str, tuple[str, int]] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedMoeBlock):
+            num_experts = module.num_routed_experts
+            for name in expert_tensors(module):
+                kind = tensor_kind(name)
+                assert kind is not None
+                names[without_wrappers(f"{module_name}.experts.{name}")] = (kind, num_experts)
+    return names
+
+
+def expert_state_views(state: dict, names: dict[str, tuple[str, int]], dims: ParallelDims, key=None) -> dict:
+    """``state`` (a model state dict, or an optimizer state's per-parameter entries when ``key`` picks the
+    parameter name out of a key) with every routed-expert tensor as a view of the whole layer's tensor:
+
+    - under EP, a DTensor over the world (``dims.expert_state_mesh``) whose global shape is the layer's, split
+      over the EP group and then over FSDP's shards (this rank's local tensor, no copy);
+    - a LoRA B (out, r*E) always as (out, r, E): expert e's columns e, e+E, ... are then a box of the tensor
+      (the last index), which DCP can split and reassemble across EP sizes.
+
+    Views share storage with ``state``'s tensors, so DCP's in-place load fills them."""
+    viewed = dict(state)
+    for state_name, value in state.items():
+        name = key(state_name) if key else state_name
+        if name not in names or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        kind, num_experts = names[name]
+        viewed[state_name] = expert_view(value, kind, num_experts, dims)
+    return viewed
+
+
+def expert_view(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims) -> torch.Tensor:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if kind == "lora_B":
+        local = local.view(local.shape[0], -1, num_experts // dims.ep_size)
+    if not dims.ep_enabled:
+        if not isinstance(tensor, DTensor):
+            return local
+        shape = (tensor.shape[0], tensor.shape[1] // num_experts, num_experts) if kind == "lora_B" else tensor.shape
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False, shape=shape,
+                                  stride=_contiguous_strides(shape))  # fmt: skip
+    # Under EP every expert tensor is FSDP-sharded (dim 0) over the ranks holding the same experts.
+    assert isinstance(tensor, DTensor), "routed experts under expert parallelism are FSDP units"
+    ep_local = tensor.shape  # the shape FSDP sees: this EP rank's run of experts
+    if kind == "experts":
+        shape, split = (ep_local[0] * dims.ep_size, *ep_local[1:]), 0
+    elif kind == "lora_A":
+        shape, split = (ep_local[0] * dims.ep_size, ep_local[1]), 0
+    else:
+        shape, split = (ep_local[0], ep_local[1] * dims.ep_size // num_experts, num_experts), 2
+    return DTensor.from_local(local, dims.expert_state_mesh, (Shard(split), Shard(0)), run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_strides(shape))  # fmt: skip
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def whole_expert_tensor(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims) -> torch.Tensor:
+    """The whole layer's tensor in its own layout (a collective over the world under EP, as FSDP's full state
+    dict is over its mesh)."""
+    viewed = expert_view(tensor, kind, num_experts, dims)
+    whole = viewed.full_tensor() if isinstance(viewed, DTensor) else viewed
+    return whole.reshape(whole.shape[0], -1) if kind == "lora_B" else whole
+
+
+def distribute_expert_weights(
+    model: torch.nn.Module, full_state: dict[str, torch.Tensor], dims: ParallelDims, src: int = 0
+) -> None:
+    """Every rank's part of the routed experts, from ``full_state`` on rank ``src`` (whole tensors, keyed by
+    state-dict name; empty elsewhere): one broadcast of each whole tensor, each rank copies its box."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    names = expert_state_names(model)
+    current = {without_wrappers(name): value for name, value in model.state_dict().items()}
+    for name, (kind, num_experts) in names.items():
+        viewed = expert_view(current[name], kind, num_experts, dims)
+        whole = full_state[name].to(viewed.device) if dims.rank == src else None
+        shape = viewed.shape
+        if whole is None:
+            whole = torch.empty(shape, dtype=viewed.dtype, device=viewed.device)
+        whole = whole.reshape(shape)
+        if dims.world_size > 1:
+            dist.broadcast(whole, src=src)
+        if isinstance(viewed, DTensor):
+            local_shape, offset = compute_local_shape_and_global_offset(shape, viewed.device_mesh, viewed.placements)
+            box = tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))
+            viewed.to_local().copy_(whole[box])
+        else:
+            viewed.copy_(whole)
