@@ -71,6 +71,8 @@ from shardtune.checkpoint.shards import (
 )
 from shardtune.config import Config, dump_config, load_config
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.expert_parallel import expert_state_names, expert_state_views
+from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.storage import storage_domains
 from shardtune.errors import CheckpointSaveError, ConfigError, InputError, first_line
 from shardtune.faults import fault_point
@@ -97,6 +99,21 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
         if not parameter.requires_grad
     }
     return {name: value for name, value in state.items() if without_wrappers(name) not in frozen}
+
+
+def checkpoint_model_state(model: torch.nn.Module, dims: ParallelDims) -> dict[str, Any]:
+    """``trainable_state_dict`` as a checkpoint holds it: every routed-expert tensor a view of the whole
+    layer's (``expert_state_views``), so a checkpoint loads into any expert-parallel size and world size."""
+    return expert_state_views(trainable_state_dict(model), expert_state_names(model), dims)
+
+
+def checkpoint_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the optimizer's state dict, the same as a checkpoint holds it: routed-expert moments viewed whole)."""
+    state = get_optimizer_state_dict(model, optimizer, options=TRAINABLE_ONLY)
+    viewed = {**state, "state": expert_state_views(state["state"], expert_state_names(model), dims)}
+    return state, viewed
 
 
 @dataclass
@@ -238,10 +255,9 @@ class Checkpointer:
         try:
             fault_point("save.shards", step)
             # Each rank writes the shards it owns; DCP exchanges only the (small) save plan.
-            model_state = trainable_state_dict(self.model)
-            self._save_shards(model_state, self._shards(staging, "model"))
+            self._save_shards(checkpoint_model_state(self.model, self.env.mesh), self._shards(staging, "model"))
             if mode == "full":
-                optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
+                _, optimizer_state = checkpoint_optimizer_state(self.model, self.optimizer, self.env.mesh)
                 self._save_shards(optimizer_state, self._shards(staging, "optimizer"))
                 (staging / "rng").mkdir(exist_ok=True)
                 torch.save(_rng_state(), staging / "rng" / f"rank-{self.env.rank}.pt")
@@ -384,11 +400,13 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Restore what ``path`` holds; returns the step to continue after."""
         manifest = json.loads((path / "manifest.json").read_text())
+        # The tensors to fill, and their views as the checkpoint holds them: loading into the views fills them.
         model_state = trainable_state_dict(self.model)
-        optimizer_state = None
+        model_view = expert_state_views(model_state, expert_state_names(self.model), self.env.mesh)
+        optimizer_state = optimizer_view = None
         if manifest["mode"] == "full":
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=TRAINABLE_ONLY)
-        wanted = {"model": model_state, "optimizer": optimizer_state}
+            optimizer_state, optimizer_view = checkpoint_optimizer_state(self.model, self.optimizer, self.env.mesh)
+        wanted = {"model": model_view, "optimizer": optimizer_view}
         readers = {kind: ShardsReader(path / kind) for kind, state in wanted.items() if state is not None}
         # Sizes first: a truncated shard would otherwise fail inside DCP's reader, far from its name. Only
         # files of the sizes they were saved at are then planned against.
@@ -407,7 +425,7 @@ class Checkpointer:
                 f"training.resume_from_checkpoint: {path} cannot be loaded here: " + "; ".join(lacking[:4])
                 + (f" (and {len(lacking) - 4} more)" if len(lacking) > 4 else "")
             )  # fmt: skip
-        _read_shards(model_state, readers["model"], path, "model")
+        _read_shards(model_view, readers["model"], path, "model")
         set_model_state_dict(self.model, model_state, options=SET_TRAINABLE)
         trainer = json.loads((path / "trainer.json").read_text())
         try:
@@ -426,7 +444,7 @@ class Checkpointer:
                 path, manifest["step"],
             )  # fmt: skip
         if optimizer_state is not None:
-            _read_shards(optimizer_state, readers["optimizer"], path, "optimizer")
+            _read_shards(optimizer_view, readers["optimizer"], path, "optimizer")
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=TRAINABLE_ONLY)
             rng_file = path / "rng" / f"rank-{self.env.rank}.pt"
             if manifest["world_size"] == self.env.world_size and rng_file.is_file():
@@ -455,16 +473,18 @@ def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> di
         name: torch.empty_like(tensor, device="cpu") if tensor.is_meta else tensor
         for name, tensor in trainable_state_dict(model).items()
     }
+    alone = ParallelDims(world_size=1, rank=0, local_world_size=1)  # this process reads every rank's shards
+    viewed = expert_state_views(state, expert_state_names(model), alone)
     reader = ShardsReader(path / "model")
     manifest = json.loads((path / "manifest.json").read_text())
-    problems = describe_missing(path, "model", state, reader, manifest)
+    problems = describe_missing(path, "model", viewed, reader, manifest)
     if problems:
         raise InputError(f"{path}: cannot {purpose}: {'; '.join(problems)}")
     try:
         with warnings.catch_warnings():
             # DCP warns that no process group exists; reading every rank's shards in one process is the point.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(viewed, storage_reader=reader, no_dist=True)
     except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
         problem = f"its tensors do not fit the config's model ({first_line(error)})"
         raise InputError(f"{path}: cannot {purpose}: {problem}") from None

@@ -116,11 +116,7 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
 def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
     """The block's routed-expert parameters by name under its ``experts`` module: the weights and the
     per-expert LoRA factors."""
-    return {
-        name: param
-        for name, param in block.experts.named_parameters()
-        if tensor_kind(name) is not None
-    }
+    return {name: param for name, param in block.experts.named_parameters() if tensor_kind(name) is not None}
 
 
 def tensor_kind(name: str) -> str | None:
@@ -153,21 +149,31 @@ def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: ran
 
 
 def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
-    """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor."""
+    """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor: those of
+    each ``experts`` module holding 3-D ``gate_up_proj`` weights, fused or not (an export's model is not)."""
     names: dict[str, tuple[str, int]] = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, FusedMoeBlock):
-            num_experts = module.num_routed_experts
-            for name in expert_tensors(module):
-                kind = tensor_kind(name)
-                assert kind is not None
-                names[without_wrappers(f"{module_name}.experts.{name}")] = (kind, num_experts)
+        if module_name.rpartition(".")[2] != "experts" or not hasattr(_base_experts(module), "gate_up_proj"):
+            continue
+        parent = model.get_submodule(module_name.rpartition(".")[0])
+        num_experts = getattr(parent, "num_routed_experts", None) or _base_experts(module).gate_up_proj.shape[0]
+        for name, _ in module.named_parameters():
+            kind = tensor_kind(name)
+            if kind is not None:
+                names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts)
     return names
 
 
-def expert_state_views(state: dict, names: dict[str, tuple[str, int]], dims: ParallelDims, key=None) -> dict:
-    """``state`` (a model state dict, or an optimizer state's per-parameter entries when ``key`` picks the
-    parameter name out of a key) with every routed-expert tensor as a view of the whole layer's tensor:
+def _base_experts(module: torch.nn.Module) -> torch.nn.Module:
+    """The experts module under PEFT's parameter wrappers."""
+    while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def expert_state_views(state: dict, names: dict[str, tuple[str, int]], dims: ParallelDims) -> dict:
+    """``state`` (a model state dict, or an optimizer state dict's per-parameter ``state``, whose entries are
+    dicts of moments) with every routed-expert tensor as a view of the whole layer's tensor:
 
     - under EP, a DTensor over the world (``dims.expert_state_mesh``) whose global shape is the layer's, split
       over the EP group and then over FSDP's shards (this rank's local tensor, no copy);
@@ -176,13 +182,22 @@ def expert_state_views(state: dict, names: dict[str, tuple[str, int]], dims: Par
 
     Views share storage with ``state``'s tensors, so DCP's in-place load fills them."""
     viewed = dict(state)
-    for state_name, value in state.items():
-        name = key(state_name) if key else state_name
-        if name not in names or not isinstance(value, torch.Tensor) or value.dim() < 2:
+    for name, value in state.items():
+        if without_wrappers(name) not in names:
             continue
-        kind, num_experts = names[name]
-        viewed[state_name] = expert_view(value, kind, num_experts, dims)
+        kind, num_experts = names[without_wrappers(name)]
+        if isinstance(value, dict):  # an optimizer's moments of the parameter (and its step count, left as is)
+            viewed[name] = {
+                key: expert_view(moment, kind, num_experts, dims) if _is_like_parameter(moment) else moment
+                for key, moment in value.items()
+            }
+        else:
+            viewed[name] = expert_view(value, kind, num_experts, dims)
     return viewed
+
+
+def _is_like_parameter(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2
 
 
 def expert_view(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims) -> torch.Tensor:

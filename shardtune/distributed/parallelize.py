@@ -31,6 +31,7 @@ from shardtune.distributed.expert_parallel import (
     distribute_expert_weights,
     expert_state_names,
     shard_experts,
+    whole_expert_tensor,
 )
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
@@ -197,6 +198,9 @@ def _shard(
         fully_shard(experts, mesh=dims.expert_mesh if dims.ep_enabled else dims.dense_mesh, **options)
         if dims.ep_enabled:
             experts.set_gradient_divide_factor(float(dims.world_size))
+            if env.device.type == "cpu":
+                # gloo has no PREMUL_SUM (NCCL's divide-inside-the-reduction): sum, then divide.
+                experts.set_force_sum_reduction_for_comms(True)
     for layer in layers:
         fully_shard(_outer_wrapper(model, layer), mesh=dims.dense_mesh, **options)
     fully_shard(model, mesh=dims.dense_mesh, **options)
@@ -287,11 +291,18 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     return total
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def full_state_dict(model: torch.nn.Module, dims: ParallelDims) -> dict[str, torch.Tensor] | None:
     """The whole model's weights on rank 0's CPU (a collective for sharded models); None elsewhere."""
     if isinstance(model, FSDPModule):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() != 0:
+        if dims.ep_enabled:
+            # FSDP gathered each rank's run of experts; the whole layer's come from every EP group's.
+            sharded = {without_wrappers(name): value for name, value in model.state_dict().items()}
+            for name, (kind, num_experts) in expert_state_names(model).items():
+                whole = whole_expert_tensor(sharded[name], kind, num_experts, dims).cpu()
+                if dims.is_main:
+                    state[next(key for key in state if without_wrappers(key) == name)] = whole
+        if not dims.is_main:
             return None
         # Gathered copies of a tied weight no longer share storage, so save_pretrained cannot see the
         # tie: keep each Parameter under its first name only, as an unsharded model saves it.

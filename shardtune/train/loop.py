@@ -381,7 +381,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     progress.close()
 
     with saving(total_steps, "final_save"):
-        state = full_state_dict(model)  # a collective when the weights are sharded
+        state = full_state_dict(model, env.mesh)  # a collective when the weights are sharded
         if env.is_main:
             save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state, config)
             log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
