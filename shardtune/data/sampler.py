@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
 
 
@@ -74,8 +75,8 @@ class GlobalBatchSampler:
         self.cursor = SamplerCursor(state["epoch"], state["consumed"])
 
 
-def rank_micro_batches(global_batch: list[int], rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
-    """This rank's contiguous slice of a global batch, split into micro-batches."""
-    per_rank = len(global_batch) // world_size
-    mine = global_batch[rank * per_rank : (rank + 1) * per_rank]
+def rank_micro_batches(global_batch: list[int], mesh: ParallelDims, micro_batch_size: int) -> list[list[int]]:
+    """This data-parallel rank's contiguous slice of a global batch, split into micro-batches."""
+    per_rank = len(global_batch) // mesh.dp_size
+    mine = global_batch[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank]
     return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

@@ -93,7 +93,7 @@ def storage_domains(env: DistributedEnv, directory: Path, timeout_s: float, purp
     """Group the ranks by the filesystem they see at ``directory``: everyone who shares rank 0's is in
     domain 0; a node with its own disk is a domain of its own (nodes hold contiguous ranks)."""
     shared = is_shared_with_rank0(env, directory, timeout_s, purpose)
-    key = -1 if shared else env.rank // env.local_world_size
+    key = -1 if shared else env.mesh.node_index
     keys = env.all_gather_objects(key)
     numbering = {key: index for index, key in enumerate(dict.fromkeys(keys))}
     return StorageDomains(tuple(numbering[key] for key in keys), env.rank)

@@ -91,7 +91,7 @@ def run_checks(config: Config, timeout_s: float, front: list[Check]) -> int:
     from shardtune.doctor.checks import node_checks
 
     setup_logging(is_main=False)
-    env = DistributedEnv.from_environment(timeout_s)
+    env = DistributedEnv.from_environment(timeout_s, config.parallel.expert_parallel_size)
     try:
         host = socket.gethostname()
         mine = [check.on(node_label(), host) for check in [*front, *node_checks(config, env)]]

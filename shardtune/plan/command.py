@@ -23,6 +23,7 @@ from shardtune.plan.run import (
     Cluster,
     RunPlan,
     changes_that_fit,
+    check_expert_parallel,
     plan_run,
 )
 from shardtune.plan.shape import ModelShape, planned_model_shape
@@ -64,6 +65,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     setup_logging(is_main=False)  # transformers' and PEFT's advice would interleave with the plan
     cluster = Cluster(args.nodes, args.gpus_per_node, int(args.gpu_memory_gib * GIB))
     shape, source = planned_model_shape(config)
+    check_expert_parallel(config, shape, cluster)
     run = plan_run(config, shape, cluster)
     print("\n".join(describe(run, source)))
     memory = run.memory

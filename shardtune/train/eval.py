@@ -46,10 +46,11 @@ def evaluate(
     model.eval()
     # Each rank takes a strided share; sorting by length first keeps padding per batch small.
     lengths = examples.lengths()
-    mine = sorted(range(env.rank, len(examples), env.world_size), key=lambda i: (lengths[i], i))
+    mesh = env.mesh
+    mine = sorted(range(mesh.dp_rank, len(examples), mesh.dp_size), key=lambda i: (lengths[i], i))
     # Sums stay on the device and are reduced once at the end: no host sync per batch.
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for index in range(batches_per_rank(len(examples), batch_size, env.world_size)):
+    for index in range(batches_per_rank(len(examples), batch_size, mesh.dp_size)):
         share = mine[index * batch_size : (index + 1) * batch_size]
         sequences = [examples.sequence(i) for i in share] if share else _padding(examples, lengths)
         batch = collate(sequences, pad_token_id, packed=False).to(env.device)

@@ -145,7 +145,9 @@ def accumulate_gradients(
     step's total target tokens, so each token weighs the same however the examples were split into
     micro-batches or ranks. The count is known before any forward pass: one all-reduce per step.
     Data-parallel wrappers average gradients over ranks, so each rank's loss is scaled by the world
-    size to make the reduced gradient the gradient of that global sum. Gradients are reduced only on
+    size to make the reduced gradient the gradient of that global sum (the data-parallel size: every rank,
+    expert-parallel ones included, reads its own micro-batches; the routed experts' gradients are divided
+    by it too, see ``parallelize``). Gradients are reduced only on
     the last micro-batch. MoE models add the routers' load-balancing term (see ``RouterTraining``).
     Returns this rank's (summed token loss, target tokens) on the device: the LM loss alone.
     """
@@ -159,7 +161,7 @@ def accumulate_gradients(
             batch = batch.to(env.device)
             with routing.forward(batch) if routing else contextlib.nullcontext():
                 batch_loss = summed_token_loss(model, batch, autocast, loss_chunk_tokens, fused_loss)
-            objective = batch_loss * (env.world_size / global_targets)
+            objective = batch_loss * (env.mesh.dp_size / global_targets)
             balance = routing.balance_term(len(micro_batches)) if routing else None
             (objective if balance is None else objective + balance).backward()
         loss_sum += batch_loss.detach().double()
@@ -198,7 +200,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     tokenizer = load_tokenizer(config.model)
     data = prepare_run_data(config, env, tokenizer, model_config)
     micro_batch_size = training.per_device_train_batch_size
-    global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.world_size
+    global_batch_size = micro_batch_size * training.gradient_accumulation_steps * env.mesh.dp_size
     sampler = GlobalBatchSampler(len(data.train), global_batch_size, training.seed)
     total_steps = total_steps_for(config, sampler)
     if resume and resume.step >= total_steps:
@@ -299,7 +301,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         heartbeat.beat(step, "forward_backward")
         micro_batches = [
             collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
-            for indices in rank_micro_batches(sampler.next_global_batch(), env.rank, env.world_size, micro_batch_size)
+            for indices in rank_micro_batches(sampler.next_global_batch(), env.mesh, micro_batch_size)
         ]
         interval.data_ready(micro_batches)
         loss_sum, step_targets = accumulate_gradients(

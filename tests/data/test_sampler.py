@@ -5,18 +5,21 @@ from __future__ import annotations
 import pytest
 
 from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
+from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_union_over_ranks_equals_the_single_process_batch(world_size: int):
+@pytest.mark.parametrize(("world_size", "expert_parallel"), [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_union_over_ranks_equals_the_single_process_batch(world_size: int, expert_parallel: int):
+    # Expert-parallel ranks are data-parallel too: each reads its own slice.
     micro, accum = 2, 2
-    single = GlobalBatchSampler(100, micro * accum * 3, seed=5)
-    many = GlobalBatchSampler(100, micro * accum * 3, seed=5)
+    single = GlobalBatchSampler(100, micro * accum * 12, seed=5)
+    many = GlobalBatchSampler(100, micro * accum * 12, seed=5)
     for _ in range(20):  # crosses epoch boundaries (8 batches per epoch)
         reference = single.next_global_batch()
         global_batch = many.next_global_batch()
-        pieces = [rank_micro_batches(global_batch, rank, world_size, micro) for rank in range(world_size)]
+        meshes = [ParallelDims(world_size, rank, world_size, "cpu", expert_parallel) for rank in range(world_size)]
+        pieces = [rank_micro_batches(global_batch, mesh, micro) for mesh in meshes]
         union = [index for rank_batches in pieces for batch in rank_batches for index in batch]
         assert union == reference
         assert all(len(batch) == micro for rank_batches in pieces for batch in rank_batches)
