@@ -98,8 +98,8 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     blocks = fused_blocks(model)
     if not blocks:
         raise ConfigError(
-            f"parallel.expert_parallel_size: {dims.ep_size} needs an MoE model whose experts run fused "
-            f"(model.experts_implementation: fused); {type(model).__name__} has no such block; set it to 1"
+            f"parallel.expert_parallel_size: {dims.ep_size} needs the MoE blocks to run fused "
+            "(model.experts_implementation: fused); this model's architecture has no fused MoE block; set it to 1"
         )
     for block in blocks:
         num_experts = block.num_routed_experts

@@ -198,8 +198,9 @@ def _shard(
         fully_shard(experts, mesh=dims.expert_mesh if dims.ep_enabled else dims.dense_mesh, **options)
         if dims.ep_enabled:
             experts.set_gradient_divide_factor(float(dims.world_size))
-            if env.device.type == "cpu":
-                # gloo has no PREMUL_SUM (NCCL's divide-inside-the-reduction): sum, then divide.
+            if env.device.type == "cpu" and dims.expert_dp_size > 1:
+                # gloo has no PREMUL_SUM (NCCL's divide-inside-the-reduction): sum, then divide. Not on a
+                # mesh of one rank, which reduces nothing: there FSDP (torch 2.13) would divide twice.
                 experts.set_force_sum_reduction_for_comms(True)
     for layer in layers:
         fully_shard(_outer_wrapper(model, layer), mesh=dims.dense_mesh, **options)

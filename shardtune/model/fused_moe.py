@@ -373,7 +373,7 @@ def routed_experts(
     outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, dtype)
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
-    per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, -1)  # back to (token, choice)
+    per_pair = Permute.apply(outputs, inverse, order).view(count, top_k, outputs.shape[-1])  # back to (token, choice)
     if torch.compiler.is_compiling():
         # Inductor makes the gather, the products with the fp32 weights and the fp32 sum over the k rows
         # one kernel that reads each row once (no permuted copy; bmm runs (1 x k) @ (k x H) products far

@@ -1,0 +1,76 @@
+"""One rank of the expert-parallel MoE block test (``test_expert_parallel.py``), started by torch's launcher:
+a fused Qwen3-MoE block whose router sends every token to experts 0 and 1 (both on rank 0 of EP 2), fed
+tokens on rank 0 only (rank 1 routes nothing: a rank of padding, whose experts also receive nothing).
+Each rank compares the block's output and gradients with the same block unsharded, on its own tokens, and
+writes what it found to ``OUT/rank-<r>.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tiny_models import tiny_config
+from transformers import AutoModelForCausalLM
+
+from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.expert_parallel import shard_experts
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.model.fused_moe import use_fused_experts
+
+TOKENS = 12
+
+
+def block_and_tokens(rank: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    blocks = use_fused_experts(model, decoder_layers(model), "fused")
+    block = blocks[0].block.train()
+    hidden = block.gate.weight.shape[1]
+    with torch.no_grad():  # positive inputs; experts 0 and 1 score high, the others negative
+        block.gate.weight.copy_(-torch.ones_like(block.gate.weight))
+        block.gate.weight[0] = 1.0
+        block.gate.weight[1] = 0.5
+    tokens = torch.rand(TOKENS if rank == 0 else 0, hidden) + 0.1
+    return block, tokens.requires_grad_()
+
+
+def _grad(param: torch.nn.Parameter) -> torch.Tensor:
+    return torch.zeros_like(param) if param.grad is None else param.grad
+
+
+def run(out: Path) -> None:
+    env = DistributedEnv.from_environment(timeout_s=60, expert_parallel_size=2)
+    dims = env.mesh
+    reference, tokens = block_and_tokens(env.rank)
+    expected = reference(tokens.unsqueeze(0))
+    expected.sum().backward()
+    whole_grads = [_grad(param) for param in (reference.experts.gate_up_proj, reference.experts.down_proj)]
+
+    block, same_tokens = block_and_tokens(env.rank)
+    shard_experts(block, dims)  # the block is the model here: its experts keep this rank's run
+    output = block(same_tokens.unsqueeze(0))
+    output.sum().backward()
+    mine = dims.local_experts(block.num_routed_experts)
+    local_grads = [_grad(param) for param in (block.experts.gate_up_proj, block.experts.down_proj)]
+    report = {
+        "rank": env.rank,
+        "tokens": tokens.shape[0],
+        "local_experts": [mine.start, mine.stop],
+        "output_matches": bool(torch.allclose(output, expected, rtol=1e-5, atol=1e-6)),
+        "input_grad_matches": bool(torch.allclose(same_tokens.grad, tokens.grad, rtol=1e-5, atol=1e-6)),
+        "expert_grads_match": all(
+            torch.allclose(local, whole[mine.start : mine.stop], rtol=1e-5, atol=1e-6)
+            for local, whole in zip(local_grads, whole_grads, strict=True)
+        ),
+        "expert_grad_abs_sum": float(sum(grad.abs().sum() for grad in local_grads)),
+    }
+    (out / f"rank-{env.rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    env.close()
+
+
+if __name__ == "__main__":
+    run(Path(sys.argv[1]))

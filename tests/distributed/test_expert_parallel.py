@@ -1,0 +1,237 @@
+"""Expert parallelism (``parallel.expert_parallel_size``) on CPU with gloo, against one worker: EP 2 on 2
+workers and EP 2 x data parallel 2 on 4 workers train with the 1-worker losses (LoRA on attention and the
+routed experts, fp32); checkpoints resume across EP sizes (2 -> 1, 1 -> 2) and export the same adapter; a
+rank with no token (whose experts also receive none) neither hangs nor errs; bad sizes are one line.
+
+By default (CI) Qwen3-MoE runs; ``python -m pytest -m expert_parallel`` adds Mixtral and GLM-4.5 (Glm4Moe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_runs import jsonl, train
+from conftest import REPO
+from safetensors.torch import load_file
+from tiny_models import write_tiny_model
+
+from shardtune.distributed.mesh import ParallelDims
+from shardtune.errors import ConfigError
+
+STEPS = 4
+SAVE_AT = 2
+# LoRA on attention and the routed experts, the balance loss on: every piece EP touches.
+EXPERTS = ["lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01"]
+EP2 = ["parallel.expert_parallel_size=2"]
+SAVES = [f"training.save_steps={SAVE_AT}", "training.checkpoint_mode=full"]
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+ep_matrix = pytest.mark.expert_parallel
+ci = [pytest.mark.expert_parallel, pytest.mark.representative]
+
+
+class Runs:
+    """Training runs shared by the tests of this module, each started the first time a test asks for it."""
+
+    def __init__(self, root: Path):
+        self.root, self.done = root, {}
+
+    def model(self, arch: str) -> Path:
+        return write_tiny_model(self.root / "models" / arch, arch)
+
+    def get(self, arch: str, name: str, nproc: int, *overrides: str, steps: int = STEPS) -> dict:
+        key = (arch, name)
+        if key not in self.done:
+            common = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
+            self.done[key] = train(self.root, f"{arch}-{name}", nproc, *common, *EXPERTS, *overrides, steps=steps)
+        return self.done[key]
+
+    def single(self, arch: str) -> dict:
+        """One worker, two micro-batches of 2 a step: the global batch of 2 workers with 2 each."""
+        return self.get(arch, "single", 1, "training.gradient_accumulation_steps=2", *SAVES)
+
+    def ep2(self, arch: str) -> dict:
+        return self.get(arch, "ep2", 2, *EP2, *SAVES)
+
+    def resumed(self, arch: str, source: dict, name: str, nproc: int, *overrides: str) -> dict:
+        """``source``'s run from its step-2 checkpoint on, in a copy of its output directory, on ``nproc`` workers."""
+        key = (arch, name)
+        if key not in self.done:
+            out = self.root / f"{arch}-{name}"
+            shutil.copytree(source["out"], out)
+            for path in out.glob("checkpoint-*"):
+                if int(path.name.split("-")[1]) > SAVE_AT:
+                    shutil.rmtree(path)
+            shutil.rmtree(out / "final")
+            common = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
+            self.done[key] = train(
+                self.root, out.name, nproc, *common, *EXPERTS, *overrides, *SAVES,
+                "training.resume_from_checkpoint=auto", steps=STEPS,
+            )  # fmt: skip
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("expert-parallel"))
+
+
+def assert_trains_like(run: dict, reference: dict) -> None:
+    assert len(reference["losses"]) == STEPS
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    mine, theirs = jsonl(run["out"] / "logs/train_log.jsonl"), jsonl(reference["out"] / "logs/train_log.jsonl")
+    # The gradient norm covers the experts' gradients, which the losses of a few Adam steps hardly show.
+    for key in ("moe_balance_loss", "grad_norm"):
+        assert [row[key] for row in mine] == pytest.approx([row[key] for row in theirs], rel=1e-5), key
+    # Routing statistics stay global: every rank routes its own tokens, the counts sum over all ranks.
+    usage, reference_usage = (jsonl(r["out"] / "logs/expert_usage.jsonl") for r in (run, reference))
+    for mine, theirs in zip(usage, reference_usage, strict=True):
+        assert [layer["counts"] for layer in mine["layers"]] == [layer["counts"] for layer in theirs["layers"]]
+
+
+def adapter(directory: Path) -> dict:
+    return load_file(directory / "adapter_model.safetensors")
+
+
+def assert_same_adapter(mine: dict, theirs: dict, rel: float) -> None:
+    assert sorted(mine) == sorted(theirs)
+    assert any("experts" in name for name in mine)
+    for name, tensor in mine.items():
+        assert tensor.shape == theirs[name].shape, name
+        assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=rel, abs=1e-6), name
+
+
+# -- CI: Qwen3-MoE ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix),
+                                  pytest.param("glm4_moe", marks=ep_matrix)])  # fmt: skip
+def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
+    run = runs.ep2(arch)
+    assert_trains_like(run, runs.single(arch))
+    assert run["metrics"]["world_size"] == 2 and run["metrics"]["strategy"] == "fsdp"
+    assert "expert parallel:" in run["log"]
+    # Each rank holds half the routed experts: fewer parameter bytes than FSDP over 2 ranks would not show
+    # (FSDP shards them too), but the whole adapter comes back in final/, as one worker writes it.
+    assert_same_adapter(adapter(run["out"] / "final"), adapter(runs.single(arch)["out"] / "final"), rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("glm4_moe", marks=ep_matrix)])
+def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
+    # One sequence per micro-batch on both sides, so that the micro-batches (and their padding) are the same.
+    reference = runs.get(arch, "single-b1", 1, "training.per_device_train_batch_size=1",
+                         "training.gradient_accumulation_steps=4")  # fmt: skip
+    run = runs.get(arch, "ep2-dp2", 4, *EP2, "training.per_device_train_batch_size=1")
+    assert_trains_like(run, reference)
+    assert run["metrics"]["world_size"] == 4
+
+
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix)])
+def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
+    single, ep2 = runs.single(arch), runs.ep2(arch)
+    from_ep2 = runs.resumed(arch, ep2, "ep2-to-1", 1, "training.gradient_accumulation_steps=2")
+    from_single = runs.resumed(arch, single, "1-to-ep2", 2, *EP2)
+    for resumed, saved_by in ((from_ep2, "2 rank(s)"), (from_single, "1 rank(s)")):
+        assert f"saved by {saved_by}" in resumed["log"]
+        # The steps after the checkpoint continue the run (weights and Adam state) exactly as it went on.
+        assert resumed["losses"][SAVE_AT:] == pytest.approx(single["losses"][SAVE_AT:], rel=1e-5)
+    # The resumed runs end with the adapter of the uninterrupted run, whatever EP size saved or loaded it.
+    assert_same_adapter(adapter(from_ep2["out"] / "final"), adapter(single["out"] / "final"), rel=1e-4)
+    assert_same_adapter(adapter(from_single["out"] / "final"), adapter(single["out"] / "final"), rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci)])
+def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path):
+    run = runs.ep2(arch)
+    checkpoint = run["out"] / f"checkpoint-{STEPS}"
+    for merge in (False, True):
+        out = tmp_path / ("merged" if merge else "adapter")
+        result = subprocess.run(
+            [sys.executable, "-m", "shardtune", "export", str(checkpoint), "--out", str(out),
+             *(["--merge"] if merge else [])],
+            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    # The checkpoint of the last step holds exactly what final/ holds (both are the whole experts' adapter).
+    assert_same_adapter(adapter(tmp_path / "adapter"), adapter(run["out"] / "final"), rel=0)
+    merged = {}
+    for path in sorted((tmp_path / "merged").glob("*.safetensors")):
+        merged.update(load_file(path))
+    expert_weights = [name for name in merged if "experts" in name and name.endswith("gate_up_proj")]
+    assert expert_weights and all(merged[name].shape[0] == 8 for name in expert_weights)  # every expert
+
+
+# -- no hang with idle experts or an idle rank; sizes that do not fit ---------------------------------------
+
+
+@pytest.mark.expert_parallel
+@pytest.mark.representative
+def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path):
+    # Rank 0 routes every token to experts 0 and 1 (both its own); rank 1 has no token at all: its experts
+    # get no row, and it takes part in every exchange with empty splits, forward and backward.
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "tests/distributed/ep_block_worker.py"), str(tmp_path)],
+        cwd=REPO, env={**ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    assert [report["tokens"] for report in reports] == [12, 0]
+    assert [report["local_experts"] for report in reports] == [[0, 4], [4, 8]]
+    for report in reports:  # each rank's output and gradients are those of the whole block on its tokens
+        assert report["output_matches"] and report["input_grad_matches"] and report["expert_grads_match"]
+    assert reports[0]["expert_grad_abs_sum"] > 0 and reports[1]["expert_grad_abs_sum"] == 0
+
+
+def test_the_mesh_lays_ep_groups_on_consecutive_ranks():
+    meshes = [ParallelDims(world_size=8, rank=rank, local_world_size=4, expert_parallel_size=2) for rank in range(8)]
+    assert [mesh.ep_rank for mesh in meshes] == [0, 1] * 4
+    assert [mesh.node_index for mesh in meshes] == [0] * 4 + [1] * 4
+    assert [(mesh.dp_rank, mesh.dp_size) for mesh in meshes] == [(rank, 8) for rank in range(8)]
+    assert meshes[3].expert_dp_size == 4 and meshes[3].local_experts(8) == range(4, 8)
+    alone = ParallelDims(world_size=1, rank=0, local_world_size=1)
+    assert (alone.dp_rank, alone.dp_size, alone.ep_size, alone.local_experts(8)) == (0, 1, 1, range(8))
+
+
+def test_sizes_that_do_not_fit_are_config_errors_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^parallel.expert_parallel_size: 3 does not divide the world size 4"):
+        ParallelDims(world_size=4, rank=0, local_world_size=4, expert_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"^parallel.expert_parallel_size: 4 does not divide the 6 routed experts"):
+        ParallelDims(world_size=4, rank=0, local_world_size=4, expert_parallel_size=4).check_experts(6, "m")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["parallel.strategy=ddp"], "parallel.expert_parallel_size: 2 needs parallel.strategy: fsdp or auto"),
+        (["model.experts_implementation=grouped_mm"], "needs model.experts_implementation: fused"),
+        (["lora.shared_expert_adapter=true"], "cannot train lora.shared_expert_adapter"),
+    ],
+)
+def test_settings_expert_parallelism_cannot_run_are_config_errors(overrides, error):
+    from shardtune.config import load_config
+
+    with pytest.raises(ConfigError, match=error):
+        load_config(REPO / "examples/quickstart.yaml", [*EP2, *overrides], check_paths=False)
+
+
+def test_a_dense_model_with_expert_parallelism_stops_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", "2", *EP2,
+         f"training.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "training.max_steps=1"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert lines == [
+        "shardtune: error: parallel.expert_parallel_size: 2 needs an MoE model; examples/tiny-llama has no MoE "
+        "layers; set it to 1"
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
