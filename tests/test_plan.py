@@ -305,3 +305,40 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
         if row.line != expected:
             stale.append(expected)
     assert not stale, "RESULTS.md rows that no longer hold; as recomputed:\n" + "\n".join(stale)
+
+
+def test_expert_parallelism_gathers_only_a_ranks_experts(capsys, monkeypatch):
+    # GLM-4.5-Air on 2 x 8 GPUs: FSDP alone gathers a whole MoE layer's experts (128 of them) to run it; EP 8
+    # keeps 16 on each GPU and gathers those, so FSDP's gathered term and the peak fall by the difference.
+    air = ["examples/recipes/glm-4.5-air-fsdp-16k.yaml", "--nodes", "2", "--gpus-per-node", "8",
+           "--gpu-memory-gib", "139.8"]  # fmt: skip
+    fsdp = lines(plan_here(capsys, monkeypatch, *air))
+    ep = lines(plan_here(capsys, monkeypatch, *air, "parallel.expert_parallel_size=8"))
+    assert ep["strategy"] == "fsdp (parallel.expert_parallel_size)"
+
+    def term(memory: str, name: str) -> float:
+        number, unit = re.search(rf"{name} ([\d.]+) (GiB|MiB)", memory).groups()
+        return float(number) / (1024 if unit == "MiB" else 1)
+
+    # Stored state is 1/16 of every weight either way; only what a layer gathers to run differs.
+    for name in ("weights", "gradients", "optimizer", "activations"):
+        assert term(ep["memory"], name) == term(fsdp["memory"], name)
+    gathered_fsdp, gathered_ep = term(fsdp["memory"], "FSDP gathered"), term(ep["memory"], "FSDP gathered")
+    # Two units in flight (one running, the next prefetched): a layer's experts, 128/8 of them with EP 8.
+    experts_unit = (gathered_fsdp - gathered_ep) / 2 / (1 - 1 / 8)
+    assert experts_unit == pytest.approx(4.4 / 1.0737, rel=0.02)  # about 4.4 GB (4.1 GiB) a layer in bf16
+    assert gib(ep["peak"]) == pytest.approx(gib(fsdp["peak"]) - (gathered_fsdp - gathered_ep), abs=0.02)
+
+
+@pytest.mark.parametrize(
+    ("size", "error"),
+    [
+        (3, "parallel.expert_parallel_size: 3 does not divide the world size 16"),
+        (32, "parallel.expert_parallel_size: 32 does not divide the world size 16"),
+    ],
+)
+def test_expert_parallel_sizes_that_do_not_fit_the_cluster_are_one_line(capsys, monkeypatch, size, error):
+    result = plan_here(capsys, monkeypatch, "examples/recipes/glm-4.5-air-fsdp-16k.yaml", "--nodes", "2",
+                       "--gpus-per-node", "8", f"parallel.expert_parallel_size={size}")  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"shardtune: error: {error}")

@@ -30,6 +30,9 @@ SAVE_AT = 2
 EXPERTS = ["lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01"]
 EP2 = ["parallel.expert_parallel_size=2"]
 SAVES = [f"training.save_steps={SAVE_AT}", "training.checkpoint_mode=full"]
+# Adapters after a few Adam steps, across reduction orders: Adam's normalized update amplifies the last-bit
+# differences of near-zero gradients, up to ~1e-3 of one step's update (lr 3e-3 in the quickstart).
+ABS = 1e-5
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 ep_matrix = pytest.mark.expert_parallel
@@ -99,12 +102,12 @@ def adapter(directory: Path) -> dict:
     return load_file(directory / "adapter_model.safetensors")
 
 
-def assert_same_adapter(mine: dict, theirs: dict, rel: float) -> None:
+def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS) -> None:
     assert sorted(mine) == sorted(theirs)
     assert any("experts" in name for name in mine)
     for name, tensor in mine.items():
         assert tensor.shape == theirs[name].shape, name
-        assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=rel, abs=1e-6), name
+        assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=rel, abs=abs), name
 
 
 # -- CI: Qwen3-MoE ----------------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
     # The checkpoint of the last step holds exactly what final/ holds (both are the whole experts' adapter).
-    assert_same_adapter(adapter(tmp_path / "adapter"), adapter(run["out"] / "final"), rel=0)
+    assert_same_adapter(adapter(tmp_path / "adapter"), adapter(run["out"] / "final"), rel=0, abs=0)
     merged = {}
     for path in sorted((tmp_path / "merged").glob("*.safetensors")):
         merged.update(load_file(path))
