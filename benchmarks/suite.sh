@@ -9,7 +9,8 @@
 # references of the 2-GPU runs), h200x2 (DDP scaling, FSDP2 full fine-tuning), h200-profile (where a step's
 # time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-speed (batch 4, packed batches of one
 # shape), h200x2-ddp (DDP against one GPU of the same machine), h200x2-default (the default config's DDP
-# scaling), x4-scaling / x8-scaling and x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
+# scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs), x4-scaling / x8-scaling and
+# x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
 # adds a profile) and h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time). Each
 # run's bench.json (and profile report, where one is taken) is copied to
@@ -120,6 +121,23 @@ h200x2-default)
         --strategy ddp
     bench 4096-default-1of2 "${mistral[@]}" --seq 4096 --batch 2 --gradient-checkpointing --steps 8 --warmup 4 \
         --nproc 1
+    ;;
+h200x2-ep)
+    # Issue 22's 2-GPU measurement (the issue "2-GPU runs: expert parallelism against FSDP, and data-parallel
+    # scaling"): parallel.expert_parallel_size=2 (each GPU holds half the routed experts, tokens move by
+    # all-to-all) against FSDP2 alone (each MoE layer's experts all-gathered to run), LoRA on attention and the
+    # routed experts, seq 4096, batch 2, checkpointing; Qwen3-30B-A3B and GLM-4.5-Air's first 12 layers; and
+    # EP 1 on one GPU of the same machine (--nproc 1: the new mesh at its smallest, the data-parallel
+    # reference).
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    ep=(--seq 4096 --batch 2 --gradient-checkpointing --steps 8 --warmup 4 'lora.moe_targets=[attention,routed_experts]'
+        "${extra[@]}")
+    bench ep-qwen3-1of2 --shape qwen3-30b-a3b "${ep[@]}" --nproc 1
+    bench ep-qwen3-fsdp --shape qwen3-30b-a3b "${ep[@]}" --nproc 2 --strategy fsdp
+    bench ep-qwen3-ep2 --shape qwen3-30b-a3b "${ep[@]}" --nproc 2 --strategy fsdp parallel.expert_parallel_size=2
+    bench ep-air12-fsdp --shape glm-4.5-air --layers 12 "${ep[@]}" --nproc 2 --strategy fsdp
+    bench ep-air12-ep2 --shape glm-4.5-air --layers 12 "${ep[@]}" --nproc 2 --strategy fsdp \
+        parallel.expert_parallel_size=2
     ;;
 h200x2-scaling)
     bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 --nproc 1 "${compiled[@]}"
