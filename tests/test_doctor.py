@@ -294,3 +294,26 @@ def test_report_lists_fixes_and_counts():
     ]
     assert "  FAIL data (node 1): correct the path\n  WARN output dir shared: copy the shards" in text
     assert text.endswith("shardtune doctor: 1 failed, 1 warning in 3 checks")
+
+
+def test_memory_counts_expert_parallelism():
+    # The doctor's memory row is plan's estimate: with EP 8 on 16 ranks an MoE layer's experts unit holds
+    # 1/8 of the layer's experts, so FSDP's gathered term shrinks; stored state is 1/16 of everything either way.
+    from shardtune.config import load_config
+    from shardtune.distributed.env import DistributedEnv
+    from shardtune.distributed.mesh import ParallelDims
+    from shardtune.doctor.estimates import memory_checks
+    from shardtune.plan.shape import planned_model_shape
+
+    recipe = REPO / "examples/recipes/glm-4.5-air-fsdp-16k.yaml"
+    gathered = {}
+    for ep in (1, 8):
+        config = load_config(recipe, [f"parallel.expert_parallel_size={ep}"], check_paths=False)
+        shape, _ = planned_model_shape(config)
+        mesh = ParallelDims(world_size=16, rank=1, local_world_size=8, expert_parallel_size=ep)
+        env = DistributedEnv(1, 1, 16, 8, torch.device("cpu"), 60.0, mesh)
+        (row,) = memory_checks(config, env, shape)
+        assert "fsdp on 16 ranks" in row.detail
+        number, unit = re.search(r"FSDP gathered ([\d.]+) (GiB|MiB)", row.detail).groups()
+        gathered[ep] = float(number)
+    assert gathered[8] < gathered[1] / 2

@@ -120,8 +120,9 @@ def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
 
 
 def tensor_kind(name: str) -> str | None:
-    """"experts" (E, out, in), "lora_A" (r*E, in: expert e's rows e*r..(e+1)*r), "lora_B" (out, r*E: expert e's
-    columns e, e+E, ...), by a parameter's name under the experts module; None for others."""
+    """The kind of a routed-expert tensor, by its parameter name under the experts module: ``experts``
+    (E, out, in), ``lora_A`` (r*E, in: expert e's rows e*r..(e+1)*r), ``lora_B`` (out, r*E: expert e's columns
+    e, e+E, ...); None for others."""
     last = without_wrappers(name).split(".")
     if last[-1] in ("gate_up_proj", "down_proj"):
         return "experts"
