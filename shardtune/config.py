@@ -269,8 +269,7 @@ class ParallelConfig(_Section):
             # The experts differ across an EP group: DDP's replicas (and its all-world gradient average) cannot
             # hold them; FSDP2 shards dense weights over all ranks and each expert over its holders.
             raise ValueError(
-                f"expert_parallel_size: {self.expert_parallel_size} needs parallel.strategy: fsdp or auto "
-                "(got ddp)"
+                f"expert_parallel_size: {self.expert_parallel_size} needs parallel.strategy: fsdp or auto (got ddp)"
             )
         return self
 

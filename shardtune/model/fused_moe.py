@@ -363,7 +363,9 @@ def routed_experts(
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     if dispatch is None:
         offsets = torch.searchsorted(
-            expert_of_row, torch.arange(gate_up.shape[0], device=flat.device, dtype=flat.dtype), right=True,
+            expert_of_row,
+            torch.arange(gate_up.shape[0], device=flat.device, dtype=flat.dtype),
+            right=True,
             out_int32=True,
         )  # offsets[e]: rows of experts 0..e
     else:
