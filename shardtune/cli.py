@@ -108,11 +108,11 @@ def _train_here(config: Config) -> int:
     env = DistributedEnv.from_environment(config.parallel.timeout_s, config.parallel.expert_parallel_size)
     setup_logging(env.is_main)
     if "SHARDTUNE_NNODES" in os.environ and env.local_rank == 0:
-        first = env.rank - env.local_rank
+        ranks = env.mesh.node_ranks
         print(
             f"shardtune: {socket.gethostname()}: node {os.environ.get('SHARDTUNE_NODE_RANK')} of "
             f"{os.environ['SHARDTUNE_NNODES']}, local ranks 0-{env.local_world_size - 1} = global ranks "
-            f"{first}-{first + env.local_world_size - 1} of world size {env.world_size}, rendezvous "
+            f"{ranks.start}-{ranks.stop - 1} of world size {env.world_size}, rendezvous "
             f"{os.environ.get('SHARDTUNE_RDZV_ENDPOINT')}, restart {restarts}",
             file=sys.stderr,
             flush=True,

@@ -112,7 +112,8 @@ def lora_deltas(model: peft.PeftModel) -> list[LoraDelta]:
         deltas.append(
             LoraDelta(
                 weight=f"{base_model_name(name)}.{parameter}",
-                shape=tuple(weight.shape),
+                # The whole layer's experts: under expert parallelism a rank holds a run of them.
+                shape=(experts, *weight.shape[1:]) if experts > 1 else tuple(weight.shape),
                 lora_a=f"{name}.lora_A.{adapter}.weight",
                 lora_b=f"{name}.lora_B.{adapter}.weight",
                 scaling=module.scaling[adapter],

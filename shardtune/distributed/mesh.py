@@ -72,6 +72,12 @@ class ParallelDims:
         """Which node this rank runs on (nodes hold consecutive ranks, the same number each)."""
         return self.rank // self.local_world_size
 
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks of this rank's node."""
+        first = self.node_index * self.local_world_size
+        return range(first, first + self.local_world_size)
+
     # -- expert parallel ------------------------------------------------------------------------------
     @property
     def ep_size(self) -> int:
@@ -116,7 +122,7 @@ class ParallelDims:
         ep = self.expert_parallel_size
         return init_device_mesh(self.device_type, (self.world_size // ep, ep), mesh_dim_names=("expert_dp", "ep"))
 
-    @property
+    @functools.cached_property
     def expert_mesh(self) -> DeviceMesh:
         """The ranks holding the same experts as this one (1-D, ``expert_dp``): the routed experts' FSDP2 mesh."""
         return self._world_mesh["expert_dp"]

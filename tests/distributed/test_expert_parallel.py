@@ -60,7 +60,7 @@ class Runs:
         return self.get(arch, "single", 1, "training.gradient_accumulation_steps=2", *SAVES)
 
     def ep2(self, arch: str) -> dict:
-        return self.get(arch, "ep2", 2, *EP2, *SAVES)
+        return self.get(arch, "ep2", 2, *EP2, *SAVES, "training.merge_final=true")
 
     def resumed(self, arch: str, source: dict, name: str, nproc: int, *overrides: str) -> dict:
         """``source``'s run from its step-2 checkpoint on, in a copy of its output directory, on ``nproc`` workers."""
@@ -71,7 +71,8 @@ class Runs:
             for path in out.glob("checkpoint-*"):
                 if int(path.name.split("-")[1]) > SAVE_AT:
                     shutil.rmtree(path)
-            shutil.rmtree(out / "final")
+            for finished in ("final", "final-merged"):
+                shutil.rmtree(out / finished, ignore_errors=True)
             common = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
             self.done[key] = train(
                 self.root, out.name, nproc, *common, *EXPERTS, *overrides, *SAVES,
@@ -96,6 +97,13 @@ def assert_trains_like(run: dict, reference: dict) -> None:
     usage, reference_usage = (jsonl(r["out"] / "logs/expert_usage.jsonl") for r in (run, reference))
     for mine, theirs in zip(usage, reference_usage, strict=True):
         assert [layer["counts"] for layer in mine["layers"]] == [layer["counts"] for layer in theirs["layers"]]
+
+
+def weights(directory: Path) -> dict:
+    found = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
 
 
 def adapter(directory: Path) -> dict:
@@ -163,11 +171,13 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
         assert result.returncode == 0, result.stderr[-3000:]
     # The checkpoint of the last step holds exactly what final/ holds (both are the whole experts' adapter).
     assert_same_adapter(adapter(tmp_path / "adapter"), adapter(run["out"] / "final"), rel=0, abs=0)
-    merged = {}
-    for path in sorted((tmp_path / "merged").glob("*.safetensors")):
-        merged.update(load_file(path))
+    # The merged model of the checkpoint is the run's own final-merged/ (merged from the gathered experts).
+    merged, final_merged = (weights(directory) for directory in (tmp_path / "merged", run["out"] / "final-merged"))
     expert_weights = [name for name in merged if "experts" in name and name.endswith("gate_up_proj")]
     assert expert_weights and all(merged[name].shape[0] == 8 for name in expert_weights)  # every expert
+    assert sorted(merged) == sorted(final_merged)
+    for name, tensor in merged.items():
+        assert tensor.equal(final_merged[name]), name
 
 
 # -- no hang with idle experts or an idle rank; sizes that do not fit ---------------------------------------
