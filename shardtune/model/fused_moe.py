@@ -268,7 +268,7 @@ def _(like, experts):
     return like.new_empty(like.shape[0]), like.new_empty(experts)
 
 
-def _adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
+def parameter_adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
     """The module under PEFT's ParamWrappers and, per wrapped parameter name, the active adapters'
     (lora_A weight, lora_B weight, scaling, rank, shared by the experts). Merged or disabled adapters
     are left out: their effect is in the base weight already, or off."""
@@ -296,7 +296,7 @@ def route(
     router: torch.nn.Module, tokens: torch.Tensor, routing: Routing
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k))."""
-    router, adapters = _adapters(router)
+    router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         if torch.compiler.is_compiling():
@@ -348,7 +348,7 @@ def routed_experts(
     experts: torch.nn.Module, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs."""
-    experts, adapters = _adapters(experts)
+    experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I)
     num_experts = gate_up.shape[0]
     dtype = _compute_dtype(gate_up)
