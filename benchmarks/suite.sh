@@ -12,7 +12,8 @@
 # scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs), x4-scaling / x8-scaling and
 # x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
-# adds a profile) and h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time). Each
+# adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
+# setting that fits) and h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -183,7 +184,17 @@ h200-moe | h200-moe-qwen3 | h200-moe-large)
     # activation checkpointing (HF's baseline needs it to fit), skewed routing (bench's default: a trained
     # model's long-tailed load), LoRA r=16. h200-moe-qwen3 (the Qwen3-30B-A3B runs) and h200-moe-large (GLM-4.5-Air,
     # Mixtral) each fit one 10-minute device call; h200-moe runs both. profile=1 adds a profile of two warm-up
-    # steps to the first run (its GEMM share: h200-moe-profile).
+    # steps to the first run (its GEMM share: h200-moe-default)
+    # Issue 20's runs in the default config: gradient_checkpointing auto (the fewest layers that fit), and the HF
+    # baseline at its best setting that fits (without checkpointing, or with it when it runs out of memory).
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    moe=(--seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench auto-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}"
+    bench auto-qwen3-experts --shape qwen3-30b-a3b "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
+    bench auto-glm-air-20l --shape glm-4.5-air --layers 20 "${moe[@]}"
+    bench auto-mixtral --shape mixtral-8x7b "${moe[@]}"
+    ;;
+h200-moe-profile).
     # BENCH_OVERRIDES: section.key=value settings added to every run, e.g. "parallel.compile=true".
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
     moe=(--seq 4096 --batch 2 --gradient-checkpointing --steps 3 --warmup 3 --baseline hf "${extra[@]}")

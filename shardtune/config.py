@@ -146,8 +146,14 @@ class TrainingConfig(_Section):
     )
     seed: int = 42
     bf16: bool | None = Field(None, description="bf16 autocast; null follows model.dtype")
-    gradient_checkpointing: bool = False
-    gradient_checkpointing_every: int = Field(1, gt=0, description="checkpoint every k-th decoder layer")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="recompute decoder layers' activations in backward; auto: on a GPU, the fewest layers that "
+        "make the step's estimated peak fit the device's memory (none when it fits without), off on CPU",
+    )
+    gradient_checkpointing_every: int = Field(
+        1, gt=0, description="with gradient_checkpointing: true, checkpoint every k-th decoder layer"
+    )
     logging_steps: int = Field(10, gt=0)
     eval_steps: int | None = Field(None, gt=0)
     eval_on_start: bool = False
@@ -194,7 +200,7 @@ class TrainingConfig(_Section):
             raise ValueError("warmup_steps: set either warmup_steps or warmup_ratio, not both")
         if self.eval_dataset_type == "subset" and self.eval_subset_size is None:
             raise ValueError("eval_subset_size: required when eval_dataset_type is subset")
-        if self.activation_offloading and not self.gradient_checkpointing:
+        if self.activation_offloading and self.gradient_checkpointing is not True:
             raise ValueError("activation_offloading: needs gradient_checkpointing: true (it offloads what that keeps)")
         if self.eval_dataset_type == "full" and self.eval_subset_size is not None:
             raise ValueError("eval_subset_size: set, but eval_dataset_type is full; drop one of them")

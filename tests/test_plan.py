@@ -22,6 +22,7 @@ from shardtune.plan.run import GIB, GPU_MEMORY_GIB
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 BENCH_RESULTS = REPO / "benchmarks" / "results"
 RECIPES = REPO / "examples" / "recipes"
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
 TOLERANCE = 0.15
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
 
@@ -189,6 +190,40 @@ def test_changes_that_fit_only_together_are_the_fewest():
     assert combined.run.fits and combined.run.cluster.world_size == 2
 
 
+def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
+    from shardtune.bench.shapes import HUB_SHAPES
+    from shardtune.config import load_config
+    from shardtune.distributed.strategy import choose_parallelism
+    from shardtune.plan.memory import USABLE_SHARE, _estimate, checkpointed_layers, spread_layers
+    from shardtune.plan.shape import planned_model_shape
+
+    def choice(gpu_gib: float | None, *overrides: str) -> tuple[frozenset[int], tuple]:
+        config = load_config(QUICKSTART, [*hub_model, *overrides], check_paths=False)
+        memory = int(gpu_gib * GIB) if gpu_gib else None
+        plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, 1, memory)
+        return checkpointed_layers(config, shape, plan, True, memory), (config, plan)
+
+    mixtral = next(name for name, (label, _) in HUB_SHAPES.items() if label == "mixtral-8x7b")
+    hub_model = [f"model.name_or_path={mixtral}", "data.max_length=4096", "training.per_device_train_batch_size=2"]
+    shape, _ = planned_model_shape(load_config(QUICKSTART, hub_model, check_paths=False))
+    assert len(shape.layers) == 32
+
+    # Mixtral-8x7B LoRA at 8,192 tokens on one H200: 93 GB of weights leave room for 18 layers' activations.
+    chosen, (config, plan) = choice(GPU_MEMORY_GIB["H200"])
+    assert chosen == spread_layers(32, len(chosen)) and 10 <= len(chosen) <= 20
+    budget = USABLE_SHARE * GPU_MEMORY_GIB["H200"] * GIB
+    assert _estimate(config, shape, plan, True, chosen).peak <= budget
+    assert _estimate(config, shape, plan, True, spread_layers(32, len(chosen) - 1)).peak > budget
+    # Room for everything: none; room for nothing: all (the plan then says it does not fit); CPU: none.
+    assert choice(1000.0)[0] == frozenset() and choice(GPU_MEMORY_GIB["H100 80GB"])[0] == frozenset(range(32))
+    assert choice(None)[0] == frozenset()
+    # Set by hand, auto decides nothing.
+    every_other = choice(1000.0, "training.gradient_checkpointing=true", "training.gradient_checkpointing_every=2")[0]
+    assert every_other == frozenset(range(0, 32, 2))
+    assert choice(GPU_MEMORY_GIB["H200"], "training.gradient_checkpointing=false")[0] == frozenset()
+    assert spread_layers(32, 3) == {0, 10, 21} and spread_layers(5, 0) == frozenset()
+
+
 @pytest.mark.parametrize(
     ("args", "error"),
     [
@@ -273,6 +308,8 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
             item for item in run["command"].split(" --nproc ")[1].split()[1:] if not item.startswith(REMOVED_OPTIONS)
         ]
         assert [item for item in overrides if item not in RESTORED_DEFAULTS] == ran, row.file
+        if "checkpointed_layers" not in run and not args.gradient_checkpointing:
+            overrides.append("training.gradient_checkpointing=false")  # the default before auto
 
         # The config bench trains on, from bench's own parser and config (its model directory written once).
         key = (args.shape, args.layers)
@@ -290,11 +327,13 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
         assert bench.get("layers") in (None, len(shape.layers)), row.file
 
         gpu = "H100 80GB" if "H100" in run["device"] else "H200"
-        plan = choose_parallelism(
-            shape.stored_bytes, shape.trainable, config, bench["nproc"], int(GPU_MEMORY_GIB[gpu] * GIB)
-        )
+        gpu_memory = int(GPU_MEMORY_GIB[gpu] * GIB)
+        plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, bench["nproc"], gpu_memory)
         assert plan.strategy == run["strategy"], row.file
-        estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on("cuda")).peak / GIB
+        estimated = estimate_memory(config, shape, plan, config.parallel.compiles_on("cuda"), gpu_memory)
+        # The run checkpointed the layers the estimate chose (auto: from the same estimate, on the GPU).
+        assert len(estimated.checkpointed) == run.get("checkpointed_layers", len(estimated.checkpointed)), row.file
+        estimate = estimated.peak / GIB
         measured = run["peak_memory_gib_per_device"]
         error = estimate / measured - 1
         assert abs(error) <= TOLERANCE, f"{row.file}: measured {measured:.2f} GiB, estimated {estimate:.2f}"

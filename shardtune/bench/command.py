@@ -60,7 +60,12 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--lora-targets", default=None, help="all-linear, or module names joined by commas (default: as train)"
     )
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="checkpoint every decoder layer, on both sides (default: shardtune's auto, and the HF baseline "
+        "without, or with if it runs out of memory without)",
+    )
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp"])
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: one per GPU, 1 on CPU)")
     parser.add_argument(
@@ -135,9 +140,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                       f"--nproc-per-node={nproc}"]  # fmt: skip
         command = [*runner, "-m", "shardtune.bench.hf_baseline", str(config_path), str(out / "hf"), args.hf_padding,
                    *args.overrides]  # fmt: skip
-        _run(command, out / "hf.log", "the HF Trainer + PEFT baseline")
+        checkpointing = args.gradient_checkpointing
+        status = 0 if checkpointing else _run_logged(command, out / "hf.log")
+        if status:
+            # Without --gradient-checkpointing shardtune chose its own (auto); HF checkpoints every layer or
+            # none, so its best that fits is none if that fits, else every layer.
+            if not _out_of_memory(out / "hf.log"):
+                _fail(out / "hf.log", "the HF Trainer + PEFT baseline", status)
+            print("the HF baseline ran out of memory without gradient checkpointing; running it with", flush=True)
+            command.append("training.gradient_checkpointing=true")
+            checkpointing = True
+        if checkpointing:
+            _run(command, out / "hf.log", "the HF Trainer + PEFT baseline")
         results["hf"] = summarize_hf(out / "hf", args.warmup, model_config, args.seq)
         results["hf"]["command"] = " ".join(command[1:])
+        results["hf"]["gradient_checkpointing"] = checkpointing
         results["hf"]["padding"] = args.hf_padding
         shardtune, hf = results["shardtune"], results["hf"]
         results["ratio"] = shardtune["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"]
@@ -185,7 +202,7 @@ def bench_config(
                      "max_steps": -1 if args.epoch_examples else args.warmup + args.steps, "num_train_epochs": 1,
                      "per_device_train_batch_size": args.batch,
                      "learning_rate": 1e-5 if args.full else 1e-4, "logging_steps": 1,
-                     "gradient_checkpointing": args.gradient_checkpointing},
+                     "gradient_checkpointing": True if args.gradient_checkpointing else "auto"},
         "lora": {"enabled": not args.full, "r": args.lora_r, "lora_alpha": 2 * args.lora_r, "lora_dropout": 0.0,
                  "target_modules": targets},
         "parallel": {"strategy": args.strategy},
@@ -218,10 +235,25 @@ def write_model_dir(directory: Path, model_config, tokenizer_dir: str | None = N
     return directory
 
 
-def _run(command: list[str], log: Path, what: str) -> None:
+def _run_logged(command: list[str], log: Path) -> int:
+    """Run ``command`` with its output in ``log``; its exit status."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as handle:
-        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    if result.returncode != 0:
-        tail = log.read_text().splitlines()[-15:]
-        raise InputError([f"{what} failed (exit {result.returncode}); the end of {log}:", *tail])
+        return subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _run(command: list[str], log: Path, what: str) -> None:
+    status = _run_logged(command, log)
+    if status:
+        _fail(log, what, status)
+
+
+def _fail(log: Path, what: str, status: int) -> None:
+    tail = log.read_text().splitlines()[-15:]
+    raise InputError([f"{what} failed (exit {status}); the end of {log}:", *tail])
+
+
+def _out_of_memory(log: Path) -> bool:
+    """Whether the run logged in ``log`` ended for want of device memory."""
+    text = log.read_text()
+    return "torch.OutOfMemoryError" in text or "CUDA out of memory" in text

@@ -145,8 +145,10 @@ def main(argv: list[str]) -> int:
         max_steps=training.max_steps,
         learning_rate=training.learning_rate,
         bf16=dtype == torch.bfloat16,
-        gradient_checkpointing=training.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if training.gradient_checkpointing else None,
+        # HF checkpoints every layer or none: bench runs it without first and, out of memory, with (see
+        # bench.command); shardtune's "auto" has no counterpart here.
+        gradient_checkpointing=training.gradient_checkpointing is True,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if training.gradient_checkpointing is True else None,
         logging_steps=max(training.max_steps, 1),
         save_strategy="no",
         report_to=[],

@@ -95,6 +95,8 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
     # loader never kept the device waiting.
     data_wait = sum(row["data_wait_s"] for row in measured) / len(measured)
     return {**summary, "strategy": metrics["strategy"], "data_wait_s_per_step": data_wait,
+            "gradient_checkpointing": metrics["gradient_checkpointing"],
+            "checkpointed_layers": metrics["checkpointed_layers"],
             "expert_load": expert_load(run_dir / "logs" / USAGE_FILE, warmup),
             "losses": [row["loss"] for row in rows]}  # fmt: skip
 

@@ -22,18 +22,15 @@ from torch.utils.checkpoint import checkpoint
 from shardtune.model.moe import find_moe_blocks
 
 
-def apply_activation_checkpointing(
-    model: torch.nn.Module, layers: list[torch.nn.Module], every: int, offload: bool = False
-) -> int:
-    """Recompute every ``every``-th decoder layer's activations in backward; returns how many.
+def apply_activation_checkpointing(model: torch.nn.Module, layers: list[torch.nn.Module], offload: bool = False):
+    """Recompute ``layers``' activations in backward (which layers: ``plan.memory.checkpointed_layers``).
 
     Non-reentrant checkpointing: it works with frozen inputs (LoRA) and with DDP, where the
     reentrant kind marks parameters ready twice and crashes (the seed's DDP + LoRA failure).
     ``offload``: the layer input it keeps lives in (pinned) host memory until the recomputation.
     """
-    chosen = {id(layer) for index, layer in enumerate(layers) if index % every == 0}
+    chosen = {id(layer) for layer in layers}
     checkpoint_fn = _offloading_checkpoint if offload else None
-    wrapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in chosen:
@@ -41,8 +38,6 @@ def apply_activation_checkpointing(
                     child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint_fn
                 )
                 parent.register_module(name, wrapper)
-                wrapped += 1
-    return wrapped
 
 
 def _offloading_checkpoint(layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:

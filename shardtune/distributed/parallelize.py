@@ -37,22 +37,48 @@ from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock
+from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
+from shardtune.plan.memory import describe_checkpointing, estimate_memory
+from shardtune.plan.shape import read_model_shape
 
 log = logging.getLogger("shardtune")
+
+
+def device_memory(env: DistributedEnv) -> int | None:
+    """Bytes of this rank's GPU; None on CPU."""
+    return torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
 
 
 def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv) -> ParallelPlan:
     """The strategy for ``model`` on ``env``'s devices, by ``choose_parallelism``'s rule."""
     params = list(model.parameters())
-    memory = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
     return choose_parallelism(
         sum(p.numel() * p.element_size() for p in params),
         sum(p.numel() for p in params if p.requires_grad),
         config,
         env.world_size,
-        memory,
+        device_memory(env),
     )
+
+
+def plan_checkpointing(
+    model: torch.nn.Module, config: Config, env: DistributedEnv, plan: ParallelPlan, precision: Precision
+) -> frozenset[int]:
+    """The decoder layers (by index) whose activations ``model`` recomputes in backward, by the memory
+    estimate's rule (``checkpointed_layers``: with ``auto``, the fewest that make the step fit the GPU)."""
+    if config.training.gradient_checkpointing is False:
+        return frozenset()
+    memory = device_memory(env)
+    shape = read_model_shape(model, config, precision)
+    estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type), memory)
+    checkpointing = describe_checkpointing(config, estimate.checkpointed, len(shape.layers))
+    if memory is None:
+        log.info("%s", checkpointing)
+    else:
+        gib = 2**30
+        log.info("%s: estimated peak %.1f GiB of the GPU's %.1f GiB", checkpointing, estimate.peak / gib, memory / gib)
+    return estimate.checkpointed
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -77,21 +103,22 @@ def parallelize(
     compute_dtype: torch.dtype,
     materialized: bool,
     compiler: LayerCompiler | None = None,
+    checkpointed: frozenset[int] = frozenset(),
 ) -> torch.nn.Module:
-    """Activation memory, compile (with ``compiler``, by default a new one), then DDP or FSDP2, then weights
-    from rank 0 onto every rank's device."""
+    """Activation memory (the ``checkpointed`` decoder layers, by index: ``plan_checkpointing``), compile
+    (with ``compiler``, by default a new one), then DDP or FSDP2, then weights from rank 0 onto every rank's
+    device."""
     training = config.training
     # Found once: wrappers added below (checkpointing, compile) sit around these same modules.
     layers = decoder_layers(model)
     if training.mlp_chunk_tokens:
         count = tile_mlps(model, layers, training.mlp_chunk_tokens)
         log.info("tiled MLPs: %d decoder MLPs run %d tokens at a time", count, training.mlp_chunk_tokens)
-    if training.gradient_checkpointing:
-        count = apply_activation_checkpointing(
-            model, layers, training.gradient_checkpointing_every, training.activation_offloading
-        )
-        offloaded = ", their inputs kept in host memory" if training.activation_offloading else ""
-        log.info("activation checkpointing on %d decoder layers%s", count, offloaded)
+    if checkpointed:
+        apply_activation_checkpointing(model, [layers[index] for index in sorted(checkpointed)],
+                                       training.activation_offloading)  # fmt: skip
+        if training.activation_offloading:
+            log.info("activation offloading: checkpointed layers keep their inputs in host memory")
     if config.parallel.compiles_on(env.device.type):
         # Per decoder layer, not the whole model: every layer runs the same code, so one compiled
         # graph serves them all, and FSDP's hooks between layers stay outside the graphs.

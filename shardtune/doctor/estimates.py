@@ -15,7 +15,7 @@ from shardtune.config import Config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.strategy import choose_parallelism
 from shardtune.doctor.report import FAIL, OK, WARN, Check, plural, size
-from shardtune.plan.memory import USABLE_SHARE, estimate_memory
+from shardtune.plan.memory import USABLE_SHARE, describe_checkpointing, estimate_memory
 from shardtune.plan.shape import ModelShape
 
 FIX_MEMORY = (
@@ -51,10 +51,11 @@ def memory_checks(config: Config, env: DistributedEnv, shape: ModelShape) -> lis
     cuda = env.device.type == "cuda"
     capacity = torch.cuda.get_device_properties(env.device).total_memory if cuda else None
     plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, env.world_size, capacity)
-    estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type))
+    estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type), capacity)
     parts = ", ".join(f"{name} {size(value)}" for name, value in estimate.parts())
+    checkpointing = describe_checkpointing(config, estimate.checkpointed, len(shape.layers))
     breakdown = (
-        f"{plan.strategy} on {plural(env.world_size, 'rank')}, per rank: {parts}; "
+        f"{plan.strategy} on {plural(env.world_size, 'rank')}, {checkpointing}, per rank: {parts}; "
         f"{shape.flops_per_token / 1e9:.4g} GFLOP per trained token"
     )
     local = env.local_world_size

@@ -179,7 +179,7 @@ class FusedMoeBlock(torch.nn.Module):
         self.router_name = "gate" if hasattr(self, "gate") else "router"
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
         # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
-        self.num_routed_experts = _adapters(self.experts)[0].gate_up_proj.shape[0]
+        self.num_routed_experts = parameter_adapters(self.experts)[0].gate_up_proj.shape[0]
         # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
         # its gradient in this block's backward.
         self.trains_balance = False
@@ -270,7 +270,7 @@ def _(like, experts):
     return like.new_empty(like.shape[0]), like.new_empty(experts)
 
 
-def _adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
+def parameter_adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
     """The module under PEFT's ParamWrappers and, per wrapped parameter name, the active adapters'
     (lora_A weight, lora_B weight, scaling, rank, shared by the experts). Merged or disabled adapters
     are left out: their effect is in the base weight already, or off."""
@@ -298,7 +298,7 @@ def route(
     router: torch.nn.Module, tokens: torch.Tensor, routing: Routing
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k))."""
-    router, adapters = _adapters(router)
+    router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         if torch.compiler.is_compiling():
@@ -353,7 +353,7 @@ def routed_experts(
     # Set under expert parallelism (distributed/expert_parallel.py): this rank holds a run of the experts,
     # and rows travel to the rank of their expert and back.
     dispatch = getattr(experts, "expert_dispatch", None)
-    experts, adapters = _adapters(experts)
+    experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up)
     count, top_k = chosen.shape

@@ -14,7 +14,7 @@ import argparse
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.doctor.report import plural, size
 from shardtune.errors import InputError
-from shardtune.plan.memory import USABLE_SHARE, micro_batch_tokens
+from shardtune.plan.memory import USABLE_SHARE, describe_checkpointing, micro_batch_tokens
 from shardtune.plan.run import (
     DEFAULT_GPU_MEMORY_GIB,
     GIB,
@@ -118,7 +118,7 @@ def describe(run: RunPlan, source: str) -> list[str]:
     training, data = config.training, config.data
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * cluster.world_size
     layers = [
-        f"gradient checkpointing {'on' if training.gradient_checkpointing else 'off'}",
+        describe_checkpointing(config, memory.checkpointed, len(run.shape.layers)),
         f"layers {'compiled' if config.parallel.compiles_on('cuda') else 'eager'}",
     ]
     parts = ", ".join(f"{name} {size(value)}" for name, value in memory.parts())

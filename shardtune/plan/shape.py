@@ -37,6 +37,7 @@ class LayerShape:
     num_experts: int  # MoE: routed experts (0: a dense layer)
     shared_width: int  # MoE: the shared experts' intermediate width
     adapter_inputs: int  # LoRA: the input features of its adapted linear layers, summed (dropout copies them)
+    expert_adapter_rank: int  # LoRA on the routed experts' gate/up projection: its rank (0: none)
     params: int  # parameters outside its routed experts: one FSDP unit
     expert_params: int  # its routed experts' parameters: an FSDP unit of their own
 
@@ -72,6 +73,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
 
     from shardtune.distributed.parallelize import decoder_layers
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
+    from shardtune.model.fused_moe import parameter_adapters
     from shardtune.model.moe import find_moe_blocks
 
     params = list(model.parameters())
@@ -91,7 +93,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         layer_params = sum(p.numel() for p in layer.parameters())
         block = blocks.get(index)
         if block is None:
-            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, layer_params, 0))
+            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0))
             continue
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
@@ -104,6 +106,8 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 num_experts=block.num_experts,
                 shared_width=shared_params // (GATED_MATRICES * hidden),
                 adapter_inputs=adapter_inputs,
+                expert_adapter_rank=sum(adapter[3] for adapter in parameter_adapters(
+                    block.block.get_submodule("experts"))[1].get("gate_up_proj", [])),  # fmt: skip
                 params=layer_params - expert_params,
                 expert_params=expert_params,
             )

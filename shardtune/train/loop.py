@@ -38,6 +38,7 @@ from shardtune.distributed.parallelize import (
     gradient_sync,
     local_parameter_bytes,
     parallelize,
+    plan_checkpointing,
     plan_parallelism,
     unwrap,
 )
@@ -226,7 +227,9 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     plan = plan_parallelism(model, config, env)
     log.info("%s", plan.describe(env.world_size))
     compiler = LayerCompiler()
-    model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler)
+    checkpointed = plan_checkpointing(model, config, env, plan, precision)
+    model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler,
+                        checkpointed=checkpointed)  # fmt: skip
     model.train()
     install_faults(env.rank).attach(model)
 
@@ -428,6 +431,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         "dtype": str(precision.compute).removeprefix("torch."),
         "bf16": precision.autocast == torch.bfloat16,
         "gradient_checkpointing": training.gradient_checkpointing,
+        "checkpointed_layers": len(checkpointed),
         "strategy": plan.strategy,
         "trainable_params": trainable,
         "total_params": total,

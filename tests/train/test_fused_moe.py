@@ -224,7 +224,7 @@ def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, comp
     reference = fused_copy(build(moe_dirs["glm4_moe"], ["attention", "routed_experts"]))
     compiled_model = copy.deepcopy(reference)
     for model in (reference, compiled_model):
-        apply_activation_checkpointing(model, decoder_layers(model), every=1)
+        apply_activation_checkpointing(model, decoder_layers(model))
     for layer in decoder_layers(compiled_model):
         wrapper = next(m for m in compiled_model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer)
         (wrapper if compiled == "outside" else layer).compile(backend="aot_eager", fullgraph=True)
@@ -254,7 +254,7 @@ def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, 
     reference = fused_copy(build(moe_dirs[arch], targets)).to(torch.bfloat16)
     compiled_model = copy.deepcopy(reference)
     for model in (reference, compiled_model):
-        apply_activation_checkpointing(model, decoder_layers(model), every=1)
+        apply_activation_checkpointing(model, decoder_layers(model))
     for layer in decoder_layers(compiled_model):
         next(m for m in compiled_model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
             fullgraph=True

@@ -141,6 +141,8 @@ def test_run_directory_layout(lora_run):
     ):
         assert key in metrics, key
     assert metrics["steps"] == 6 and metrics["use_lora"] is True and metrics["bf16"] is False
+    # The default checkpointing (auto) checkpoints nothing on CPU: host memory is not what it runs out of.
+    assert metrics["gradient_checkpointing"] == "auto" and metrics["checkpointed_layers"] == 0
     assert metrics["tokens"] == sum(metrics["tokens_per_rank"]) > 0
     assert metrics["tokens_per_s"] > 0 and metrics["gpu"] == "cpu"
     assert metrics == result.metrics
