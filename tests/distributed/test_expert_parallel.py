@@ -180,6 +180,27 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
         assert tensor.equal(final_merged[name]), name
 
 
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci)])
+def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
+    # 3 examples, one a batch, on 2 ranks: rank 1's second forward is a padding batch (no target), whose
+    # tokens still go through every all-to-all. The loss is the one worker's, as without EP.
+    checkpoint = runs.ep2(arch)["out"] / f"checkpoint-{STEPS}"
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join((REPO / "examples/data/tiny_instruct.jsonl").read_text().splitlines(True)[:3]))
+    losses = {}
+    for nproc, overrides in ((1, ["parallel.expert_parallel_size=1"]), (2, EP2)):
+        out = tmp_path / f"eval-{nproc}.json"
+        result = subprocess.run(
+            [sys.executable, "-m", "shardtune", "eval", str(checkpoint / "config.yaml"), "--checkpoint",
+             str(checkpoint), "--data", str(data), "--nproc", str(nproc), "--out", str(out),
+             "training.per_device_eval_batch_size=1", *overrides],
+            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[nproc] = json.loads(out.read_text())["eval_loss"]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-6)
+
+
 # -- no hang with idle experts or an idle rank; sizes that do not fit ---------------------------------------
 
 
