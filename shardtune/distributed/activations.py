@@ -22,8 +22,11 @@ from torch.utils.checkpoint import checkpoint
 from shardtune.model.moe import find_moe_blocks
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, layers: list[torch.nn.Module], offload: bool = False):
-    """Recompute ``layers``' activations in backward (which layers: ``plan.memory.checkpointed_layers``).
+def apply_activation_checkpointing(
+    model: torch.nn.Module, layers: list[torch.nn.Module], offload: bool = False
+) -> int:
+    """Recompute ``layers``' activations in backward (which layers: ``plan.memory.checkpointed_layers``);
+    returns how many were wrapped.
 
     Non-reentrant checkpointing: it works with frozen inputs (LoRA) and with DDP, where the
     reentrant kind marks parameters ready twice and crashes (the seed's DDP + LoRA failure).
@@ -31,6 +34,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, layers: list[torch.nn
     """
     chosen = {id(layer) for layer in layers}
     checkpoint_fn = _offloading_checkpoint if offload else None
+    wrapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in chosen:
@@ -38,6 +42,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, layers: list[torch.nn
                     child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint_fn
                 )
                 parent.register_module(name, wrapper)
+                wrapped += 1
+    return wrapped
 
 
 def _offloading_checkpoint(layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:

@@ -110,7 +110,7 @@ def test_merge_equals_peft_merge_and_unload_tensor_for_tensor(case, tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     # Shaped as training leaves it: fused MoE blocks, decoder layers inside activation checkpointing's wrappers.
     use_fused_experts(model, decoder_layers(model), "auto")
-    apply_activation_checkpointing(model, decoder_layers(model), every=1)
+    apply_activation_checkpointing(model, decoder_layers(model))
 
     written = save_merged(model, AutoTokenizer.from_pretrained(base), tmp_path / "merged", run_config(base, lora))
 
