@@ -1,7 +1,9 @@
-"""Make a model ready for its mesh, in one fixed order: expert parallelism (each rank keeps its run of
-routed experts), activation memory (tiled MLPs, checkpointing, offloading), compile, then data
-parallelism (DDP, or FSDP2 ``fully_shard`` per decoder layer and at the root: the dense weights over all
-ranks, the routed experts over the ranks that hold the same ones), then weights on every rank.
+"""Make a model ready for its mesh, in one fixed order: activation memory (tiled MLPs, checkpointing,
+offloading), compile, then data parallelism (DDP, or FSDP2 ``fully_shard`` per decoder layer and at the
+root), then weights on every rank. Under expert parallelism the model is first emptied (meta) like every
+FSDP model, each rank keeps its run of routed experts (the structure: layers are compiled lazily, at their
+first call, so they compile the sharded experts), the dense weights are sharded over all ranks and the
+experts over the ranks that hold the same ones; their weights then come from rank 0.
 
 Weights are read from disk once per job: global rank 0 holds the loaded model, the other ranks build
 the same architecture on the meta device (no memory), and after wrapping every rank gets its part
