@@ -120,10 +120,12 @@ def test_runs_as_the_tasks_of_srun(runs, tmp_path):
 
 
 def test_checkpointing_is_applied(runs):
-    assert "activation checkpointing on 4 decoder layers" in runs[("lora", "ddp+ac")]["log"]
-    assert "activation checkpointing on 2 decoder layers" in runs[("full", "fsdp+ac")]["log"]
+    assert "INFO gradient checkpointing on every layer\n" in runs[("lora", "ddp+ac")]["log"]
+    assert "INFO gradient checkpointing on 2 of 4 layers\n" in runs[("full", "fsdp+ac")]["log"]
+    assert "INFO gradient checkpointing off (auto)\n" in runs[("lora", "ddp")]["log"]  # the default, on CPU
     long = runs[("lora", "fsdp+long")]
-    assert "activation checkpointing on 4 decoder layers, their inputs kept in host memory" in long["log"]
+    assert "INFO gradient checkpointing on every layer\n" in long["log"]
+    assert "activation offloading: checkpointed layers keep their inputs in host memory" in long["log"]
     assert "tiled MLPs: 4 decoder MLPs run 24 tokens at a time" in long["log"]
 
 
