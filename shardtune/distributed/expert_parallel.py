@@ -16,6 +16,7 @@ them into any EP size and world size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -230,6 +231,18 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
+
+
+class _SequentialGathersNote(logging.Filter):
+    """torch notes, once per tensor and rank, that gathering a DTensor sharded over (ep, expert_dp) takes two
+    all-gathers and that flattening the mesh would take one. The whole experts are gathered only for the final
+    save and an export, once per tensor: the note would be dozens of lines on every rank for no gain."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather operations will be performed" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_SequentialGathersNote())
 
 
 def whole_expert_tensor(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims) -> torch.Tensor:
