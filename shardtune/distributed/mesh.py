@@ -102,6 +102,18 @@ class ParallelDims:
         per_rank = num_experts // self.expert_parallel_size
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
+    def check_model(self, expert_counts: list[int], model_name: str) -> None:
+        """EP needs an MoE model, each of whose MoE layers' routed experts (``expert_counts``) split evenly
+        over the EP group: checked by training on the built model and by ``plan`` on its shape."""
+        if not self.ep_enabled:
+            return
+        if not expert_counts:
+            raise ConfigError(
+                f"{EP_KEY}: {self.ep_size} needs an MoE model; {model_name} has no MoE layers; set it to 1"
+            )
+        for num_experts in expert_counts:
+            self.check_experts(num_experts, model_name)
+
     def check_experts(self, num_experts: int, model_name: str) -> None:
         """EP needs every MoE layer's routed experts to split evenly over the EP group."""
         if num_experts % self.expert_parallel_size:

@@ -9,9 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from shardtune.config import Config, with_overrides
-from shardtune.distributed.mesh import EP_KEY, ParallelDims
+from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
-from shardtune.errors import ConfigError
 from shardtune.plan.memory import USABLE_SHARE, MemoryEstimate, estimate_memory, micro_batch_tokens
 from shardtune.plan.shape import ModelShape
 
@@ -60,11 +59,7 @@ class RunPlan:
 def check_expert_parallel(config: Config, shape: ModelShape, cluster: Cluster) -> None:
     """``parallel.expert_parallel_size`` fits the cluster and the model, as training will check it."""
     dims = ParallelDims(cluster.world_size, 0, cluster.gpus_per_node, "cuda", config.parallel.expert_parallel_size)
-    if dims.ep_enabled:
-        if not shape.moe_layers:
-            raise ConfigError(f"{EP_KEY}: {dims.ep_size} needs an MoE model; set it to 1")
-        for layer in shape.moe_layers:
-            dims.check_experts(layer.num_experts, config.model.name_or_path)
+    dims.check_model([layer.num_experts for layer in shape.moe_layers], config.model.name_or_path)
 
 
 def plan_run(config: Config, shape: ModelShape, cluster: Cluster) -> RunPlan:

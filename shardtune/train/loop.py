@@ -30,7 +30,6 @@ from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.data.store import SequenceArrays
 from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
-from shardtune.distributed.mesh import EP_KEY
 from shardtune.distributed.parallelize import (
     clip_gradients,
     decoder_layers,
@@ -104,11 +103,7 @@ def build_run_model(config: Config, env: DistributedEnv) -> tuple[torch.nn.Modul
     if config.training.moe_aux_loss_coef > 0 and not moe_blocks:
         name = type(model.get_base_model() if config.lora.enabled else model).__name__
         raise ConfigError(f"training.moe_aux_loss_coef: {name} has no MoE layers; leave it at 0")
-    if env.mesh.ep_enabled and not moe_blocks:
-        raise ConfigError(
-            f"{EP_KEY}: {env.mesh.ep_size} needs an MoE model; {config.model.name_or_path} has no MoE layers; "
-            "set it to 1"
-        )
+    env.mesh.check_model([block.num_experts for block in moe_blocks], config.model.name_or_path)
     return model, use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
 
 
