@@ -26,6 +26,10 @@ export PYTHONUNBUFFERED=1
 bench() {  # NAME ARGS...: one `shardtune bench` run into $work/NAME
     local name=$1
     shift
+    # BENCH_ONLY: the names of the runs to make (space-separated), to split a suite over several calls.
+    if [[ -n ${BENCH_ONLY:-} && " $BENCH_ONLY " != *" $name "* ]]; then
+        return 0
+    fi
     echo "=== $name: shardtune bench $*"
     local started=$SECONDS
     # BENCH_RUN_LIMIT (seconds): a run that takes longer is stopped, and the suite goes on.
@@ -184,17 +188,7 @@ h200-moe | h200-moe-qwen3 | h200-moe-large)
     # activation checkpointing (HF's baseline needs it to fit), skewed routing (bench's default: a trained
     # model's long-tailed load), LoRA r=16. h200-moe-qwen3 (the Qwen3-30B-A3B runs) and h200-moe-large (GLM-4.5-Air,
     # Mixtral) each fit one 10-minute device call; h200-moe runs both. profile=1 adds a profile of two warm-up
-    # steps to the first run (its GEMM share: h200-moe-default)
-    # Issue 20's runs in the default config: gradient_checkpointing auto (the fewest layers that fit), and the HF
-    # baseline at its best setting that fits (without checkpointing, or with it when it runs out of memory).
-    read -ra extra <<<"${BENCH_OVERRIDES:-}"
-    moe=(--seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
-    bench auto-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}"
-    bench auto-qwen3-experts --shape qwen3-30b-a3b "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
-    bench auto-glm-air-20l --shape glm-4.5-air --layers 20 "${moe[@]}"
-    bench auto-mixtral --shape mixtral-8x7b "${moe[@]}"
-    ;;
-h200-moe-profile).
+    # steps to the first run (its GEMM share: h200-moe-profile).
     # BENCH_OVERRIDES: section.key=value settings added to every run, e.g. "parallel.compile=true".
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
     moe=(--seq 4096 --batch 2 --gradient-checkpointing --steps 3 --warmup 3 --baseline hf "${extra[@]}")
@@ -214,6 +208,26 @@ h200-moe-profile).
         # Mixtral-8x7B whole: 46.7B parameters, 93 GB in bf16; its small vocabulary keeps the logits at 1 GB.
         bench moe-mixtral --shape mixtral-8x7b "${moe[@]}"
     fi
+    ;;
+h200-moe-default)
+    # Issue 20's runs in the default config: gradient_checkpointing auto (the fewest layers that fit), and the HF
+    # baseline at its best setting that fits (without checkpointing, or with it when it runs out of memory).
+    # Two runs fit one 10-minute device call: BENCH_ONLY picks them. The last run is the profile of the first
+    # one's step (two profiled steps after warm-up, and the share of its device time in GEMM kernels).
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    moe=(--seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench auto-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}"
+    bench auto-qwen3-experts --shape qwen3-30b-a3b "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
+    bench auto-glm-air-20l --shape glm-4.5-air --layers 20 "${moe[@]}"
+    bench auto-mixtral --shape mixtral-8x7b "${moe[@]}"
+    bench auto-qwen3-attn-random --shape qwen3-30b-a3b "${moe[@]}" --routing random
+    # Every layer checkpointed on both sides: the routed-expert run at HF's memory.
+    bench auto-qwen3-experts-every --shape qwen3-30b-a3b "${moe[@]}" --gradient-checkpointing \
+        'lora.moe_targets=[attention,routed_experts]'
+    bench auto-qwen3-attn-profile --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 2 --warmup 4 \
+        'logging.profile_steps=[3,4]' "${extra[@]}"
+    trace=$work/auto-qwen3-attn-profile/shardtune/profile/rank0.trace.json.gz
+    [[ -f $trace ]] && python3 -m shardtune.bench.profile_share "$trace" | tee "$results/auto-qwen3-attn-profile.gemm.txt"
     ;;
 h200-moe-profile)
     # Where shardtune's Qwen3-30B-A3B LoRA-on-attention step goes: two profiled steps after warm-up, and the

@@ -208,9 +208,10 @@ def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
     shape, _ = planned_model_shape(load_config(QUICKSTART, hub_model, check_paths=False))
     assert len(shape.layers) == 32
 
-    # Mixtral-8x7B LoRA at 8,192 tokens on one H200: 93 GB of weights leave room for 18 layers' activations.
+    # Mixtral-8x7B LoRA at 8,192 tokens on one H200: 93 GB of weights leave room for 26 layers' activations
+    # (bench_h200_auto2_mixtral.json: 6 of 32 checkpointed, 124.1 GiB at the peak).
     chosen, (config, plan) = choice(GPU_MEMORY_GIB["H200"])
-    assert chosen == spread_layers(32, len(chosen)) and 10 <= len(chosen) <= 20
+    assert chosen == spread_layers(32, len(chosen)) and 4 <= len(chosen) <= 10
     budget = USABLE_SHARE * GPU_MEMORY_GIB["H200"] * GIB
     assert _estimate(config, shape, plan, True, chosen).peak <= budget
     assert _estimate(config, shape, plan, True, spread_layers(32, len(chosen) - 1)).peak > budget

@@ -60,11 +60,12 @@ class ExpertDispatch:
     local_experts: int
 
     def send(
-        self, rows: torch.Tensor, expert_of_row: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """``rows`` sorted by (global) expert, ``expert_of_row`` their experts: (the rows this rank's experts
-        must compute, ordered by local expert; cumulative row counts per local expert (int32), as the
-        grouped GEMMs take them; the function that sends those rows' outputs back, in ``rows``' order)."""
+        self, rows: torch.Tensor, row_weights: torch.Tensor, expert_of_row: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """``rows`` sorted by (global) expert, their routing weights, ``expert_of_row`` their experts: (the
+        rows this rank's experts must compute, ordered by local expert; their routing weights; cumulative
+        row counts per local expert (int32), as the grouped GEMMs take them; the function that sends those
+        rows' outputs back, in ``rows``' order)."""
         ep, local = self.ep_size, self.local_experts
         counts = torch.bincount(expert_of_row, minlength=ep * local)  # experts of rank k: run k
         received_counts = torch.empty_like(counts)
@@ -73,19 +74,21 @@ class ExpertDispatch:
         sizes = torch.cat([counts.view(ep, local).sum(1), received_counts.view(ep, local).sum(1)]).tolist()
         send_splits, receive_splits = sizes[:ep], sizes[ep:]
         received = AllToAll.apply(rows, receive_splits, send_splits, self.group)
+        received_weights = AllToAll.apply(row_weights, receive_splits, send_splits, self.group)
         # Received rows come by source rank, each source's sorted by expert: sort them by local expert.
         local_ids = torch.arange(local, device=rows.device).repeat(ep)
         expert_of_received = torch.repeat_interleave(local_ids, received_counts)
         _, order = torch.sort(expert_of_received, stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         by_expert = Permute.apply(received, order, inverse)
+        weights_by_expert = Permute.apply(received_weights, order, inverse)
         offsets = received_counts.view(ep, local).sum(0).cumsum(0).to(torch.int32)
 
         def receive_back(outputs: torch.Tensor) -> torch.Tensor:
             by_source = Permute.apply(outputs, inverse, order)
             return AllToAll.apply(by_source, send_splits, receive_splits, self.group)
 
-        return by_expert, offsets, receive_back
+        return by_expert, weights_by_expert, offsets, receive_back
 
 
 def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:

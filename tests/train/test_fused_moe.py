@@ -427,3 +427,38 @@ def test_bf16_grouped_kernel_path_is_as_accurate_as_transformers(moe_dirs):
     names = ["loss", "logits"] + [name for name in expected if "experts.lora" in name]
     for name in names:
         assert error(got, name) <= 1.5 * error(eager_bf16, name) + 1e-3, name
+
+
+def test_the_block_keeps_no_output_rows_for_backward(moe_dirs):
+    """The routing weight multiplies each row's hidden activation, so backward needs neither the down
+    projection's (pairs, H) output rows nor a (tokens, k, H) copy of them: with frozen experts the block keeps
+    its input, the gate/up GEMM output, the router's fp32 logits and probabilities, and per-pair vectors."""
+    reference = build(moe_dirs["qwen3_moe"])
+    model = fused_copy(reference).to(torch.bfloat16)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    block = find_moe_blocks(model, decoder_layers(model))[0].block
+    config = model.config
+    tokens, hidden, pairs = 128, config.hidden_size, 128 * config.num_experts_per_tok
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(2, tokens // 2, hidden, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        block(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    bf16, fp32 = 2, 4
+    bound = (
+        tokens * hidden * bf16  # the block's input, the router's
+        + pairs * 2 * config.moe_intermediate_size * bf16  # the gate/up GEMM output
+        + 2 * tokens * config.num_experts * fp32  # the router's logits and probabilities
+        + 64 * pairs  # indices and weights per token and pair
+    )
+    output_rows = pairs * hidden * bf16
+    assert sum(kept.values()) <= bound < sum(kept.values()) + output_rows
