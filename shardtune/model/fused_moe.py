@@ -360,7 +360,7 @@ def routed_experts(
     experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up)
-    count, top_k = chosen.shape
+    top_k = chosen.shape[1]
     flat = chosen.reshape(-1)
     expert_of_row, order = torch.sort(flat, stable=True)  # row p of the sorted layout is pair order[p]
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
