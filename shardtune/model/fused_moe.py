@@ -528,26 +528,36 @@ class Permute(torch.autograd.Function):
 
 
 class WeightedSiluMul(torch.autograd.Function):
-    """weight * SiLU(gate) * up for each row of a [gate | up] GEMM output and the row's fp32 routing weight,
-    computed in fp32 and rounded once; backward keeps only the GEMM output (and the weights)."""
+    """weight * SiLU(gate) * up for each row of a [gate | up] GEMM output and the row's fp32 routing weight;
+    backward keeps only the GEMM output (and the weights). Compiled, inductor fuses it into one kernel that
+    computes in fp32 and rounds once; eager, the math runs in the GEMM output's dtype: unfused fp32 copies
+    of every row made eager bf16 steps 10% slower (Qwen3-30B-A3B LoRA, every layer checkpointed, one H200:
+    7,590 against 8,453 tokens/s)."""
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.float().chunk(2, dim=-1)
         ctx.save_for_backward(gate_up, row_weights)
-        return (F.silu(gate) * up * row_weights.unsqueeze(-1)).to(gate_up.dtype)
+        gate, up, weights = _silu_operands(gate_up, row_weights)
+        return (F.silu(gate) * up * weights).to(gate_up.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up, row_weights = ctx.saved_tensors
-        gate, up = gate_up.float().chunk(2, dim=-1)
+        gate, up, weights = _silu_operands(gate_up, row_weights)
+        grad = grad.to(gate.dtype)
         sigmoid = torch.sigmoid(gate)
         silu = gate * sigmoid
-        grad = grad.float()
-        grad_weights = (grad * silu * up).sum(dim=-1)
-        grad = grad * row_weights.unsqueeze(-1)
+        grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
+        grad = grad * weights
         grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
         return torch.cat([grad_gate, grad * silu], dim=-1).to(gate_up.dtype), grad_weights
+
+
+def _silu_operands(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(gate, up, the weights as a column) in the precision WeightedSiluMul computes in."""
+    compute = torch.float32 if torch.compiler.is_compiling() else gate_up.dtype
+    gate, up = gate_up.to(compute).chunk(2, dim=-1)
+    return gate, up, row_weights.to(compute).unsqueeze(-1)
 
 
 # torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
