@@ -102,18 +102,18 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernels.py: needs a CUDA GPU")
-    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    lines = []
 
     def report(line: str) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    report(lines[0])
+    report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     row_sums(report)
     grouped_gemms(report)
     if args.out:
         with open(args.out, "w") as handle:
-            handle.write("\n".join(lines[1:]) + "\n")
+            handle.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
