@@ -49,6 +49,12 @@ class ModelConfig(_Section):
         "transformers' eager, grouped_mm or batched_mm; auto (or null): fused where the architecture is "
         "supported, else transformers' default",
     )
+    grouped_gemm: Literal["auto", "quack", "torch"] = Field(
+        "auto",
+        description="the fused MoE block's grouped GEMM for frozen expert weights: quack (quack-kernels' varlen "
+        "GEMM, Hopper GPUs, pip install 'shardtune[quack]') or torch (torch._grouped_mm); auto: quack where it "
+        "runs, else torch",
+    )
     liger_kernel: bool = Field(
         False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"
     )

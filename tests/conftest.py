@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-# Tests never touch a GPU or the network, whatever the machine has.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Tests never touch the network, nor a GPU unless asked to: the GPU tests (marked gpu) run with
+# SHARDTUNE_TEST_GPU=1 python -m pytest -m gpu, and skip elsewhere.
+if os.environ.get("SHARDTUNE_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 

@@ -8,8 +8,8 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
 - the (token, choice) pairs are sorted by expert once, on the device: ``torch.sort`` of the flattened
   expert ids and ``searchsorted`` for the per-expert offsets, so nothing waits for the host and every
   shape is static (``torch.compile`` traces the block as one graph);
-- gate/up and down projections are grouped GEMMs over the sorted rows (``torch._grouped_mm``; a loop
-  over experts where that kernel does not take the dtype), with LoRA on the routed experts computed as
+- gate/up and down projections are grouped GEMMs over the sorted rows (``model.grouped_gemm``: quack's
+  varlen GEMM or ``torch._grouped_mm``, see ``grouped_gemm.py``), with LoRA on the routed experts computed as
   two more grouped low-rank products on the same rows from PEFT's own ``lora_A``/``lora_B`` (W + ΔW is
   never formed);
 - each row's routing weight is applied to its expert's hidden activation, in the one elementwise op that
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
+from shardtune.model.grouped_gemm import describe, grouped_mm, resolve_grouped_gemm
 from shardtune.model.moe import (
     MoeBlock,
     RoutingRecorder,
@@ -120,9 +121,17 @@ def resolve_experts_implementation(requested: str | None, blocks: list[MoeBlock]
     return "transformers"
 
 
-def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], requested: str | None) -> list[MoeBlock]:
+def use_fused_experts(
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    requested: str | None,
+    grouped_gemm: str = "auto",
+    device: torch.device | None = None,
+) -> list[MoeBlock]:
     """Swap every sparse MoE block of ``model`` for a FusedMoeBlock when the implementation resolves to
     ``fused``, log the implementation in use, and return the model's MoE blocks as they now are.
+    ``grouped_gemm`` (``model.grouped_gemm``) picks the grouped GEMM kernel for ``device``, where the
+    model trains (default: the CPU).
 
     Call it after PEFT has wrapped the model (the experts' outermost wrapper gets the fused forward).
     """
@@ -146,8 +155,10 @@ def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], req
         log.info(
             "moe experts: the model's output_router_logits is off (training.moe_aux_loss_coef sets the balance loss)"
         )
+    backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
     for block in blocks:
-        fused = FusedMoeBlock(block.block, SUPPORTED_BLOCKS[type(block.block).__name__](block.router))
+        routing = SUPPORTED_BLOCKS[type(block.block).__name__](block.router)
+        fused = FusedMoeBlock(block.block, routing, backend)
         parent = _parent_of(model, block.block)
         for name, child in list(parent.named_children()):
             if child is block.block:
@@ -155,9 +166,7 @@ def use_fused_experts(model: torch.nn.Module, layers: list[torch.nn.Module], req
     log.info(
         "moe experts: fused (shardtune's grouped-GEMM block) on %d MoE layers; grouped GEMMs: %s",
         len(blocks),
-        "torch._grouped_mm for bf16 (and eager fp32 on CPUs), a loop over experts otherwise"
-        if hasattr(torch, "_grouped_mm")
-        else "a loop over experts (this torch has no torch._grouped_mm)",
+        describe(backend),
     )
     return find_moe_blocks(model, layers)
 
@@ -174,7 +183,7 @@ class FusedMoeBlock(torch.nn.Module):
 
     reports_routing = True  # to the RoutingRecorder, from inside its forward (see report_routing)
 
-    def __init__(self, original: torch.nn.Module, routing: Routing):
+    def __init__(self, original: torch.nn.Module, routing: Routing, grouped_gemm: str = "torch"):
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
@@ -193,6 +202,7 @@ class FusedMoeBlock(torch.nn.Module):
         # PEFT's adapters itself instead of PEFT's forward building W + ΔW.
         outer = self.experts
         outer.forward = types.MethodType(routed_experts, outer)
+        outer.grouped_gemm = grouped_gemm  # the kernel routed_experts computes with (model.grouped_gemm)
 
     def extra_repr(self) -> str:
         return f"replaces={self.replaced}, {self.routing}"
@@ -357,6 +367,7 @@ def routed_experts(
     # Set under expert parallelism (distributed/expert_parallel.py): this rank holds a run of the experts,
     # and rows travel to the rank of their expert and back.
     dispatch = getattr(experts, "expert_dispatch", None)
+    backend = experts.grouped_gemm
     experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up)
@@ -375,9 +386,9 @@ def routed_experts(
         )  # offsets[e]: rows of experts 0..e
     else:
         rows, row_weights, offsets, receive_back = dispatch.send(rows, row_weights, expert_of_row)
-    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype)
+    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype, backend)
     hidden = WeightedSiluMul.apply(projected, row_weights)
-    outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, dtype)
+    outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, dtype, backend)
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
     return SumRows.apply(outputs, order, inverse, top_k)
@@ -389,15 +400,17 @@ def _projection(
     adapters: list[tuple],
     offsets: torch.Tensor,
     dtype: torch.dtype,
+    backend: str,
 ) -> torch.Tensor:
-    """rows @ W_e^T for each row's expert e, plus each LoRA adapter's rows @ A_e^T @ B_e^T * scaling.
+    """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight), plus each LoRA
+    adapter's rows @ A_e^T @ B_e^T * scaling.
 
     ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
     rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
     get_delta_weight: ΔW_e = B_e @ A_e * scaling). A shared adapter is the same for every expert.
     """
     num_experts = weight.shape[0]
-    result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), offsets)
+    result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), offsets, backend)
     for lora_a, lora_b, scaling, rank, shared in adapters:
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
             a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
@@ -558,83 +571,3 @@ def _silu_operands(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[to
     compute = torch.float32 if torch.compiler.is_compiling() else gate_up.dtype
     gate, up = gate_up.to(compute).chunk(2, dim=-1)
     return gate, up, row_weights.to(compute).unsqueeze(-1)
-
-
-# torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
-_GPU_KERNEL = (
-    (lambda capability: capability >= (8, 0))
-    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
-    else (lambda capability: capability[0] == 9)
-)
-
-
-def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs these operands: bf16 on GPUs (and compiled anywhere); CPUs also
-    run fp32 eagerly. Rows and columns must be 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm") or rows.dtype != weight.dtype:
-        return False
-    if rows.dtype != torch.bfloat16 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
-        return False
-    if rows.device.type == "cuda" and not _GPU_KERNEL(torch.cuda.get_device_capability(rows.device)):
-        return False
-    size = rows.element_size()
-    return (rows.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
-
-
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(rows, K) @ weight[e] (K, N) for the rows of each expert e (``offsets``: cumulative row counts)."""
-    if _kernel_takes(rows, weight):
-        return torch._grouped_mm(rows, weight, offs=offsets)
-    return torch.ops.shardtune.grouped_mm_loop(rows, weight, offsets)
-
-
-@torch.library.custom_op("shardtune::grouped_mm_loop", mutates_args=())
-def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """One GEMM per expert: the fallback for dtypes the grouped kernel does not take. An opaque op, so
-    that torch.compile keeps it whole (its loop bounds come from the host)."""
-    output = rows.new_zeros(rows.shape[0], weight.shape[2])
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):  # the one host sync of the fallback
-        if end > start:
-            torch.mm(rows[start:end], weight[expert], out=output[start:end])
-        start = end
-    return output
-
-
-@_grouped_mm_loop.register_fake
-def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0], weight.shape[2])
-
-
-@torch.library.custom_op("shardtune::grouped_mm_loop_backward", mutates_args=())
-def _grouped_mm_loop_backward(
-    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_rows = torch.zeros_like(rows)
-    grad_weight = weight.new_zeros(weight.shape)
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):
-        if end > start:
-            torch.mm(grad[start:end], weight[expert].T, out=grad_rows[start:end])
-            torch.mm(rows[start:end].T, grad[start:end], out=grad_weight[expert])
-        start = end
-    return grad_rows, grad_weight
-
-
-@_grouped_mm_loop_backward.register_fake
-def _(rows, weight, offsets, grad):
-    return torch.empty_like(rows), weight.new_empty(weight.shape)
-
-
-def _loop_setup(ctx, inputs, output) -> None:
-    rows, weight, offsets = inputs
-    ctx.save_for_backward(rows, weight, offsets)
-
-
-def _loop_backward(ctx, grad):
-    rows, weight, offsets = ctx.saved_tensors
-    grad_rows, grad_weight = torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())
-    return grad_rows, grad_weight, None
-
-
-_grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)

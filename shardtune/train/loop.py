@@ -104,7 +104,10 @@ def build_run_model(config: Config, env: DistributedEnv) -> tuple[torch.nn.Modul
         name = type(model.get_base_model() if config.lora.enabled else model).__name__
         raise ConfigError(f"training.moe_aux_loss_coef: {name} has no MoE layers; leave it at 0")
     env.mesh.check_model([block.num_experts for block in moe_blocks], config.model.name_or_path)
-    return model, use_fused_experts(model, decoder_layers(model), config.model.experts_implementation)
+    blocks = use_fused_experts(
+        model, decoder_layers(model), config.model.experts_implementation, config.model.grouped_gemm, env.device
+    )
+    return model, blocks
 
 
 def evaluate_run_model(

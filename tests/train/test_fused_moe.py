@@ -20,7 +20,9 @@ from shardtune.data.collate import collate
 from shardtune.distributed.activations import apply_activation_checkpointing
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
+from shardtune.model import grouped_gemm
 from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
+from shardtune.model.grouped_gemm import resolve_grouped_gemm
 from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 
@@ -462,3 +464,86 @@ def test_the_block_keeps_no_output_rows_for_backward(moe_dirs):
     )
     output_rows = pairs * hidden * bf16
     assert sum(kept.values()) <= bound < sum(kept.values()) + output_rows
+
+
+def test_grouped_gemm_choice(moe_dirs, caplog):
+    """``model.grouped_gemm``: auto is torch where quack cannot run (here: no CUDA device), quack asked for
+    there is an error naming the key and what to do, and the log names the kernel in use."""
+    assert ModelConfig(name_or_path="m").grouped_gemm == "auto"
+    cpu = torch.device("cpu")
+    assert resolve_grouped_gemm("auto", cpu) == "torch"
+    assert resolve_grouped_gemm("torch", cpu) == "torch"
+    with pytest.raises(ConfigError) as raised:
+        resolve_grouped_gemm("quack", cpu)
+    assert str(raised.value) == (
+        "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch"
+    )
+    caplog.set_level("INFO", logger="shardtune")
+    model = build(moe_dirs["qwen3_moe"])
+    use_fused_experts(model, decoder_layers(model), "fused", "auto", cpu)
+    assert "grouped GEMMs: torch._grouped_mm for bf16 (and eager fp32 on CPUs)" in caplog.text
+    assert all(block.block.experts.grouped_gemm == "torch" for block in find_moe_blocks(model, decoder_layers(model)))
+
+
+def _quack_runs() -> bool:
+    return torch.cuda.is_available() and resolve_grouped_gemm("auto", torch.device("cuda")) == "quack"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _quack_runs(), reason="needs a Hopper GPU with quack-kernels installed (SHARDTUNE_TEST_GPU=1)")
+@pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]])
+def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
+    """On a Hopper GPU, quack's varlen GEMM computes the frozen experts' projections, forward and input
+    gradient, and the block's logits, loss and every gradient are bit for bit those of torch._grouped_mm;
+    a quack kernel that fails at run time hands over to torch._grouped_mm with one warning, same results."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+        num_experts_per_tok=4,
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    base.config.use_cache = False
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0, moe_targets=targets)
+    base = apply_lora(base, lora)
+    for name, param in base.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    inputs, labels = padded_batch()
+    inputs, labels = {key: value.cuda() for key, value in inputs.items()}, labels.cuda()
+    device = torch.device("cuda")
+    results = {}
+    for backend in ("torch", "quack"):
+        model = copy.deepcopy(base).train()
+        use_fused_experts(model, decoder_layers(model), "fused", backend, device)
+        results[backend] = run(model, inputs, labels)
+    calls = []
+    gemm = grouped_gemm._Quack.gemm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return gemm(*args, **kwargs)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    model = copy.deepcopy(base).train()
+    use_fused_experts(model, decoder_layers(model), "fused", "quack", device)
+    grouped_gemm._Quack.gemm = counting
+    try:
+        counted = run(model, inputs, labels)
+    finally:
+        grouped_gemm._Quack.gemm = gemm
+    assert len(calls) == 2 * 4  # per layer: gate/up and down, forward and input gradient
+    caplog.set_level("WARNING", logger="shardtune")
+    model = copy.deepcopy(base).train()
+    use_fused_experts(model, decoder_layers(model), "fused", "quack", device)
+    grouped_gemm._Quack.gemm = failing
+    try:
+        fallen_back = run(model, inputs, labels)
+    finally:
+        grouped_gemm._Quack.gemm, grouped_gemm._Quack.failure = gemm, None
+    assert caplog.text.count("model.grouped_gemm: quack's kernel failed (RuntimeError: no kernel image") == 1
+    for name, expected in results["torch"].items():
+        for other in (results["quack"], counted, fallen_back):
+            assert torch.equal(other[name], expected), name

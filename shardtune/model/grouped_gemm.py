@@ -1,0 +1,194 @@
+"""The grouped GEMM of the fused MoE block: ``rows @ weight[e]`` for the rows of each expert ``e``.
+
+Three kernels compute it, each with the same result:
+
+- quack-kernels' varlen GEMM (CuTe DSL, ``pip install 'shardtune[quack]'``) for the frozen expert
+  projections on Hopper GPUs, where it measures faster than ``torch._grouped_mm``: on one H200 at
+  Qwen3-30B-A3B's shapes (8,192 tokens, top-8 of 128 experts) 17-27% less time on three of the four
+  projections of a step and 5% on the fourth, bit for bit the same output (``benchmarks/moe_kernels.py``);
+- ``torch._grouped_mm`` (CUTLASS) for everything else it takes: bf16 on GPUs, and on CPUs fp32 eagerly
+  or bf16 compiled;
+- a loop of one GEMM per expert for the dtypes neither takes.
+
+``model.grouped_gemm`` picks: ``auto`` (quack where it runs, else torch), ``quack`` (required) or
+``torch``. quack is used only for weights that take no gradient (the frozen experts of LoRA: their
+forward and their input gradient); trainable weights (LoRA factors, full fine-tuning) go through
+``torch._grouped_mm``, whose weight gradient quack's path would need a second kernel for.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardtune.errors import ConfigError, first_line
+
+log = logging.getLogger("shardtune")
+
+BACKENDS = ("auto", "quack", "torch")
+
+
+class _Quack:
+    """quack's GEMM entry point once imported, and whether it has failed at run time."""
+
+    gemm = None
+    failure: str | None = None
+
+
+def _quack_unavailable(device: torch.device) -> str | None:
+    """Why quack's grouped GEMM cannot run on ``device``, or None (and then it is imported)."""
+    if device.type != "cuda":
+        return "its kernels need a CUDA device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] != 9:
+        # Measured on Hopper only; elsewhere torch._grouped_mm stays until quack is measured faster there.
+        return f"it is used on Hopper GPUs (compute capability 9.x), this one is {capability[0]}.{capability[1]}"
+    if _Quack.gemm is None:
+        try:
+            from quack.gemm_interface import gemm
+        except Exception as error:  # not installed, or its CUDA runtime does not load
+            why = f"{type(error).__name__}: {first_line(error)}"
+            return f"quack-kernels does not import ({why}); pip install 'shardtune[quack]'"
+        _Quack.gemm = gemm
+    return None
+
+
+def resolve_grouped_gemm(requested: str, device: torch.device) -> str:
+    """``model.grouped_gemm`` for this run: ``quack`` or ``torch``."""
+    if requested == "torch":
+        return "torch"
+    reason = _quack_unavailable(device)
+    if reason is None:
+        return "quack"
+    if requested == "quack":
+        raise ConfigError(f"model.grouped_gemm: quack cannot run here: {reason}; set it to auto or torch")
+    return "torch"
+
+
+def describe(backend: str) -> str:
+    """The grouped GEMM kernels in use, for the log."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "a loop over experts (this torch has no torch._grouped_mm)"
+    fallback = "torch._grouped_mm for bf16 (and eager fp32 on CPUs), a loop over experts otherwise"
+    if backend == "quack":
+        return f"quack-kernels' varlen GEMM for the frozen expert weights; {fallback}"
+    return fallback
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """(rows, K) @ weight[e] (K, N) for the rows of each expert e (``offsets``: cumulative row counts)."""
+    if _kernel_takes(rows, weight):
+        if backend == "quack" and not weight.requires_grad and rows.is_cuda:
+            return torch.ops.shardtune.quack_grouped_mm(rows, weight, offsets)
+        return torch._grouped_mm(rows, weight, offs=offsets)
+    return torch.ops.shardtune.grouped_mm_loop(rows, weight, offsets)
+
+
+# An opaque op: quack launches its own compiled kernels, which torch.compile neither traces nor needs to.
+@torch.library.custom_op("shardtune::quack_grouped_mm", mutates_args=(), device_types="cuda")
+def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if _Quack.failure is None:
+        try:
+            starts = torch.cat([offsets.new_zeros(1), offsets])  # quack's cu_seqlens_m: (experts + 1,) int32
+            return _Quack.gemm(rows, weight, cu_seqlens_m=starts, tuned=False)
+        except Exception as error:  # a kernel that does not build or launch on this machine
+            _Quack.failure = f"{type(error).__name__}: {first_line(error)}"
+            log.warning(
+                "model.grouped_gemm: quack's kernel failed (%s); torch._grouped_mm computes the experts from "
+                "here on (the same results); set model.grouped_gemm: torch to skip quack",
+                _Quack.failure,
+            )
+    return torch._grouped_mm(rows, weight, offs=offsets)
+
+
+@_quack_grouped_mm.register_fake
+def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+def _quack_setup(ctx, inputs, output) -> None:
+    _, weight, offsets = inputs
+    ctx.save_for_backward(weight, offsets)
+
+
+def _quack_backward(ctx, grad: torch.Tensor):
+    """The input gradient, grad @ weight[e]^T per expert; the weight takes none (see grouped_mm)."""
+    weight, offsets = ctx.saved_tensors
+    return torch.ops.shardtune.quack_grouped_mm(grad.contiguous(), weight.transpose(-2, -1), offsets), None, None
+
+
+_quack_grouped_mm.register_autograd(_quack_backward, setup_context=_quack_setup)
+
+
+# torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
+_GPU_KERNEL = (
+    (lambda capability: capability >= (8, 0))
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
+    else (lambda capability: capability[0] == 9)
+)
+
+
+def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands: bf16 on GPUs (and compiled anywhere); CPUs also
+    run fp32 eagerly. Rows and columns must be 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm") or rows.dtype != weight.dtype:
+        return False
+    if rows.dtype != torch.bfloat16 and (rows.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    if rows.device.type == "cuda" and not _GPU_KERNEL(torch.cuda.get_device_capability(rows.device)):
+        return False
+    size = rows.element_size()
+    return (rows.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+
+
+@torch.library.custom_op("shardtune::grouped_mm_loop", mutates_args=())
+def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One GEMM per expert: the fallback for dtypes the grouped kernel does not take. An opaque op, so
+    that torch.compile keeps it whole (its loop bounds come from the host)."""
+    output = rows.new_zeros(rows.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):  # the one host sync of the fallback
+        if end > start:
+            torch.mm(rows[start:end], weight[expert], out=output[start:end])
+        start = end
+    return output
+
+
+@_grouped_mm_loop.register_fake
+def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("shardtune::grouped_mm_loop_backward", mutates_args=())
+def _grouped_mm_loop_backward(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_rows = torch.zeros_like(rows)
+    grad_weight = weight.new_zeros(weight.shape)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(grad[start:end], weight[expert].T, out=grad_rows[start:end])
+            torch.mm(rows[start:end].T, grad[start:end], out=grad_weight[expert])
+        start = end
+    return grad_rows, grad_weight
+
+
+@_grouped_mm_loop_backward.register_fake
+def _(rows, weight, offsets, grad):
+    return torch.empty_like(rows), weight.new_empty(weight.shape)
+
+
+def _loop_setup(ctx, inputs, output) -> None:
+    rows, weight, offsets = inputs
+    ctx.save_for_backward(rows, weight, offsets)
+
+
+def _loop_backward(ctx, grad):
+    rows, weight, offsets = ctx.saved_tensors
+    grad_rows, grad_weight = torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())
+    return grad_rows, grad_weight, None
+
+
+_grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
