@@ -1,41 +1,64 @@
 """The fused MoE block's kernels on the shapes of issue 20's models, one GPU:
 
-    python benchmarks/moe_kernels.py [--out FILE]
+    python benchmarks/moe_kernels.py [--out FILE] [--no-triton]
 
 - grouped GEMMs: ``torch._grouped_mm`` (CUTLASS) on the experts' gate/up and down projections, forward and
-  input gradient, against one dense GEMM of the same FLOPs, and against inductor's autotuned Triton
-  template for the same op (``max_autotune_gemm`` with the Triton backend), on a skewed expert load;
+  input gradient, against one dense GEMM of the same FLOPs, against inductor's autotuned Triton template
+  for the same op (``max_autotune_gemm`` with the Triton backend; ``--no-triton`` leaves it out), and
+  against quack-kernels' varlen GEMM through shardtune's own op (``model.grouped_gemm: quack``, where
+  quack imports on a Hopper GPU), on a skewed expert load;
 - the sum of each token's k expert-sorted rows back to token order, compiled, in the two forms inductor
   can be given: a reduction over a (tokens, k, H) view of the gathered rows, and a running sum over the k
   gathers (``shardtune/model/fused_moe.py:_sum_rows``, compiled); a copy of the rows is the bandwidth
   reference.
 
-Times are the median of ``torch.utils.benchmark`` runs; TFLOP/s count 2 FLOPs per multiply-add.
+A time is the device's time per call over 20 calls issued back to back (CUDA events; the median of 5
+such runs), as in a training step, where the host issues work ahead of the device. For quack, whose
+Python front end does more per call than torch's, the host's time to issue one call is reported too.
+TFLOP/s count 2 FLOPs per multiply-add. (Until 2026-11-24 a time was that of one call with a
+synchronization after it, host and device together: ``results/moe_kernels_h200.txt``.)
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 import torch._inductor.config as inductor_config
-from torch.utils.benchmark import Timer
 
 from shardtune.model.fused_moe import _sum_rows as sum_rows
+from shardtune.model.grouped_gemm import grouped_mm as shardtune_grouped_mm
+from shardtune.model.grouped_gemm import quack_unavailable
 
 # (name, experts, hidden, expert width, routed rows: 8,192 tokens x top_k)
 SHAPES = [("qwen3-30b-a3b", 128, 2048, 768, 8192 * 8), ("glm-4.5-air", 128, 4096, 1408, 8192 * 8),
           ("mixtral-8x7b", 8, 4096, 14336, 8192 * 2)]  # fmt: skip
 
 
-def seconds(function, *args) -> float:
+def timed(function, *args, calls: int = 20, runs: int = 5) -> tuple[float, float]:
+    """(device seconds per call, host seconds to issue one call) over ``calls`` calls issued back to back."""
     for _ in range(3):
         function(*args)
     torch.cuda.synchronize()
-    names = {"function": function, "args": args, "torch": torch}
-    timer = Timer("function(*args); torch.cuda.synchronize()", globals=names)
-    return timer.blocked_autorange(min_run_time=0.5).median
+    device, host = [], []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        issued = time.perf_counter()
+        for _ in range(calls):
+            function(*args)
+        host.append((time.perf_counter() - issued) / calls)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(device), statistics.median(host)
+
+
+def seconds(function, *args) -> float:
+    return timed(function, *args)[0]
 
 
 def skewed_offsets(rows: int, experts: int) -> torch.Tensor:
@@ -50,8 +73,16 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) 
     return torch._grouped_mm(rows, weight, offs=offsets)
 
 
-def grouped_gemms(report) -> None:
-    report("grouped GEMMs (bf16): CUTLASS | one dense GEMM of the same FLOPs | inductor's Triton template")
+def quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return shardtune_grouped_mm(rows, weight, offsets, backend="quack")
+
+
+def grouped_gemms(report, triton: bool) -> None:
+    quack = quack_unavailable(torch.device("cuda")) is None
+    columns = ["CUTLASS", "one dense GEMM of the same FLOPs"]
+    columns += ["inductor's Triton template"] * triton
+    columns += ["quack (bit for bit equal to CUTLASS?; host time to issue a call)"] * quack
+    report("grouped GEMMs (bf16): " + " | ".join(columns))
     for name, experts, hidden, width, rows in SHAPES:
         offsets = skewed_offsets(rows, experts)
         gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
@@ -65,15 +96,21 @@ def grouped_gemms(report) -> None:
         for what, fan_in, weight in cases:
             inputs = torch.randn(rows, fan_in, device="cuda", dtype=torch.bfloat16)
             flops = 2 * rows * fan_in * weight.shape[-1]
-            grouped = seconds(grouped_mm, inputs, weight, offsets)
-            dense = seconds(torch.mm, inputs, weight[0].contiguous())
-            torch._dynamo.reset()
-            with inductor_config.patch(max_autotune_gemm=True, max_autotune_gemm_backends="TRITON"):
-                tuned = torch.compile(grouped_mm, dynamic=False)
-                tuned(inputs, weight, offsets)
-            triton = seconds(tuned, inputs, weight, offsets)
-            rates = [f"{time * 1e6:7.0f} us {flops / time / 1e12:4.0f} TFLOP/s" for time in (grouped, dense, triton)]
-            report(f"  {name:14s} {what:10s} " + " | ".join(rates))
+            times = [seconds(grouped_mm, inputs, weight, offsets), seconds(torch.mm, inputs, weight[0].contiguous())]
+            if triton:
+                torch._dynamo.reset()
+                with inductor_config.patch(max_autotune_gemm=True, max_autotune_gemm_backends="TRITON"):
+                    tuned = torch.compile(grouped_mm, dynamic=False)
+                    tuned(inputs, weight, offsets)
+                times.append(seconds(tuned, inputs, weight, offsets))
+            equal = ""
+            if quack:
+                device, host = timed(quack_grouped_mm, inputs, weight, offsets)
+                times.append(device)
+                same = torch.equal(quack_grouped_mm(inputs, weight, offsets), grouped_mm(inputs, weight, offsets))
+                equal = f" ({'equal' if same else 'DIFFERENT'}; host {host * 1e6:.0f} us a call)"
+            rates = [f"{time * 1e6:7.0f} us {flops / time / 1e12:4.0f} TFLOP/s" for time in times]
+            report(f"  {name:14s} {what:10s} " + " | ".join(rates) + equal)
 
 
 def summed_by_reduction(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -99,6 +136,7 @@ def row_sums(report) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--no-triton", action="store_true", help="leave out inductor's Triton template (slow to tune)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernels.py: needs a CUDA GPU")
@@ -110,7 +148,7 @@ def main() -> None:
 
     report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     row_sums(report)
-    grouped_gemms(report)
+    grouped_gemms(report, triton=not args.no_triton)
     if args.out:
         with open(args.out, "w") as handle:
             handle.write("\n".join(lines) + "\n")

@@ -13,7 +13,9 @@
 # x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
 # adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
-# setting that fits) and h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time). Each
+# setting that fits), h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time) and
+# h200-grouped-gemm (model.grouped_gemm: quack's kernels against torch._grouped_mm, kernels and steps; needs
+# shardtune[quack]). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -228,6 +230,28 @@ h200-moe-default)
         'logging.profile_steps=[3,4]' "${extra[@]}"
     trace=$work/auto-qwen3-attn-profile/shardtune/profile/rank0.trace.json.gz
     [[ -f $trace ]] && python3 -m shardtune.bench.profile_share "$trace" | tee "$results/auto-qwen3-attn-profile.gemm.txt"
+    ;;
+h200-grouped-gemm)
+    # model.grouped_gemm: the kernels alone (benchmarks/moe_kernels.py), then the default config's step with
+    # quack's varlen GEMM (auto) against the same step with torch._grouped_mm, in the same call, no baseline.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --no-triton --out "$results/moe_kernels_quack.txt"
+    fi
+    ab=(--seq 4096 --batch 2 --steps 6 --warmup 3)
+    for kernel in torch auto; do
+        bench "gemm-$kernel-qwen3-attn" --shape qwen3-30b-a3b "${ab[@]}" "model.grouped_gemm=$kernel"
+    done
+    for kernel in torch auto; do
+        bench "gemm-$kernel-qwen3-experts" --shape qwen3-30b-a3b "${ab[@]}" "model.grouped_gemm=$kernel" \
+            'lora.moe_targets=[attention,routed_experts]'
+    done
+    # Wider experts, where auto keeps torch: quack asked for by name.
+    for kernel in torch quack; do
+        bench "gemm-$kernel-glm-air-10l" --shape glm-4.5-air --layers 10 "${ab[@]}" "model.grouped_gemm=$kernel"
+    done
+    for kernel in torch quack; do
+        bench "gemm-$kernel-mixtral" --shape mixtral-8x7b "${ab[@]}" "model.grouped_gemm=$kernel"
+    done
     ;;
 h200-moe-profile)
     # Where shardtune's Qwen3-30B-A3B LoRA-on-attention step goes: two profiled steps after warm-up, and the

@@ -3,17 +3,18 @@
 Three kernels compute it, each with the same result:
 
 - quack-kernels' varlen GEMM (CuTe DSL, ``pip install 'shardtune[quack]'``) for the frozen expert
-  projections on Hopper GPUs, where it measures faster than ``torch._grouped_mm``: on one H200 at
-  Qwen3-30B-A3B's shapes (8,192 tokens, top-8 of 128 experts) 17-27% less time on three of the four
-  projections of a step and 5% on the fourth, bit for bit the same output (``benchmarks/moe_kernels.py``);
+  projections on Hopper GPUs, where it measures faster than ``torch._grouped_mm`` with bit for bit the same
+  output: on one H200 at Qwen3-30B-A3B's shapes (8,192 tokens, top-8 of 128 experts 768 wide) 5-17% less
+  device time per GEMM (``benchmarks/moe_kernels.py``) and 1.3% a training step;
 - ``torch._grouped_mm`` (CUTLASS) for everything else it takes: bf16 on GPUs, and on CPUs fp32 eagerly
   or bf16 compiled;
 - a loop of one GEMM per expert for the dtypes neither takes.
 
-``model.grouped_gemm`` picks: ``auto`` (quack where it runs, else torch), ``quack`` (required) or
-``torch``. quack is used only for weights that take no gradient (the frozen experts of LoRA: their
-forward and their input gradient); trainable weights (LoRA factors, full fine-tuning) go through
-``torch._grouped_mm``, whose weight gradient quack's path would need a second kernel for.
+``model.grouped_gemm`` picks: ``auto`` (quack for fine-grained experts where it runs, else torch),
+``quack`` (required) or ``torch``. quack is used only for weights that take no gradient (the frozen
+experts of LoRA: their forward and their input gradient); trainable weights (LoRA factors, full
+fine-tuning) go through ``torch._grouped_mm``, whose weight gradient quack's path would need a second
+kernel for.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ from shardtune.errors import ConfigError, first_line
 
 log = logging.getLogger("shardtune")
 
-BACKENDS = ("auto", "quack", "torch")
-
-
 class _Quack:
     """quack's GEMM entry point once imported, and whether it has failed at run time."""
 
@@ -36,7 +34,7 @@ class _Quack:
     failure: str | None = None
 
 
-def _quack_unavailable(device: torch.device) -> str | None:
+def quack_unavailable(device: torch.device) -> str | None:
     """Why quack's grouped GEMM cannot run on ``device``, or None (and then it is imported)."""
     if device.type != "cuda":
         return "its kernels need a CUDA device"
@@ -54,11 +52,17 @@ def _quack_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def resolve_grouped_gemm(requested: str, device: torch.device) -> str:
-    """``model.grouped_gemm`` for this run: ``quack`` or ``torch``."""
-    if requested == "torch":
+# ``auto`` takes quack for experts at most this wide (their intermediate size), where it measured faster
+# (one H200, the h200-grouped-gemm suite): Qwen3-30B-A3B's 768-wide experts, 1.3% a step. At GLM-4.5-Air's
+# 1,408 its GEMMs take the time torch's take, and at Mixtral's 14,336 a step took 1.5% longer.
+AUTO_QUACK_MAX_WIDTH = 1024
+
+
+def resolve_grouped_gemm(requested: str, device: torch.device, expert_width: int) -> str:
+    """``model.grouped_gemm`` for this run, whose experts are ``expert_width`` wide: ``quack`` or ``torch``."""
+    if requested == "torch" or (requested == "auto" and expert_width > AUTO_QUACK_MAX_WIDTH):
         return "torch"
-    reason = _quack_unavailable(device)
+    reason = quack_unavailable(device)
     if reason is None:
         return "quack"
     if requested == "quack":

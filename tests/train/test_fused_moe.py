@@ -22,7 +22,7 @@ from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model import grouped_gemm
 from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
-from shardtune.model.grouped_gemm import resolve_grouped_gemm
+from shardtune.model.grouped_gemm import quack_unavailable, resolve_grouped_gemm
 from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 
@@ -471,10 +471,10 @@ def test_grouped_gemm_choice(moe_dirs, caplog):
     there is an error naming the key and what to do, and the log names the kernel in use."""
     assert ModelConfig(name_or_path="m").grouped_gemm == "auto"
     cpu = torch.device("cpu")
-    assert resolve_grouped_gemm("auto", cpu) == "torch"
-    assert resolve_grouped_gemm("torch", cpu) == "torch"
+    assert resolve_grouped_gemm("auto", cpu, 768) == "torch"
+    assert resolve_grouped_gemm("torch", cpu, 768) == "torch"
     with pytest.raises(ConfigError) as raised:
-        resolve_grouped_gemm("quack", cpu)
+        resolve_grouped_gemm("quack", cpu, 768)
     assert str(raised.value) == (
         "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch"
     )
@@ -486,7 +486,7 @@ def test_grouped_gemm_choice(moe_dirs, caplog):
 
 
 def _quack_runs() -> bool:
-    return torch.cuda.is_available() and resolve_grouped_gemm("auto", torch.device("cuda")) == "quack"
+    return torch.cuda.is_available() and quack_unavailable(torch.device("cuda")) is None
 
 
 @pytest.mark.gpu
@@ -495,7 +495,12 @@ def _quack_runs() -> bool:
 def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     """On a Hopper GPU, quack's varlen GEMM computes the frozen experts' projections, forward and input
     gradient, and the block's logits, loss and every gradient are bit for bit those of torch._grouped_mm;
-    a quack kernel that fails at run time hands over to torch._grouped_mm with one warning, same results."""
+    a quack kernel that fails at run time hands over to torch._grouped_mm with one warning, same results.
+    auto takes quack for fine-grained experts only (where it measured faster)."""
+    cuda = torch.device("cuda")
+    assert resolve_grouped_gemm("auto", cuda, 768) == "quack"
+    assert resolve_grouped_gemm("auto", cuda, 1408) == "torch"
+    assert resolve_grouped_gemm("quack", cuda, 14336) == "quack"
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
