@@ -516,39 +516,33 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
             torch.nn.init.normal_(param, std=0.05)
     inputs, labels = padded_batch()
     inputs, labels = {key: value.cuda() for key, value in inputs.items()}, labels.cuda()
-    device = torch.device("cuda")
-    results = {}
-    for backend in ("torch", "quack"):
+    def run_with(backend: str, gemm=None) -> dict[str, torch.Tensor]:
+        """The block's results with ``backend``, quack's GEMM entry point replaced by ``gemm`` meanwhile."""
         model = copy.deepcopy(base).train()
-        use_fused_experts(model, decoder_layers(model), "fused", backend, device)
-        results[backend] = run(model, inputs, labels)
+        use_fused_experts(model, decoder_layers(model), "fused", backend, cuda)
+        quack = grouped_gemm._Quack.gemm
+        grouped_gemm._Quack.gemm = gemm or quack
+        try:
+            return run(model, inputs, labels)
+        finally:
+            grouped_gemm._Quack.gemm, grouped_gemm._Quack.failure = quack, None
+
     calls = []
-    gemm = grouped_gemm._Quack.gemm
+    quack = grouped_gemm._Quack.gemm
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
-        return gemm(*args, **kwargs)
+        return quack(*args, **kwargs)
 
     def failing(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    model = copy.deepcopy(base).train()
-    use_fused_experts(model, decoder_layers(model), "fused", "quack", device)
-    grouped_gemm._Quack.gemm = counting
-    try:
-        counted = run(model, inputs, labels)
-    finally:
-        grouped_gemm._Quack.gemm = gemm
+    expected = run_with("torch")
+    counted = run_with("quack", counting)
     assert len(calls) == 2 * 4  # per layer: gate/up and down, forward and input gradient
     caplog.set_level("WARNING", logger="shardtune")
-    model = copy.deepcopy(base).train()
-    use_fused_experts(model, decoder_layers(model), "fused", "quack", device)
-    grouped_gemm._Quack.gemm = failing
-    try:
-        fallen_back = run(model, inputs, labels)
-    finally:
-        grouped_gemm._Quack.gemm, grouped_gemm._Quack.failure = gemm, None
+    fallen_back = run_with("quack", failing)
     assert caplog.text.count("model.grouped_gemm: quack's kernel failed (RuntimeError: no kernel image") == 1
-    for name, expected in results["torch"].items():
-        for other in (results["quack"], counted, fallen_back):
-            assert torch.equal(other[name], expected), name
+    for name, value in expected.items():
+        assert torch.equal(counted[name], value), name
+        assert torch.equal(fallen_back[name], value), name
