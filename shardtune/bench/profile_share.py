@@ -4,9 +4,10 @@ writes (``profile/rank<r>.trace.json.gz``):
     python -m shardtune.bench.profile_share RUN_DIR/profile/rank0.trace.json.gz
 
 GEMMs are the matrix-multiply kernels (cuBLAS / cuBLASLt, CUTLASS, including the grouped GEMMs of MoE
-experts, and Triton matmul kernels); attention is the fused attention kernels (flash, memory-efficient,
-cuDNN); everything else (elementwise, copies, reductions, indexing, communication) is "other". The kinds
-are told by kernel names, so a new kernel library may need its names added here.
+experts, quack's, and inductor's Triton matmul templates); attention is the fused attention kernels
+(flash, memory-efficient, cuDNN); everything else (elementwise, copies, reductions, indexing,
+communication) is "other". The kinds are told by kernel names, so a new kernel library may need its
+names added here.
 """
 
 from __future__ import annotations
@@ -21,8 +22,16 @@ GEMM_MARKERS = ("gemm", "nvjet", "xmma", "matmul", "cutlass", "wgmma", "grouped_
 ATTENTION_MARKERS = ("flash", "fmha", "attention", "attn", "cudnn_sdpa", "sdpa")
 
 
+# Inductor names a kernel by its kind and by the ops fused into it: its pointwise and reduction kernels
+# (triton_poi_ / triton_red_ / triton_per_) are elementwise work even when named after the matmul or the
+# attention they feed (triton_poi_fused__grouped_mm_index_select_...); its matmul templates are triton_tem_.
+INDUCTOR_ELEMENTWISE = ("triton_poi_", "triton_red_", "triton_per_")
+
+
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
+    if lowered.startswith(INDUCTOR_ELEMENTWISE):
+        return "other"
     if any(marker in lowered for marker in ATTENTION_MARKERS):
         return "attention"
     if any(marker in lowered for marker in GEMM_MARKERS):
