@@ -184,6 +184,12 @@ def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
     assert table(doctor.stdout)["0", "kernels"] == (FAIL, FLASH)
 
 
+def test_quack_grouped_gemm_where_it_cannot_run_is_one_line_before_anything_is_loaded(tmp_path):
+    expected = "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch"
+    assert_one_line(train(tmp_path, 1, "model.grouped_gemm=quack"), expected)
+    assert not (tmp_path / "run").exists()
+
+
 def test_no_usable_row_counts_the_reasons_once_for_two_workers(tmp_path):
     data = tmp_path / "rows.jsonl"
     write_jsonl(data, [

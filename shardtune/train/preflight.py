@@ -139,7 +139,8 @@ def check_precision(config: Config, device: torch.device) -> str:
 
 
 def check_kernels(config: Config, device: torch.device, model_type: str | None) -> str:
-    """The attention implementation and liger-kernel the config asks for can run here."""
+    """The attention implementation, liger-kernel and the grouped GEMM the config asks for can run here."""
+    from shardtune.model.grouped_gemm import resolve_grouped_gemm
     from shardtune.model.load import training_attention
 
     attention = training_attention(config, device)
@@ -147,7 +148,10 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
         from shardtune.model.liger import check_liger_kernel
 
         check_liger_kernel(device, model_type)
-    return f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
+    if config.model.grouped_gemm == "quack":  # asked for by name: it must run here (auto falls back)
+        resolve_grouped_gemm("quack", device, expert_width=0)
+    found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
+    return found + (", quack grouped GEMM" if config.model.grouped_gemm == "quack" else "")
 
 
 def check_writable(key: str, directory: Path) -> str:
