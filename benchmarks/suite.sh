@@ -245,6 +245,13 @@ h200-grouped-gemm)
         bench "gemm-$kernel-qwen3-experts" --shape qwen3-30b-a3b "${ab[@]}" "model.grouped_gemm=$kernel" \
             'lora.moe_targets=[attention,routed_experts]'
     done
+    # Every layer checkpointed (the routed-expert run at HF's memory, and the first command).
+    for kernel in torch quack; do
+        bench "gemm-$kernel-qwen3-experts-every" --shape qwen3-30b-a3b "${ab[@]}" --gradient-checkpointing \
+            'lora.moe_targets=[attention,routed_experts]' "model.grouped_gemm=$kernel"
+        bench "gemm-$kernel-qwen3-attn-every" --shape qwen3-30b-a3b "${ab[@]}" --gradient-checkpointing \
+            "model.grouped_gemm=$kernel"
+    done
     # Wider experts, where auto keeps torch: quack asked for by name.
     for kernel in torch quack; do
         bench "gemm-$kernel-glm-air-10l" --shape glm-4.5-air --layers 10 "${ab[@]}" "model.grouped_gemm=$kernel"
