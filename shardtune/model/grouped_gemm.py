@@ -27,6 +27,7 @@ from shardtune.errors import ConfigError, first_line
 
 log = logging.getLogger("shardtune")
 
+
 class _Quack:
     """quack's GEMM entry point once imported, and whether it has failed at run time."""
 

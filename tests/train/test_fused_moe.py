@@ -516,6 +516,7 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
             torch.nn.init.normal_(param, std=0.05)
     inputs, labels = padded_batch()
     inputs, labels = {key: value.cuda() for key, value in inputs.items()}, labels.cuda()
+
     def run_with(backend: str, gemm=None) -> dict[str, torch.Tensor]:
         """The block's results with ``backend``, quack's GEMM entry point replaced by ``gemm`` meanwhile."""
         model = copy.deepcopy(base).train()
