@@ -259,6 +259,10 @@ def test_a_hub_model_plan_does_not_know_is_one_line(capsys, monkeypatch):
 # Arguments a row may add to restore a default of the run's time, and options removed since.
 RESTORED_DEFAULTS = {"parallel.compile=false", "model.attn_implementation=sdpa"}
 REMOVED_OPTIONS = ("parallel.compile_mode=",)
+# How far a row's estimate may drift from the one recomputed before the row is stale. The estimate reads the
+# parameters' dtypes off transformers' model, which moves between its releases: transformers 5.24 keeps
+# GLM-4.5's routers in fp32, 9 MiB more on a 10-layer GLM-4.5-Air than 5.23 (0.02%).
+ESTIMATE_DRIFT = 0.005
 
 
 @dataclass(frozen=True)
@@ -338,11 +342,11 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
         measured = run["peak_memory_gib_per_device"]
         error = estimate / measured - 1
         assert abs(error) <= TOLERANCE, f"{row.file}: measured {measured:.2f} GiB, estimated {estimate:.2f}"
-        expected = (
-            f"| `{row.file}` | `{row.arguments}` | {bench['nproc']}×{gpu.split()[0]} | {measured:.2f} | "
-            f"{estimate:.2f} | {100 * error:+.1f}% |"
-        )
-        if row.line != expected:
+        measured_cells = f"| `{row.file}` | `{row.arguments}` | {bench['nproc']}×{gpu.split()[0]} | {measured:.2f} |"
+        expected = f"{measured_cells} {estimate:.2f} | {100 * error:+.1f}% |"
+        recorded = float(row.line.split("|")[5])
+        drifted = not row.line.startswith(measured_cells) or abs(recorded / estimate - 1) > ESTIMATE_DRIFT
+        if row.line != expected and drifted:
             stale.append(expected)
     assert not stale, "RESULTS.md rows that no longer hold; as recomputed:\n" + "\n".join(stale)
 
