@@ -15,7 +15,7 @@
 # adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
 # setting that fits), h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time) and
 # h200-grouped-gemm (model.grouped_gemm: quack's kernels against torch._grouped_mm, kernels and steps; needs
-# shardtune[quack]). Each
+# shardtune[quack]), moe-loss (the chunked loss: the loss alone, and Qwen3-30B-A3B against HF). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -230,6 +230,19 @@ h200-moe-default)
         'logging.profile_steps=[3,4]' "${extra[@]}"
     trace=$work/auto-qwen3-attn-profile/shardtune/profile/rank0.trace.json.gz
     [[ -f $trace ]] && python3 -m shardtune.bench.profile_share "$trace" | tee "$results/auto-qwen3-attn-profile.gemm.txt"
+    ;;
+moe-loss)
+    # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all
+    # logits at once (benchmarks/loss_kernels.py), then Qwen3-30B-A3B LoRA in the default config against HF +
+    # PEFT (on an 80 GB GPU it fits at batch 2 only with the chunked loss).
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" loss-kernels "* ]]; then
+        python3 "$(dirname "$0")/loss_kernels.py" --out "$results/loss_kernels.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    moe=(--seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench loss-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}"
+    bench loss-qwen3-experts-every --shape qwen3-30b-a3b "${moe[@]}" --gradient-checkpointing \
+        'lora.moe_targets=[attention,routed_experts]'
     ;;
 h200-grouped-gemm)
     # model.grouped_gemm: the kernels alone (benchmarks/moe_kernels.py), then the default config's step with

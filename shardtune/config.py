@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -168,8 +168,11 @@ class TrainingConfig(_Section):
     save_steps: int | None = Field(None, gt=0)
     save_total_limit: int | None = Field(None, gt=0)
     checkpoint_mode: Literal["lite", "full"] = "lite"
-    loss_chunk_tokens: int = Field(
-        0, ge=0, description="compute the loss this many target tokens at a time, never all logits at once; 0: off"
+    loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="compute the loss and its gradient this many tokens at a time, in the forward pass, never "
+        "holding all logits; 0: off (all logits at once); auto: chunks of at most 2**28 logits when a batch "
+        "holds more, for models whose logits come straight from a linear head",
     )
     mlp_chunk_tokens: int = Field(
         0, ge=0, description="run each dense MLP over this many tokens at a time, recomputed in backward; 0: off"

@@ -17,8 +17,8 @@ A step's memory is its state, which lives across steps, plus what one micro-batc
   ``per_device_train_batch_size x data.max_length`` tokens (the longest a batch can be); a checkpointed
   layer keeps only its input (in host memory with ``activation_offloading``). Which layers are checkpointed
   is decided here too (``checkpointed_layers``): training applies the same choice;
-- the loss: the logits it holds at its peak, for every token, for one chunk of ``loss_chunk_tokens``, or for
-  one block of liger-kernel's fused linear cross-entropy;
+- the loss: the logits it holds at its peak, for every token, or for one chunk of ``loss_chunk_tokens`` (with
+  the gradient of the head's input), or for one block of liger-kernel's fused linear cross-entropy;
 - one layer's backward: its activations again when they are recomputed (checkpointing), plus the
   gradients its backward produces on the way (``BACKWARD_WORKSPACE`` of its activations).
 
@@ -44,8 +44,11 @@ USABLE_SHARE = 0.9
 # the softmax, its fp32 log-probabilities and the bf16 gradient (2 + 4 + 4 + 2). Measured: llama3-8b and
 # mistral-7b have the same decoder layers and differ in the vocabulary (128,256 against 32,000 tokens; 0.8B
 # more embedding weights): at 8,192 tokens a step peaks 10.28 GiB higher, 1.47 GiB of it weights, the rest
-# 12.0 bytes per extra logit; with the chunked loss (4,096 tokens a chunk) 12.0-12.3 bytes per chunk logit.
+# 12.0 bytes per extra logit.
 LOGIT_BYTES = 12
+# Bytes per logit of one chunk of the chunked loss (``train.loss.LinearCrossEntropy``): the bf16 logits
+# while their fp32 log-probabilities are computed (2 + 4), then the probabilities and their bf16 copy.
+CHUNK_LOGIT_BYTES = 6
 # A decoder layer's backward makes gradients of what it kept as it goes (input gradients of every
 # projection, attention's fp32 accumulators), freeing the activations behind it: at its peak about this
 # share of the layer's activations on top of them. Calibrated on the two measured runs whose peak is a
@@ -133,15 +136,20 @@ def micro_batch_tokens(config: Config) -> int:
     return config.training.per_device_train_batch_size * config.data.max_length
 
 
-def loss_tokens(config: Config, shape: ModelShape, tokens: int) -> int:
-    """Tokens whose logits the loss holds at once (every token is taken as a target)."""
+def loss_bytes(config: Config, shape: ModelShape, tokens: int) -> int:
+    """What the loss holds at its peak for a micro-batch of ``tokens`` (every token taken as a target)."""
+    from shardtune.train.loss import chunk_tokens_for  # train.loss imports parallelize, which imports this
+
     if config.model.liger_kernel:
         # liger-kernel's fused linear cross-entropy: blocks of tokens / ceil(vocab / hidden), rounded up to a
         # power of two (its chunk size), logits and gradients computed block by block in forward.
         block = math.ceil(tokens / math.ceil(shape.vocab / shape.hidden))
-        return min(tokens, 2 ** math.ceil(math.log2(block)))
-    chunk = config.training.loss_chunk_tokens
-    return min(tokens, chunk) if chunk else tokens
+        return LOGIT_BYTES * min(tokens, 2 ** math.ceil(math.log2(block))) * shape.vocab
+    chunk = chunk_tokens_for(config.training.loss_chunk_tokens, shape.loss_head_vocab, tokens)
+    if not chunk:
+        return LOGIT_BYTES * tokens * shape.vocab
+    # One chunk's logits, and the head input's gradient, kept from forward to backward.
+    return CHUNK_LOGIT_BYTES * min(tokens, chunk) * shape.vocab + tokens * shape.hidden * shape.compute_bytes
 
 
 def estimate_memory(
@@ -220,7 +228,7 @@ def _estimate(
             kept += activations
             backward = activations * BACKWARD_WORKSPACE + tile
         layer_backward = max(layer_backward, round(backward))
-    loss = LOGIT_BYTES * loss_tokens(config, shape, tokens) * shape.vocab
+    loss = loss_bytes(config, shape, tokens)
 
     state = weights + optimizer + (gradients if plan.strategy == "ddp" else 0) + gathered
     at_loss = state + kept + loss

@@ -56,6 +56,7 @@ class ModelShape:
     vocab: int
     layers: tuple[LayerShape, ...]
     flops_per_token: float  # training's FLOP count (for MFU) at data.max_length
+    loss_head_vocab: int | None = None  # ``train.loss.head_vocab``: None where no chunked loss can stand in
 
     @property
     def root_params(self) -> int:
@@ -75,6 +76,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
     from shardtune.model.fused_moe import parameter_adapters
     from shardtune.model.moe import find_moe_blocks
+    from shardtune.train.loss import head_vocab
 
     params = list(model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -125,6 +127,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         vocab=embedding.num_embeddings,
         layers=tuple(shapes),
         flops_per_token=flops.per_token,
+        loss_head_vocab=head_vocab(model),
     )
 
 

@@ -56,10 +56,11 @@ from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
+from shardtune.plan.memory import micro_batch_tokens
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
-from shardtune.train.loss import summed_token_loss
+from shardtune.train.loss import describe_loss, head_vocab, summed_token_loss
 from shardtune.train.nonfinite import NonFiniteGuard
 from shardtune.train.optim import build_optimizer
 from shardtune.train.preemption import Preempted, PreemptionWatch
@@ -224,6 +225,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     plan = plan_parallelism(model, config, env)
     log.info("%s", plan.describe(env.world_size))
+    vocab, tokens = head_vocab(model), micro_batch_tokens(config)
+    log.info("%s", describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel))
     compiler = LayerCompiler()
     checkpointed = plan_checkpointing(model, config, env, plan, precision)
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler,

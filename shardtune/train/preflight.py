@@ -78,7 +78,7 @@ def check_model_config(config: Config, model_config: PretrainedConfig) -> Pretra
     if transforms:
         for key, value in (("model.liger_kernel", config.model.liger_kernel),
                            ("training.loss_chunk_tokens", config.training.loss_chunk_tokens)):  # fmt: skip
-            if value:
+            if value and value != "auto":  # auto takes the standard loss for such a model
                 raise ConfigError(
                     f"{key}: not for {model.name_or_path}: it transforms its logits after the LM head "
                     f"({', '.join(transforms)}), which a fused or chunked loss would skip; turn {key} off"

@@ -11,7 +11,7 @@ from shardtune.data.collate import collate
 from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.errors import ConfigError
 from shardtune.model.lora import apply_lora
-from shardtune.train.loss import summed_token_loss
+from shardtune.train.loss import LinearCrossEntropy, chunk_tokens_for, head_vocab, summed_token_loss
 
 
 def batch_with_prompts_and_padding():
@@ -56,3 +56,85 @@ def test_chunked_loss_refuses_models_that_transform_logits(tiny_model_dir):
     expected = "loss_chunk_tokens: not for LlamaForCausalLM: it transforms logits.*turn it off"
     with pytest.raises(ConfigError, match=expected):
         summed_token_loss(model, batch_with_prompts_and_padding(), None, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_gives_the_standard_loss_and_every_gradient(dtype):
+    """Chunks of 5 rows, ignored targets, a bias, and an incoming gradient that is not 1: as autograd through
+    the logits. In bf16 (weights bf16, as a LoRA run holds its frozen head) within bf16 rounding."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 7, 16, generator=generator).to(dtype)
+    weight = (torch.randn(50, 16, generator=generator) / 4).to(dtype)
+    bias = torch.randn(50, generator=generator).to(dtype)
+    targets = torch.randint(0, 50, (3, 7), generator=generator)
+    targets[0, :4] = IGNORE_INDEX
+    targets[2, -1] = IGNORE_INDEX
+    scale = 0.37
+    results = []
+    for chunked in (False, True):
+        inputs = [tensor.clone().requires_grad_() for tensor in (hidden, weight, bias)]
+        if chunked:
+            loss = LinearCrossEntropy.apply(*inputs, targets, 5)
+        else:
+            logits = torch.nn.functional.linear(*inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        (loss * scale).backward()
+        results.append((loss.detach(), [tensor.grad for tensor in inputs]))
+    (loss, grads), (chunked_loss, chunked_grads) = results
+    assert chunked_loss.dtype == torch.float32
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=0)
+    for chunked_grad, grad in zip(chunked_grads, grads, strict=True):
+        assert chunked_grad.dtype == grad.dtype == dtype
+        torch.testing.assert_close(chunked_grad, grad, **tolerance)
+    # Ignored positions get no gradient at all.
+    assert not chunked_grads[0][0, :4].any() and not chunked_grads[0][2, -1].any()
+
+
+def test_linear_cross_entropy_without_gradients_only_sums_the_loss():
+    hidden, weight = torch.randn(9, 8), torch.randn(20, 8, requires_grad=True)
+    targets = torch.randint(0, 20, (9,))
+    with torch.no_grad():
+        loss = LinearCrossEntropy.apply(hidden, weight, None, targets, 4)
+    expected = torch.nn.functional.cross_entropy(hidden @ weight.detach().T, targets, reduction="sum")
+    torch.testing.assert_close(loss, expected)
+    assert loss.grad_fn is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "vocab", "tokens", "chunk"),
+    [
+        ("auto", 151_936, 8_192, 1_024),  # Qwen3: 2**28 / 151,936 = 1,766, rounded down to a power of two
+        ("auto", 128_256, 8_192, 2_048),  # Llama 3
+        ("auto", 32_000, 8_192, 0),  # Mistral: one chunk would hold the whole batch, the standard loss does
+        ("auto", 32_000, 16_384, 8_192),
+        ("auto", None, 16_384, 0),  # no plain linear head (or logits transformed after it)
+        ("auto", 10_000_000, 4_096, 128),  # never fewer rows than a GEMM worth running
+        (0, 151_936, 8_192, 0),
+        (300, 151_936, 8_192, 300),
+    ],
+)
+def test_chunk_size_by_vocabulary_and_batch(setting, vocab, tokens, chunk):
+    assert chunk_tokens_for(setting, vocab, tokens) == chunk
+
+
+def test_auto_chunks_a_batch_whose_logits_pass_the_limit(tiny_model_dir, monkeypatch):
+    """The tiny model's batch (3 x 30 positions) under ``auto``: the standard loss (its logits are far below
+    the limit); with chunks of 16 rows made the auto size, the chunked loss, in 6 chunks, equal to it."""
+    import shardtune.train.loss as loss_module
+
+    batch = batch_with_prompts_and_padding()
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoraConfig(r=4))
+    assert head_vocab(model) == model.config.vocab_size
+    chunks = []
+    apply = LinearCrossEntropy.apply
+    monkeypatch.setattr(LinearCrossEntropy, "apply", lambda *args: chunks.append(args[-1]) or apply(*args))
+    standard = summed_token_loss(model, batch, None, "auto")
+    assert chunks == []
+    monkeypatch.setattr(loss_module, "auto_chunk_tokens", lambda vocab: 16)
+    chunked = summed_token_loss(model, batch, None, "auto")
+    assert chunks == [16] and batch.targets.numel() == 90
+    torch.testing.assert_close(chunked, standard, rtol=1e-5, atol=1e-5)
