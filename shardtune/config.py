@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -168,7 +168,7 @@ class TrainingConfig(_Section):
     save_steps: int | None = Field(None, gt=0)
     save_total_limit: int | None = Field(None, gt=0)
     checkpoint_mode: Literal["lite", "full"] = "lite"
-    loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+    loss_chunk_tokens: int | Literal["auto"] = Field(
         "auto",
         description="compute the loss and its gradient this many tokens at a time, in the forward pass, never "
         "holding all logits; 0: off (all logits at once); auto: chunks of at most 2**28 logits when a batch "
@@ -200,6 +200,14 @@ class TrainingConfig(_Section):
         description="a rank without progress this long: dump stacks and collectives, exit; null: half of "
         "parallel.timeout_s; 0: off",
     )
+
+    @field_validator("loss_chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_tokens(cls, value: Any) -> Any:
+        # One message for any bad value (a union's validation would print one per member).
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"should be auto, 0 (all logits at once) or a number of tokens (got {value!r})")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:

@@ -69,6 +69,11 @@ def test_overrides_are_typed(seed_config: Path):
             "training.resume_from_checkpoint: ckpt is not a complete checkpoint (no manifest.json)",
         ),
         ("training.eval_subset_size=null", "training.eval_subset_size: required when eval_dataset_type is subset"),
+        (
+            "training.loss_chunk_tokens=-5",
+            "training.loss_chunk_tokens: should be auto, 0 (all logits at once) or a number of tokens (got -5)",
+        ),
+        ("training.loss_chunk_tokens=some", "training.loss_chunk_tokens: should be auto, 0 (all logits at once)"),
     ],
 )
 def test_bad_values_name_the_key(seed_config: Path, override: str, message: str):

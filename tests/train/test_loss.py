@@ -11,7 +11,7 @@ from shardtune.data.collate import collate
 from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.errors import ConfigError
 from shardtune.model.lora import apply_lora
-from shardtune.train.loss import LinearCrossEntropy, chunk_tokens_for, head_vocab, summed_token_loss
+from shardtune.train.loss import LinearCrossEntropy, chunk_tokens_for, describe_loss, head_vocab, summed_token_loss
 
 
 def batch_with_prompts_and_padding():
@@ -138,3 +138,22 @@ def test_auto_chunks_a_batch_whose_logits_pass_the_limit(tiny_model_dir, monkeyp
     chunked = summed_token_loss(model, batch, None, "auto")
     assert chunks == [16] and batch.targets.numel() == 90
     torch.testing.assert_close(chunked, standard, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("setting", "vocab", "fused", "line"),
+    [
+        (
+            "auto",
+            151_936,
+            False,
+            "loss: cross-entropy and its gradients 1,024 tokens at a time in the forward pass "
+            "(training.loss_chunk_tokens: auto)",
+        ),
+        ("auto", 32_000, False, "loss: cross-entropy over all logits at once (training.loss_chunk_tokens: auto)"),
+        (0, 151_936, False, "loss: cross-entropy over all logits at once (training.loss_chunk_tokens: 0)"),
+        ("auto", 151_936, True, "loss: liger-kernel's fused linear cross-entropy (model.liger_kernel)"),
+    ],
+)
+def test_the_log_names_the_loss(setting, vocab, fused, line):
+    assert describe_loss(setting, vocab, 8_192, fused) == line
