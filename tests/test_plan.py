@@ -264,6 +264,10 @@ REMOVED_OPTIONS = ("parallel.compile_mode=",)
 # parameters' dtypes off transformers' model, which moves between its releases: transformers 5.24 keeps
 # GLM-4.5's routers in fp32, 9 MiB more on a 10-layer GLM-4.5-Air than 5.23 (0.02%).
 ESTIMATE_DRIFT = 0.005
+# Runs whose layers ``gradient_checkpointing: auto`` chose from an estimate since recalibrated: compared at the
+# layers they checkpointed. The chunked loss's bytes per logit were 6 (counted) when these ran; the loss
+# alone then measured 12 (``results/loss_kernels_h100.txt``), so auto now checkpoints 2 and 1 layers more.
+CHOSEN_BY_AN_EARLIER_ESTIMATE = {"bench_h100_loss_qwen3-attn.json", "bench_h100_loss_qwen3-experts.json"}
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
     from shardtune.cli import build_parser
     from shardtune.config import load_config
     from shardtune.distributed.strategy import choose_parallelism
-    from shardtune.plan.memory import estimate_memory
+    from shardtune.plan.memory import _estimate, estimate_memory, spread_layers
     from shardtune.plan.shape import planned_model_shape
 
     model_dirs: dict[tuple, Path] = {}
@@ -336,7 +340,12 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
         gpu_memory = int(GPU_MEMORY_GIB[gpu] * GIB)
         plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, bench["nproc"], gpu_memory)
         assert plan.strategy == run["strategy"], row.file
-        estimated = estimate_memory(config, shape, plan, config.parallel.compiles_on("cuda"), gpu_memory)
+        compiled = config.parallel.compiles_on("cuda")
+        estimated = estimate_memory(config, shape, plan, compiled, gpu_memory)
+        if row.file in CHOSEN_BY_AN_EARLIER_ESTIMATE:
+            ran = spread_layers(len(shape.layers), run["checkpointed_layers"])
+            assert estimated.checkpointed != ran, f"{row.file}: the estimate chooses its layers again"
+            estimated = _estimate(config, shape, plan, compiled, ran)
         # The run checkpointed the layers the estimate chose (auto: from the same estimate, on the GPU).
         assert len(estimated.checkpointed) == run.get("checkpointed_layers", len(estimated.checkpointed)), row.file
         estimate = estimated.peak / GIB

@@ -46,9 +46,10 @@ USABLE_SHARE = 0.9
 # more embedding weights): at 8,192 tokens a step peaks 10.28 GiB higher, 1.47 GiB of it weights, the rest
 # 12.0 bytes per extra logit.
 LOGIT_BYTES = 12
-# Bytes per logit of one chunk of the chunked loss (``train.loss.LinearCrossEntropy``): the bf16 logits
-# while their fp32 log-probabilities are computed (2 + 4), then the probabilities and their bf16 copy.
-CHUNK_LOGIT_BYTES = 6
+# Bytes per logit of one chunk of the chunked loss (``train.loss.LinearCrossEntropy``): the bf16 logits, and
+# log_softmax's fp32 copy of them and its fp32 output. Measured (``benchmarks/loss_kernels.py``, one H100):
+# 1.74 GiB above the inputs for chunks of 1,024 x 151,936 logits, 12.0 bytes per logit.
+CHUNK_LOGIT_BYTES = 12
 # A decoder layer's backward makes gradients of what it kept as it goes (input gradients of every
 # projection, attention's fp32 accumulators), freeing the activations behind it: at its peak about this
 # share of the layer's activations on top of them. Calibrated on the two measured runs whose peak is a

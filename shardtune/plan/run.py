@@ -17,8 +17,8 @@ from shardtune.plan.shape import ModelShape
 GIB = 2**30
 # GiB of memory as torch reports it (its out-of-memory messages' "total capacity"), of the GPUs the benchmarks
 # ran on (nvidia-smi: 81,559 and 143,771 MiB). plan's default is the H100's. The H100's is at least 79.17: a
-# run there checkpointed the 43 layers that need that much (``bench_h100_loss_qwen3-experts.json``; 79.1 would
-# have taken 44).
+# run there checkpointed 43 layers (``bench_h100_loss_qwen3-experts.json``), which its planner (then 6 bytes a
+# chunked-loss logit) chose only for a GPU of that much or more; at 79.1 it would have taken 44.
 GPU_MEMORY_GIB = {"H100 80GB": 79.19, "H200": 139.8}
 DEFAULT_GPU_MEMORY_GIB = GPU_MEMORY_GIB["H100 80GB"]
 # The search for more GPUs: a node's GPUs first (up to a common node's 8), then more nodes of as many.

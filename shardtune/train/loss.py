@@ -5,11 +5,11 @@ The chunked one (``training.loss_chunk_tokens``) never holds more than one chunk
 forward pass the LM head is stood in for by a module that works through the positions chunk by chunk, and
 for each chunk computes the logits, the summed loss and the gradients of the head's input and weights
 (``LinearCrossEntropy``); backward only scales what forward kept. At 128k-152k vocabularies the full
-logits, their fp32 copy and gradient are 14 GiB at 8,192 tokens; a chunk of 2**28 logits is about 2 GiB,
-and nothing is recomputed: the head's two GEMMs run once each, as in the standard loss. It runs inside
-the model's forward, so DDP's and FSDP's hooks see the LM head used as usual. ``auto`` (the default)
-chunks a batch whose logits are more than one chunk, for models whose logits come straight from a linear
-head.
+logits, their fp32 copy and gradient are 14 GiB at 8,192 tokens; a chunk of 1,024 tokens is 1.7 GiB (12
+bytes a logit at the peak, at most 2**28 logits under ``auto``), and nothing is recomputed: the head's two
+GEMMs run once each, as in the standard loss. It runs inside the model's forward, so DDP's and FSDP's
+hooks see the LM head used as usual. ``auto`` (the default) chunks a batch whose logits are more than one
+chunk, for models whose logits come straight from a linear head.
 
 With ``model.liger_kernel`` the same stand-in head computes the loss with liger-kernel's fused linear
 cross-entropy, a Triton kernel that does the same block by block.
