@@ -22,9 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from shardtune.model.moe import find_moe_blocks
 
 
-def apply_activation_checkpointing(
-    model: torch.nn.Module, layers: list[torch.nn.Module], offload: bool = False
-) -> int:
+def apply_activation_checkpointing(model: torch.nn.Module, layers: list[torch.nn.Module], offload: bool = False) -> int:
     """Recompute ``layers``' activations in backward (which layers: ``plan.memory.checkpointed_layers``);
     returns how many were wrapped.
 

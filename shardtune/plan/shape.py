@@ -108,8 +108,10 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 num_experts=block.num_experts,
                 shared_width=shared_params // (GATED_MATRICES * hidden),
                 adapter_inputs=adapter_inputs,
-                expert_adapter_rank=sum(adapter[3] for adapter in parameter_adapters(
-                    block.block.get_submodule("experts"))[1].get("gate_up_proj", [])),  # fmt: skip
+                expert_adapter_rank=sum(
+                    adapter[3]
+                    for adapter in parameter_adapters(block.block.get_submodule("experts"))[1].get("gate_up_proj", [])
+                ),  # fmt: skip
                 params=layer_params - expert_params,
                 expert_params=expert_params,
             )
