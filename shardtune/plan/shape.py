@@ -111,7 +111,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 expert_adapter_rank=sum(
                     adapter[3]
                     for adapter in parameter_adapters(block.block.get_submodule("experts"))[1].get("gate_up_proj", [])
-                ),  # fmt: skip
+                ),
                 params=layer_params - expert_params,
                 expert_params=expert_params,
             )
