@@ -31,7 +31,7 @@ def standard(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
 
 
 def chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return LinearCrossEntropy.apply(hidden, weight, None, targets, auto_chunk_tokens(weight.shape[0]))
+    return LinearCrossEntropy.apply(hidden, weight, None, targets, auto_chunk_tokens(weight.shape[0]), True)
 
 
 def run(loss_of, hidden, weight, targets) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -119,10 +119,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     GEMMs, softmax in fp32. Ignored positions are masked, not filtered out: no host sync."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk):
+    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled):
         device = hidden.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        # Under no_grad (evaluation) needs_input_grad still says which inputs require grad: nothing to compute.
+        needs_hidden, needs_weight, needs_bias = (grad_enabled and needed for needed in ctx.needs_input_grad[:3])
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = targets.reshape(-1)
         with torch.autocast(device, enabled=False):
@@ -164,7 +165,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         # In fp32: the incoming gradient (1 / the step's target tokens) rounded to bf16 would scale by up to 0.4%.
         grads = [None if grad is None else (grad.float() * grad_total).to(grad.dtype) for grad in ctx.saved_tensors]
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 class _ChunkedLossHead(torch.nn.Module):
@@ -178,7 +179,8 @@ class _ChunkedLossHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fused_loss is None:
             chunk = self.chunk_tokens or max(self.targets.numel(), 1)
-            return LinearCrossEntropy.apply(hidden, self.head.weight, self.head.bias, self.targets, chunk)
+            head, grad_enabled = self.head, torch.is_grad_enabled()
+            return LinearCrossEntropy.apply(hidden, head.weight, head.bias, self.targets, chunk, grad_enabled)
         keep = self.targets != IGNORE_INDEX
         hidden, targets = hidden[keep], self.targets[keep]
         total = hidden.new_zeros((), dtype=torch.float32)

@@ -74,7 +74,7 @@ def test_linear_cross_entropy_gives_the_standard_loss_and_every_gradient(dtype):
     for chunked in (False, True):
         inputs = [tensor.clone().requires_grad_() for tensor in (hidden, weight, bias)]
         if chunked:
-            loss = LinearCrossEntropy.apply(*inputs, targets, 5)
+            loss = LinearCrossEntropy.apply(*inputs, targets, 5, True)
         else:
             logits = torch.nn.functional.linear(*inputs)
             loss = torch.nn.functional.cross_entropy(
@@ -94,13 +94,19 @@ def test_linear_cross_entropy_gives_the_standard_loss_and_every_gradient(dtype):
 
 
 def test_linear_cross_entropy_without_gradients_only_sums_the_loss():
-    hidden, weight = torch.randn(9, 8), torch.randn(20, 8, requires_grad=True)
+    """Evaluation of a full fine-tune (a head that requires grad, under no_grad): the logits' GEMM and no
+    other, where training runs two more (the gradients of the head's input and weights)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight = torch.randn(9, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
     targets = torch.randint(0, 20, (9,))
-    with torch.no_grad():
-        loss = LinearCrossEntropy.apply(hidden, weight, None, targets, 4)
-    expected = torch.nn.functional.cross_entropy(hidden @ weight.detach().T, targets, reduction="sum")
-    torch.testing.assert_close(loss, expected)
-    assert loss.grad_fn is None
+    for grad_enabled, gemms in ((False, 1), (True, 3)):
+        with torch.set_grad_enabled(grad_enabled), FlopCounterMode(display=False) as flops:
+            loss = LinearCrossEntropy.apply(hidden, weight, None, targets, 4, grad_enabled)
+        assert flops.get_total_flops() == gemms * 2 * 9 * 8 * 20
+        expected = torch.nn.functional.cross_entropy(hidden.detach() @ weight.detach().T, targets, reduction="sum")
+        torch.testing.assert_close(loss.detach(), expected)
+        assert (loss.grad_fn is None) != grad_enabled
 
 
 @pytest.mark.parametrize(
@@ -131,7 +137,7 @@ def test_auto_chunks_a_batch_whose_logits_pass_the_limit(tiny_model_dir, monkeyp
     assert head_vocab(model) == model.config.vocab_size
     chunks = []
     apply = LinearCrossEntropy.apply
-    monkeypatch.setattr(LinearCrossEntropy, "apply", lambda *args: chunks.append(args[-1]) or apply(*args))
+    monkeypatch.setattr(LinearCrossEntropy, "apply", lambda *args: chunks.append(args[4]) or apply(*args))
     standard = summed_token_loss(model, batch, None, "auto")
     assert chunks == []
     monkeypatch.setattr(loss_module, "auto_chunk_tokens", lambda vocab: 16)
