@@ -35,7 +35,7 @@ def evaluate(
     pad_token_id: int,
     env: DistributedEnv,
     autocast_dtype: torch.dtype | None,
-    loss_chunk_tokens: int = 0,
+    loss_chunk_tokens: int | str = 0,
     fused_loss: bool = False,
     on_batch: Callable[[], None] | None = None,
 ) -> dict[str, float]:

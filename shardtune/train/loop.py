@@ -142,7 +142,7 @@ def accumulate_gradients(
     env: DistributedEnv,
     autocast: torch.dtype | None,
     routing: RouterTraining | None = None,
-    loss_chunk_tokens: int = 0,
+    loss_chunk_tokens: int | str = 0,
     fused_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward this rank's micro-batches of one optimizer step.
