@@ -239,10 +239,10 @@ moe-loss)
         python3 "$(dirname "$0")/loss_kernels.py" --out "$results/loss_kernels.txt"
     fi
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
-    moe=(--seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
-    bench loss-qwen3-attn --shape qwen3-30b-a3b "${moe[@]}"
-    bench loss-qwen3-experts-every --shape qwen3-30b-a3b "${moe[@]}" --gradient-checkpointing \
-        'lora.moe_targets=[attention,routed_experts]'
+    moe=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 "${extra[@]}")
+    bench loss-qwen3-attn "${moe[@]}" --baseline hf
+    bench loss0-qwen3-attn "${moe[@]}" training.loss_chunk_tokens=0
+    bench loss-qwen3-experts "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
     ;;
 h200-grouped-gemm)
     # model.grouped_gemm: the kernels alone (benchmarks/moe_kernels.py), then the default config's step with
