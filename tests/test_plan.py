@@ -226,6 +226,29 @@ def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
     assert spread_layers(32, 3) == {0, 10, 21} and spread_layers(5, 0) == frozenset()
 
 
+def test_the_loss_term_follows_the_loss_a_run_computes():
+    """Qwen3-30B-A3B's head (151,936 x 2048) at 8,192 tokens: all logits at 12 bytes each; under auto, one
+    chunk of 1,024 tokens and the head input's bf16 gradient, plus the head's fp32 weight gradient when it
+    trains."""
+    from shardtune.bench.shapes import HUB_SHAPES
+    from shardtune.config import load_config
+    from shardtune.plan.memory import loss_bytes
+    from shardtune.plan.shape import planned_model_shape
+
+    qwen3 = next(name for name, (label, _) in HUB_SHAPES.items() if label == "qwen3-30b-a3b")
+    common = [f"model.name_or_path={qwen3}", "data.max_length=4096", "training.per_device_train_batch_size=2"]
+
+    def loss(*overrides: str) -> int:
+        config = load_config(QUICKSTART, [*common, *overrides], check_paths=False)
+        return loss_bytes(config, planned_model_shape(config)[0], 8192)
+
+    vocab, hidden, chunk = 151_936, 2048, 1024
+    assert loss("training.loss_chunk_tokens=0") == 12 * 8192 * vocab
+    assert loss() == 12 * chunk * vocab + 8192 * hidden * 2
+    assert loss("lora.enabled=false") == 12 * chunk * vocab + 8192 * hidden * 2 + vocab * hidden * 4
+    assert loss("training.loss_chunk_tokens=512") == 12 * 512 * vocab + 8192 * hidden * 2
+
+
 @pytest.mark.parametrize(
     ("args", "error"),
     [

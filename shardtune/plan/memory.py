@@ -149,8 +149,14 @@ def loss_bytes(config: Config, shape: ModelShape, tokens: int) -> int:
     chunk = chunk_tokens_for(config.training.loss_chunk_tokens, shape.loss_head_vocab, tokens)
     if not chunk:
         return LOGIT_BYTES * tokens * shape.vocab
-    # One chunk's logits, and the head input's gradient, kept from forward to backward.
-    return CHUNK_LOGIT_BYTES * min(tokens, chunk) * shape.vocab + tokens * shape.hidden * shape.compute_bytes
+    # One chunk's logits, and the gradients kept from forward to backward: of the head's input, and of its
+    # weights (fp32) where they train (full fine-tuning).
+    head_gradient = 0 if config.lora.enabled else shape.vocab * shape.hidden * FP32_BYTES
+    return (
+        CHUNK_LOGIT_BYTES * min(tokens, chunk) * shape.vocab
+        + tokens * shape.hidden * shape.compute_bytes
+        + head_gradient
+    )
 
 
 def estimate_memory(
