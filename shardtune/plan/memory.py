@@ -18,7 +18,8 @@ A step's memory is its state, which lives across steps, plus what one micro-batc
   layer keeps only its input (in host memory with ``activation_offloading``). Which layers are checkpointed
   is decided here too (``checkpointed_layers``): training applies the same choice;
 - the loss: the logits it holds at its peak, for every token, or for one chunk of ``loss_chunk_tokens`` (with
-  the gradient of the head's input), or for one block of liger-kernel's fused linear cross-entropy;
+  the gradients it keeps from forward: of the head's input, and of its weights when they train), or for
+  one block of liger-kernel's fused linear cross-entropy;
 - one layer's backward: its activations again when they are recomputed (checkpointing), plus the
   gradients its backward produces on the way (``BACKWARD_WORKSPACE`` of its activations).
 
