@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
-from shardtune.model.grouped_gemm import describe, grouped_mm, resolve_grouped_gemm
+from shardtune.model.grouped_gemm import describe, grouped_mm, grouped_mm_backward, resolve_grouped_gemm
 from shardtune.model.moe import (
     MoeBlock,
     RoutingRecorder,
@@ -387,7 +388,15 @@ def routed_experts(
         )  # offsets[e]: rows of experts 0..e
     else:
         rows, row_weights, offsets, receive_back = dispatch.send(rows, row_weights, expert_of_row)
-    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype, backend)
+
+    # LoRA's A factor on gate/up takes the routed rows without autograd keeping them (k rows of the hidden
+    # size a token): backward gathers them from the block's input again. Rows that came from other ranks
+    # (expert parallelism) cannot be gathered here, so those are kept.
+    def regathered(a: torch.Tensor) -> torch.Tensor:
+        return GatheredLowRank.apply(rows, tokens, order, a, offsets, top_k)
+
+    low_rank = regathered if dispatch is None else None
+    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype, backend, low_rank)
     hidden = WeightedSiluMul.apply(projected, row_weights)
     outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, dtype, backend)
     if dispatch is not None:
@@ -402,9 +411,11 @@ def _projection(
     offsets: torch.Tensor,
     dtype: torch.dtype,
     backend: str,
+    low_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight), plus each LoRA
-    adapter's rows @ A_e^T @ B_e^T * scaling.
+    adapter's rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T for the A factors without
+    keeping ``rows`` for backward).
 
     ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
     rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
@@ -419,7 +430,7 @@ def _projection(
             result = result + F.linear(F.linear(rows, a) * scaling, b)
             continue
         a, b = expert_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
-        low = grouped_mm(rows, a, offsets) * scaling  # (pairs, r)
+        low = (grouped_mm(rows, a, offsets) if low_rank is None else low_rank(a)) * scaling  # (pairs, r)
         result = result + grouped_mm(low, b, offsets)
     return result
 
@@ -539,6 +550,41 @@ class Permute(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
+
+
+class GatheredLowRank(torch.autograd.Function):
+    """``rows @ A_e`` for each row's expert e, where ``rows`` is :class:`GatherRows` of ``tokens``: backward
+    gathers the rows again for A's gradient instead of keeping them (pairs x hidden: 256 MiB a layer for
+    Qwen3-30B-A3B at 8,192 tokens; the block's input is top_k times smaller)."""
+
+    @staticmethod
+    def forward(ctx, rows, tokens, order, a, offsets, top_k):
+        ctx.save_for_backward(tokens, order, a, offsets)
+        ctx.top_k = top_k
+        return grouped_mm(rows, a, offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        tokens, order, a, offsets = ctx.saved_tensors
+        grad_rows = grouped_mm(grad, a.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+        grad_a = torch.ops.shardtune.regathered_weight_grad(tokens, order, grad, offsets, a, ctx.top_k)
+        return grad_rows, None, None, grad_a, None, None
+
+
+# Opaque, and taking the output gradient, so that a compiled backward gathers the rows in backward: traced,
+# the partitioner moved the gather into the forward graph and kept its output, the very rows to drop.
+@torch.library.custom_op("shardtune::regathered_weight_grad", mutates_args=())
+def regathered_weight_grad(
+    tokens: torch.Tensor, order: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``rows_e^T @ grad_e`` for each expert e, the rows gathered from ``tokens`` again."""
+    rows = _gather_rows(tokens, order, top_k).to(a.dtype)
+    return grouped_mm_backward(rows, a, offsets, grad, need_rows=False)[1].contiguous()
+
+
+@regathered_weight_grad.register_fake
+def _(tokens, order, grad, offsets, a, top_k):
+    return a.new_empty(a.shape)
 
 
 class WeightedSiluMul(torch.autograd.Function):

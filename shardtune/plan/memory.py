@@ -75,10 +75,12 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     - MoE block 2h + 2km + 3s: per chosen expert (k of them, m wide) its gate/up output (the routing weight
       multiplies the hidden activation, so the down projection's output rows are not kept, and frozen experts
       need no GEMM input), the shared experts (s wide) as a dense MLP; and the router's fp32 logits over the
-      experts; with LoRA (rank r) on the routed experts also k(h + m + 2r'): the inputs of lora_A on gate/up
-      (the routed rows) and on down (the hidden activation) and the low-rank products, the rank padded to r'
-      (a multiple of 8). Measured on one H200 at 8,192 tokens: -3.0% to +1.1% for Qwen3-30B-A3B (LoRA on
-      attention, and on the routed experts too), GLM-4.5-Air (20 layers) and Mixtral-8x7B;
+      experts; with LoRA (rank r) on the routed experts also k(m + 2r'): the input of lora_A on down (the
+      hidden activation) and the low-rank products, the rank padded to r' (a multiple of 8); lora_A on
+      gate/up gathers its input rows from the block's input again in backward, except under expert
+      parallelism, where they came from other ranks and are kept (kh more). Measured on one H200 at 8,192
+      tokens: -3.0% to +1.1% for Qwen3-30B-A3B (LoRA on attention, and on the routed experts too),
+      GLM-4.5-Air (20 layers) and Mixtral-8x7B;
     - eager (uncompiled) layers also keep each RMSNorm's fp32 copy of its input and the SiLU output.
 
     Measured against Mistral-7B with LoRA on every projection, compiled, 512 to 16,384 tokens a micro-batch:
@@ -92,7 +94,9 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
         elements += 2 * h + 2 * layer.top_k * layer.expert_width + 3 * layer.shared_width
         if layer.expert_adapter_rank:
             padded_rank = layer.expert_adapter_rank + -layer.expert_adapter_rank % 8
-            elements += layer.top_k * (h + layer.expert_width + 2 * padded_rank)
+            elements += layer.top_k * (layer.expert_width + 2 * padded_rank)
+            if config.parallel.expert_parallel_size > 1:
+                elements += layer.top_k * h  # rows from other ranks: kept, not gathered again
     else:
         elements += 2 * h if tiled else 2 * h + 3 * layer.mlp_width
     per_token = elements * e + layer.num_experts * FP32_BYTES  # the router's logits
