@@ -547,3 +547,47 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     for name, value in expected.items():
         assert torch.equal(counted[name], value), name
         assert torch.equal(fallen_back[name], value), name
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lora_on_routed_experts_keeps_no_routed_rows_for_backward(moe_dirs, compiled):
+    """LoRA's A factor on gate/up gets the routed rows (pairs x hidden) gathered again in backward: the block
+    keeps its input (pairs / top_k rows) instead, eager and compiled (where the partitioner, left to itself,
+    moved the gather into the forward graph and kept its output)."""
+    reference = build(moe_dirs["qwen3_moe"], ["routed_experts"])
+    model = fused_copy(reference).to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    block = find_moe_blocks(model, decoder_layers(model))[0].block
+    config = model.config
+    tokens, hidden, top_k = 128, config.hidden_size, config.num_experts_per_tok
+    pairs, width = tokens * top_k, config.moe_intermediate_size
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    kept: dict[int, tuple] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = (storage.nbytes(), tensor.shape)
+        return tensor
+
+    run = torch.compile(block) if compiled else block
+    x = torch.randn(2, tokens // 2, hidden, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        run(x).sum().backward()
+    lora_a = [param for name, param in block.named_parameters() if "lora_A" in name]
+    assert lora_a and all(param.grad is not None and param.grad.abs().sum() > 0 for param in lora_a)
+    bf16, fp32 = 2, 4
+    bound = (
+        tokens * hidden * bf16  # the block's input
+        + pairs * 2 * width * bf16  # the gate/up GEMM output
+        + pairs * width * bf16  # the hidden activation, lora_A's input on down
+        + 2 * tokens * config.num_experts * fp32  # the router's logits and probabilities
+        + 64 * pairs  # indices, weights and the two low-rank products per pair
+        + tokens * fp32  # a per-token column
+        + 64  # the expert offsets
+        + config.num_experts * 8 * (2 * hidden + 3 * width) * bf16  # the LoRA factors (rank 4 padded to 8)
+        + config.num_experts * hidden * fp32  # the router's fp32 weight (compiled)
+    )
+    routed_rows = pairs * hidden * bf16
+    assert sum(size for size, _ in kept.values()) <= bound < sum(size for size, _ in kept.values()) + routed_rows
