@@ -160,6 +160,12 @@ class TrainingConfig(_Section):
     gradient_checkpointing_every: int = Field(
         1, gt=0, description="with gradient_checkpointing: true, checkpoint every k-th decoder layer"
     )
+    memory_budget_gib: float | None = Field(
+        None,
+        gt=0,
+        description="GPU memory per device the step's estimated peak may take: gradient_checkpointing auto "
+        "checkpoints the fewest layers that fit it, plan and doctor check against it; null: 90% of the GPU's",
+    )
     logging_steps: int = Field(10, gt=0)
     eval_steps: int | None = Field(None, gt=0)
     eval_on_start: bool = False

@@ -74,6 +74,7 @@ def test_overrides_are_typed(seed_config: Path):
             "training.loss_chunk_tokens: should be auto, 0 (all logits at once) or a number of tokens (got -5)",
         ),
         ("training.loss_chunk_tokens=some", "training.loss_chunk_tokens: should be auto, 0 (all logits at once)"),
+        ("training.memory_budget_gib=0", "training.memory_budget_gib: Input should be greater than 0"),
     ],
 )
 def test_bad_values_name_the_key(seed_config: Path, override: str, message: str):

@@ -224,6 +224,26 @@ def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
     assert every_other == frozenset(range(0, 32, 2))
     assert choice(GPU_MEMORY_GIB["H200"], "training.gradient_checkpointing=false")[0] == frozenset()
     assert spread_layers(32, 3) == {0, 10, 21} and spread_layers(5, 0) == frozenset()
+    # training.memory_budget_gib in place of 90% of the GPU: the fewest layers under it, below the GPU's share
+    # or above it (up to all of the GPU).
+    for budget_gib in (105.0, 130.0):
+        held, _ = choice(GPU_MEMORY_GIB["H200"], f"training.memory_budget_gib={budget_gib}")
+        assert held == spread_layers(32, len(held)) and 0 < len(held) < 32 and (len(held) > len(chosen)) == (
+            budget_gib < USABLE_SHARE * GPU_MEMORY_GIB["H200"]
+        )
+        assert _estimate(config, shape, plan, True, held).peak <= budget_gib * GIB
+        assert _estimate(config, shape, plan, True, spread_layers(32, len(held) - 1)).peak > budget_gib * GIB
+    assert choice(GPU_MEMORY_GIB["H200"], "training.memory_budget_gib=1000")[0] == frozenset()
+
+
+def test_a_memory_budget_is_what_the_plan_checks_against(capsys, monkeypatch):
+    recipe = ["examples/recipes/mistral-7b-lora-alpaca.yaml", "--gpu-memory-gib", "79.19"]
+    assert lines(plan_here(capsys, monkeypatch, *recipe))["fits:"].endswith(
+        " GiB per GPU of the 71.27 GiB a run may use (90% of 79.19 GiB)"
+    )
+    held = plan_here(capsys, monkeypatch, *recipe, "training.memory_budget_gib=8")
+    assert held.returncode == 1
+    assert "GiB per GPU, more than the 8.00 GiB a run may use (training.memory_budget_gib of 79.19 GiB)" in held.stdout
 
 
 def test_the_loss_term_follows_the_loss_a_run_computes():

@@ -41,7 +41,7 @@ from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock
 from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
-from shardtune.plan.memory import describe_checkpointing, estimate_memory
+from shardtune.plan.memory import describe_checkpointing, estimate_memory, usable_memory
 from shardtune.plan.shape import read_model_shape
 
 log = logging.getLogger("shardtune")
@@ -79,7 +79,15 @@ def plan_checkpointing(
         log.info("%s", checkpointing)
     else:
         gib = 2**30
-        log.info("%s: estimated peak %.1f GiB of the GPU's %.1f GiB", checkpointing, estimate.peak / gib, memory / gib)
+        budget = config.training.memory_budget_gib
+        limit = "" if budget is None else f" (training.memory_budget_gib: {usable_memory(config, memory) / gib:.1f})"
+        log.info(
+            "%s: estimated peak %.1f GiB of the GPU's %.1f GiB%s",
+            checkpointing,
+            estimate.peak / gib,
+            memory / gib,
+            limit,
+        )
     return estimate.checkpointed
 
 

@@ -15,7 +15,7 @@ from shardtune.config import Config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.strategy import choose_parallelism
 from shardtune.doctor.report import FAIL, OK, WARN, Check, plural, size
-from shardtune.plan.memory import USABLE_SHARE, describe_checkpointing, estimate_memory
+from shardtune.plan.memory import USABLE_SHARE, describe_checkpointing, estimate_memory, usable_memory, usable_share
 from shardtune.plan.shape import ModelShape
 
 FIX_MEMORY = (
@@ -35,13 +35,18 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _fit(name: str, need: int, capacity: int, what: str, breakdown: str) -> Check:
+def _fit(
+    name: str, need: int, capacity: int, what: str, breakdown: str, usable: tuple[int, str] | None = None
+) -> Check:
+    """``need`` bytes against ``capacity``: tight above ``usable`` (bytes, and where that comes from; by default
+    ``USABLE_SHARE`` of the capacity)."""
     share = need / capacity if capacity else math.inf
     detail = f"~{size(need)} of {size(capacity)} {what} ({share:.0%}): {breakdown}"
     if share > 1:
         return Check(name, FAIL, f"does not fit: {detail}", fix=FIX_MEMORY)
-    if share > USABLE_SHARE:
-        return Check(name, WARN, f"tight: {detail}", fix=FIX_MEMORY)
+    limit, source = usable or (USABLE_SHARE * capacity, f"{USABLE_SHARE:.0%}")
+    if need > limit:
+        return Check(name, WARN, f"tight: over the {size(limit)} a run may use ({source}): {detail}", fix=FIX_MEMORY)
     return Check(name, OK, detail)
 
 
@@ -62,7 +67,8 @@ def memory_checks(config: Config, env: DistributedEnv, shape: ModelShape) -> lis
     if not cuda:
         what = f"host RAM available to {plural(local, 'rank')} here"
         return [_fit("memory", estimate.peak * local, available_host_memory(), what, breakdown)]
-    rows = [_fit("memory per GPU", estimate.peak, capacity, "GPU memory", breakdown)]
+    usable = (usable_memory(config, capacity), usable_share(config))
+    rows = [_fit("memory per GPU", estimate.peak, capacity, "GPU memory", breakdown, usable)]
     # Global rank 0 reads the whole model into host memory before it goes to the devices.
     host = estimate.offloaded * local + (shape.stored_bytes if env.rank == 0 else 0)
     if host:

@@ -14,7 +14,7 @@ import argparse
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.doctor.report import plural, size
 from shardtune.errors import InputError
-from shardtune.plan.memory import USABLE_SHARE, describe_checkpointing, micro_batch_tokens
+from shardtune.plan.memory import describe_checkpointing, micro_batch_tokens, usable_share
 from shardtune.plan.run import (
     DEFAULT_GPU_MEMORY_GIB,
     GIB,
@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     run = plan_run(config, shape, cluster)
     print("\n".join(describe(run, source)))
     memory = run.memory
-    usable = f"{size(run.usable)} a run may use ({USABLE_SHARE:.0%} of {size(cluster.gpu_memory)})"
+    usable = f"{size(run.usable)} a run may use ({usable_share(config)} of {size(cluster.gpu_memory)})"
     if run.fits:
         print(f"fits: ~{size(memory.peak)} per GPU of the {usable}")
         return 0

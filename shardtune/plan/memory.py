@@ -75,12 +75,12 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     - MoE block 2h + 2km + 3s: per chosen expert (k of them, m wide) its gate/up output (the routing weight
       multiplies the hidden activation, so the down projection's output rows are not kept, and frozen experts
       need no GEMM input), the shared experts (s wide) as a dense MLP; and the router's fp32 logits over the
-      experts; with LoRA (rank r) on the routed experts also k(m + 2r'): the input of lora_A on down (the
-      hidden activation) and the low-rank products, the rank padded to r' (a multiple of 8); lora_A on
-      gate/up gathers its input rows from the block's input again in backward, except under expert
-      parallelism, where they came from other ranks and are kept (kh more). Measured on one H200 at 8,192
-      tokens: -3.0% to +1.1% for Qwen3-30B-A3B (LoRA on attention, and on the routed experts too),
-      GLM-4.5-Air (20 layers) and Mixtral-8x7B;
+      experts; with LoRA (rank r) on the routed experts also 2kr': the low-rank products, the rank padded to
+      r' (a multiple of 8). lora_A's inputs are built again in backward (on gate/up gathered from the
+      block's input, on down computed from the gate/up output), except under expert parallelism, where the
+      routed rows came from other ranks and are kept (kh more). Measured on one H200 at 8,192 tokens: -3.0%
+      to +1.1% for Qwen3-30B-A3B (LoRA on attention, and on the routed experts too), GLM-4.5-Air (20 layers)
+      and Mixtral-8x7B;
     - eager (uncompiled) layers also keep each RMSNorm's fp32 copy of its input and the SiLU output.
 
     Measured against Mistral-7B with LoRA on every projection, compiled, 512 to 16,384 tokens a micro-batch:
@@ -94,7 +94,7 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
         elements += 2 * h + 2 * layer.top_k * layer.expert_width + 3 * layer.shared_width
         if layer.expert_adapter_rank:
             padded_rank = layer.expert_adapter_rank + -layer.expert_adapter_rank % 8
-            elements += layer.top_k * (layer.expert_width + 2 * padded_rank)
+            elements += layer.top_k * 2 * padded_rank
             if config.parallel.expert_parallel_size > 1:
                 elements += layer.top_k * h  # rows from other ranks: kept, not gathered again
     else:
@@ -174,13 +174,26 @@ def estimate_memory(
     return _estimate(config, shape, plan, compiled, checkpointed)
 
 
+def usable_memory(config: Config, gpu_memory: int) -> int:
+    """Bytes of a GPU of ``gpu_memory`` bytes that a step's estimated peak may take: ``USABLE_SHARE`` of it,
+    or ``training.memory_budget_gib`` where set (a GPU shared with another process, or a run held to another
+    run's memory), at most all of it."""
+    budget = config.training.memory_budget_gib
+    return int(USABLE_SHARE * gpu_memory) if budget is None else min(int(budget * 2**30), gpu_memory)
+
+
+def usable_share(config: Config) -> str:
+    """Where ``usable_memory`` comes from, in words: ``90%`` or ``training.memory_budget_gib`` (of the GPU's)."""
+    return f"{USABLE_SHARE:.0%}" if config.training.memory_budget_gib is None else "training.memory_budget_gib"
+
+
 def checkpointed_layers(
     config: Config, shape: ModelShape, plan: ParallelPlan, compiled: bool, gpu_memory: int | None
 ) -> frozenset[int]:
     """The decoder layers whose activations are recomputed in backward, by index.
 
     ``gradient_checkpointing: true``: every ``gradient_checkpointing_every``-th layer; ``false``: none.
-    ``auto``: the fewest layers that bring the estimated peak within ``USABLE_SHARE`` of the GPU's memory,
+    ``auto``: the fewest layers that bring the estimated peak within ``usable_memory`` of the GPU's,
     spread evenly over the model: none when the step fits without (recomputing costs about a third of a
     layer's time: 19,740 against 13,830 tokens/s for Qwen3-30B-A3B LoRA at 8,192 tokens on one H200), all when
     nothing less fits. On CPU (``gpu_memory`` None) none: host memory is not what a CPU run runs out of.
@@ -191,7 +204,7 @@ def checkpointed_layers(
         return frozenset(range(0, count, training.gradient_checkpointing_every))
     if training.gradient_checkpointing is False or gpu_memory is None:
         return frozenset()
-    budget = USABLE_SHARE * gpu_memory
+    budget = usable_memory(config, gpu_memory)
     for checkpoints in range(count):
         chosen = spread_layers(count, checkpoints)
         if _estimate(config, shape, plan, compiled, chosen).peak <= budget:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from shardtune.config import Config, with_overrides
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
-from shardtune.plan.memory import USABLE_SHARE, MemoryEstimate, estimate_memory
+from shardtune.plan.memory import MemoryEstimate, estimate_memory, usable_memory
 from shardtune.plan.shape import ModelShape
 
 GIB = 2**30
@@ -49,8 +49,8 @@ class RunPlan:
 
     @property
     def usable(self) -> int:
-        """Bytes of a GPU the run's tensors may take (``USABLE_SHARE``)."""
-        return int(USABLE_SHARE * self.cluster.gpu_memory)
+        """Bytes of a GPU the run's tensors may take (``usable_memory``)."""
+        return usable_memory(self.config, self.cluster.gpu_memory)
 
     @property
     def fits(self) -> bool:
