@@ -228,8 +228,10 @@ def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
     # or above it (up to all of the GPU).
     for budget_gib in (105.0, 130.0):
         held, _ = choice(GPU_MEMORY_GIB["H200"], f"training.memory_budget_gib={budget_gib}")
-        assert held == spread_layers(32, len(held)) and 0 < len(held) < 32 and (len(held) > len(chosen)) == (
-            budget_gib < USABLE_SHARE * GPU_MEMORY_GIB["H200"]
+        assert (
+            held == spread_layers(32, len(held))
+            and 0 < len(held) < 32
+            and (len(held) > len(chosen)) == (budget_gib < USABLE_SHARE * GPU_MEMORY_GIB["H200"])
         )
         assert _estimate(config, shape, plan, True, held).peak <= budget_gib * GIB
         assert _estimate(config, shape, plan, True, spread_layers(32, len(held) - 1)).peak > budget_gib * GIB

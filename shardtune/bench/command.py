@@ -140,29 +140,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                       f"--nproc-per-node={nproc}"]  # fmt: skip
         command = [*runner, "-m", "shardtune.bench.hf_baseline", str(config_path), str(out / "hf"), args.hf_padding,
                    *args.overrides]  # fmt: skip
-        checkpointing = args.gradient_checkpointing
-        status = 0 if checkpointing else _run_logged(command, out / "hf.log")
-        if status:
-            # Without --gradient-checkpointing shardtune chose its own (auto); HF checkpoints every layer or
-            # none, so its best that fits is none if that fits, else every layer.
-            if not _out_of_memory(out / "hf.log"):
-                _fail(out / "hf.log", "the HF Trainer + PEFT baseline", status)
-            print("the HF baseline ran out of memory without gradient checkpointing; running it with", flush=True)
-            command.append("training.gradient_checkpointing=true")
-            checkpointing = True
-        if checkpointing:
-            _run(command, out / "hf.log", "the HF Trainer + PEFT baseline")
-        results["hf"] = summarize_hf(out / "hf", args.warmup, model_config, args.seq)
-        results["hf"]["command"] = " ".join(command[1:])
-        results["hf"]["gradient_checkpointing"] = checkpointing
-        results["hf"]["padding"] = args.hf_padding
-        shardtune, hf = results["shardtune"], results["hf"]
-        results["ratio"] = shardtune["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"]
-        results["target_ratio"] = shardtune["target_tokens_per_s_per_device"] / hf["target_tokens_per_s_per_device"]
+        command, checkpointing, fits = run_hf_baseline(command, out / "hf.log", args.gradient_checkpointing)
+        hf = summarize_hf(out / "hf", args.warmup, model_config, args.seq) if fits else {"out_of_memory": True}
+        results["hf"] = {**hf, "command": " ".join(command[1:]), "gradient_checkpointing": checkpointing,
+                         "padding": args.hf_padding}  # fmt: skip
+        if fits:
+            shardtune = results["shardtune"]
+            results["ratio"] = shardtune["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"]
+            results["target_ratio"] = shardtune["target_tokens_per_s_per_device"] / hf["target_tokens_per_s_per_device"]
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     print(format_report(results))
     print(f"wrote {out / 'bench.json'}")
     return 0
+
+
+def run_hf_baseline(command: list[str], log: Path, checkpointing: bool) -> tuple[list[str], bool, bool]:
+    """Runs the HF baseline ``command`` at its best setting that fits: HF checkpoints every layer or none,
+    so without ``checkpointing`` (shardtune then chose its own, auto) none if that fits, else every layer.
+    Returns the command that ran last, whether it checkpointed, and whether it fit (a run that did not fit
+    even checkpointed leaves shardtune's side without a ratio; any other failure stops bench)."""
+    if not checkpointing:
+        status = _run_logged(command, log)
+        if not status:
+            return command, False, True
+        if not _out_of_memory(log):
+            _fail(log, "the HF Trainer + PEFT baseline", status)
+        print("the HF baseline ran out of memory without gradient checkpointing; running it with", flush=True)
+        command = [*command, "training.gradient_checkpointing=true"]
+    status = _run_logged(command, log)
+    if status and not _out_of_memory(log):
+        _fail(log, "the HF Trainer + PEFT baseline", status)
+    if status:
+        print(f"the HF baseline ran out of memory with every layer checkpointed too (see {log}): no ratio", flush=True)
+    return command, True, not status
 
 
 def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Path, str]:

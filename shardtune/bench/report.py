@@ -137,6 +137,9 @@ def format_report(results: dict[str, Any]) -> str:
         if name not in results:
             continue
         row = results[name]
+        if row.get("out_of_memory"):
+            lines.append(f"{name:<12}out of memory (every layer checkpointed too)")
+            continue
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
         lines.append(
             f"{name:<12}{row['tokens_per_s_per_device']:>14,.0f}{row['target_tokens_per_s_per_device']:>14,.0f}"

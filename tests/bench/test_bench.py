@@ -79,6 +79,37 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     assert "max_steps: 4" in config and "max_length: 64" in config
 
 
+def test_a_baseline_that_does_not_fit_leaves_shardtunes_run_without_a_ratio(tmp_path, capsys, monkeypatch):
+    """HF + PEFT out of device memory without checkpointing and with it (Qwen3-30B-A3B with LoRA on the routed
+    experts at batch 2 on an 80 GB GPU): bench keeps shardtune's measured run and says so, where it used to stop
+    with the baseline's error. A CPU cannot run out of device memory, so the baseline's two runs end as they
+    did on the GPU (its error in the log, a failed exit); shardtune's run is real."""
+    from shardtune.bench import command
+
+    real = command._run_logged
+    baselines = []
+
+    def run_logged(argv: list[str], log):
+        if "shardtune.bench.hf_baseline" not in argv:
+            return real(argv, log)
+        baselines.append(argv)
+        log.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB.\n")
+        return 1 if len(baselines) == 1 else -6  # the second one aborted on the way out, as on the H100
+
+    monkeypatch.setattr(command, "_run_logged", run_logged)
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "llama-tiny", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    assert main([*args, "--baseline", "hf", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "bench.json").read_text())
+    assert [argv[-1] for argv in baselines] == ["max_length", "training.gradient_checkpointing=true"]
+    assert results["shardtune"]["measured_steps"] == 2 and results["shardtune"]["tokens_per_s_per_device"] > 0
+    assert results["hf"]["out_of_memory"] and results["hf"]["gradient_checkpointing"]
+    assert "ratio" not in results and "tokens_per_s_per_device" not in results["hf"]
+    assert "hf          out of memory (every layer checkpointed too)" in printed
+    assert f"the HF baseline ran out of memory with every layer checkpointed too (see {out / 'hf.log'})" in printed
+
+
 def test_alpaca_like_bench_packs_for_shardtune_and_pads_for_the_baseline(tmp_path):
     """At the seed's setting the baseline trains one padded example per sequence; shardtune packs several."""
     out = tmp_path / "bench"
