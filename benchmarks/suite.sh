@@ -246,7 +246,7 @@ moe-loss)
     moe=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 "${extra[@]}")
     bench loss-qwen3-attn "${moe[@]}" --baseline hf
     bench loss0-qwen3-attn "${moe[@]}" training.loss_chunk_tokens=0
-    bench loss-qwen3-experts "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]'
+    bench loss-qwen3-experts "${moe[@]}" 'lora.moe_targets=[attention,routed_experts]' --baseline hf
     ;;
 h200-grouped-gemm)
     # model.grouped_gemm: the kernels alone (benchmarks/moe_kernels.py), then the default config's step with
