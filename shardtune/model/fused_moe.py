@@ -419,8 +419,8 @@ def _projection(
     low_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight), plus each LoRA
-    adapter's rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T for the A factors without
-    keeping ``rows`` for backward).
+    adapter's rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared
+    adapter, without keeping ``rows`` for backward).
 
     ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
     rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
@@ -432,7 +432,8 @@ def _projection(
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
             a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
             b = lora_b.view(lora_b.shape[0], rank, num_experts).mean(dim=-1).to(dtype)  # (out, r)
-            result = result + F.linear(F.linear(rows, a) * scaling, b)
+            low = F.linear(rows, a) if low_rank is None else low_rank(a.t())
+            result = result + F.linear(low * scaling, b)
             continue
         a, b = expert_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
         low = (grouped_mm(rows, a, offsets) if low_rank is None else low_rank(a)) * scaling  # (pairs, r)
@@ -558,8 +559,9 @@ class Permute(torch.autograd.Function):
 
 
 class LowRankOfRebuiltRows(torch.autograd.Function):
-    """``rows @ A_e`` for each row's expert e (LoRA's A factor on the routed rows), where backward builds
-    ``rows`` again for A's gradient from what the block keeps anyway instead of keeping them:
+    """``rows @ A_e`` for each row's expert e (LoRA's A factor on the routed rows; ``a`` (E, in, r), or
+    (in, r) for an adapter shared by all experts), where backward builds ``rows`` again for A's gradient from
+    what the block keeps anyway instead of keeping them:
 
     - ``"gathered"`` (sources: the block's input, ``order``, top_k): the routed rows of gate/up are the
       block's input gathered by expert (pairs x hidden: 256 MiB a layer for Qwen3-30B-A3B at 8,192 tokens;
@@ -573,12 +575,14 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
     def forward(ctx, rows, a, offsets, how, *sources):
         ctx.save_for_backward(a, offsets, *(source for source in sources if isinstance(source, torch.Tensor)))
         ctx.how, ctx.constant = how, sources[-1]
-        return grouped_mm(rows, a, offsets)
+        return grouped_mm(rows, a, offsets) if a.dim() == 3 else rows @ a
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, offsets, first, second = ctx.saved_tensors
-        grad_rows = grouped_mm(grad, a.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = grouped_mm(grad, a.transpose(-2, -1), offsets) if a.dim() == 3 else grad @ a.t()
         if ctx.how == "gathered":
             grad_a = torch.ops.shardtune.regathered_weight_grad(first, second, grad, offsets, a, ctx.constant)
         else:
@@ -593,8 +597,7 @@ def regathered_weight_grad(
     tokens: torch.Tensor, order: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """``rows_e^T @ grad_e`` for each expert e, the rows gathered from ``tokens`` again."""
-    rows = _gather_rows(tokens, order, top_k).to(a.dtype)
-    return grouped_mm_backward(rows, a, offsets, grad, need_rows=False)[1].contiguous()
+    return _low_rank_weight_grad(_gather_rows(tokens, order, top_k).to(a.dtype), a, offsets, grad)
 
 
 @torch.library.custom_op("shardtune::reactivated_weight_grad", mutates_args=())
@@ -613,7 +616,17 @@ def reactivated_weight_grad(
         if fp32
         else _weighted_silu_mul(gate_up, row_weights, gate_up.dtype)
     )
-    return grouped_mm_backward(rows.to(a.dtype), a, offsets, grad, need_rows=False)[1].contiguous()
+    return _low_rank_weight_grad(rows.to(a.dtype), a, offsets, grad)
+
+
+def _low_rank_weight_grad(
+    rows: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of ``a`` in ``LowRankOfRebuiltRows``: ``rows_e^T @ grad_e`` for each expert e, or
+    ``rows^T @ grad`` for an adapter shared by all experts."""
+    if a.dim() == 2:
+        return rows.t() @ grad
+    return grouped_mm_backward(rows, a, offsets, grad, need_rows=False)[1].contiguous()
 
 
 @functools.cache

@@ -549,13 +549,14 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
         assert torch.equal(fallen_back[name], value), name
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per-expert", "shared"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lora_on_routed_experts_keeps_no_rows_of_its_own_for_backward(moe_dirs, compiled):
+def test_lora_on_routed_experts_keeps_no_rows_of_its_own_for_backward(moe_dirs, compiled, shared):
     """LoRA's A factors on the routed experts get their rows built again in backward: on gate/up gathered from
     the block's input (pairs / top_k rows, kept anyway) and on down computed from the gate/up output (kept
     for the activation's backward), eager and compiled (where the partitioner, left to itself, moved the
-    gather into the forward graph and kept its output)."""
-    reference = build(moe_dirs["qwen3_moe"], ["routed_experts"])
+    gather into the forward graph and kept its output). The same for one adapter shared by all experts."""
+    reference = build(moe_dirs["qwen3_moe"], ["routed_experts"], shared=shared)
     model = fused_copy(reference).to(torch.bfloat16)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
@@ -586,7 +587,8 @@ def test_lora_on_routed_experts_keeps_no_rows_of_its_own_for_backward(moe_dirs, 
         + 64 * pairs  # indices, weights and the two low-rank products per pair
         + tokens * fp32  # a per-token column
         + 64  # the expert offsets
-        + config.num_experts * 8 * (2 * hidden + 3 * width) * bf16  # the LoRA factors (rank 4 padded to 8)
+        # the LoRA factors: laid out per expert (rank 4 padded to 8), or a shared adapter's one copy
+        + (1 if shared else config.num_experts) * 8 * (2 * hidden + 3 * width) * bf16
         + config.num_experts * hidden * fp32  # the router's fp32 weight (compiled)
     )
     # Either set of rows kept would break the bound.
