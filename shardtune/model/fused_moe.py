@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
-from shardtune.model.grouped_gemm import describe, grouped_mm, grouped_mm_backward, resolve_grouped_gemm
+from shardtune.model.grouped_gemm import describe, grouped_mm, grouped_mm_weight_grad, resolve_grouped_gemm
 from shardtune.model.moe import (
     MoeBlock,
     RoutingRecorder,
@@ -626,7 +626,7 @@ def _low_rank_weight_grad(
     ``rows^T @ grad`` for an adapter shared by all experts."""
     if a.dim() == 2:
         return rows.t() @ grad
-    return grouped_mm_backward(rows, a, offsets, grad, need_rows=False)[1].contiguous()
+    return grouped_mm_weight_grad(rows, a, offsets, grad).contiguous()
 
 
 @functools.cache

@@ -126,17 +126,15 @@ def _quack_backward(ctx, grad: torch.Tensor):
 _quack_grouped_mm.register_autograd(_quack_backward, setup_context=_quack_setup)
 
 
-def grouped_mm_backward(
-    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, need_rows: bool
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The gradients of ``grouped_mm(rows, weight, offsets)`` for the output gradient ``grad``: of ``rows``
-    (when ``need_rows``) and of ``weight`` (``rows_e^T @ grad_e`` for each expert e), for a backward that
-    has ``rows`` again without autograd having kept them."""
+def grouped_mm_weight_grad(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of ``weight`` in ``grouped_mm(rows, weight, offsets)`` for the output gradient ``grad``
+    (``rows_e^T @ grad_e`` for each expert e), for a backward that has ``rows`` again without autograd having
+    kept them."""
     if _kernel_takes(rows, weight):
-        grad_rows = torch._grouped_mm(grad, weight.transpose(-2, -1), offs=offsets) if need_rows else None
-        return grad_rows, torch._grouped_mm(rows.transpose(0, 1), grad, offs=offsets)
-    grad_rows, grad_weight = torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())
-    return (grad_rows if need_rows else None), grad_weight
+        return torch._grouped_mm(rows.transpose(0, 1), grad, offs=offsets)
+    return torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())[1]
 
 
 # torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
