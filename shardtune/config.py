@@ -160,6 +160,12 @@ class TrainingConfig(_Section):
     gradient_checkpointing_every: int = Field(
         1, gt=0, description="with gradient_checkpointing: true, checkpoint every k-th decoder layer"
     )
+    gradient_checkpointing_granularity: Literal["auto", "attention", "mlp", "sublayers", "layer"] = Field(
+        "auto",
+        description="what a checkpointed decoder layer recomputes: attention, mlp (its MLP or MoE block), "
+        "sublayers (both), layer (all of it); auto: gradient_checkpointing auto takes the cheapest that fits "
+        "(attention first, then the MLP too, then whole layers), true whole layers",
+    )
     memory_budget_gib: float | None = Field(
         None,
         gt=0,
@@ -225,6 +231,17 @@ class TrainingConfig(_Section):
             raise ValueError("eval_subset_size: required when eval_dataset_type is subset")
         if self.activation_offloading and self.gradient_checkpointing is not True:
             raise ValueError("activation_offloading: needs gradient_checkpointing: true (it offloads what that keeps)")
+        parts = self.gradient_checkpointing_granularity
+        if self.activation_offloading and parts not in ("auto", "layer"):
+            raise ValueError(
+                f"activation_offloading: offloads the inputs of whole checkpointed layers, which "
+                f"gradient_checkpointing_granularity: {parts} does not checkpoint; set it to layer (or auto)"
+            )
+        if self.mlp_chunk_tokens and parts in ("mlp", "sublayers"):
+            raise ValueError(
+                f"gradient_checkpointing_granularity: {parts} recomputes the MLPs that mlp_chunk_tokens already "
+                "recomputes slice by slice; set it to layer (or auto), or mlp_chunk_tokens to 0"
+            )
         if self.eval_dataset_type == "full" and self.eval_subset_size is not None:
             raise ValueError("eval_subset_size: set, but eval_dataset_type is full; drop one of them")
         return self

@@ -191,51 +191,104 @@ def test_changes_that_fit_only_together_are_the_fewest():
     assert combined.run.fits and combined.run.cluster.world_size == 2
 
 
-def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
+def test_auto_checkpointing_takes_the_least_recomputation_that_fits():
+    from dataclasses import replace
+
     from shardtune.bench.shapes import HUB_SHAPES
     from shardtune.config import load_config
     from shardtune.distributed.strategy import choose_parallelism
-    from shardtune.plan.memory import USABLE_SHARE, _estimate, checkpointed_layers, spread_layers
+    from shardtune.errors import ConfigError
+    from shardtune.plan.memory import (
+        USABLE_SHARE,
+        Checkpointing,
+        _estimate,
+        checkpoint_parts,
+        choose_checkpointing,
+        describe_checkpointing,
+        spread_layers,
+    )
     from shardtune.plan.shape import planned_model_shape
 
-    def choice(gpu_gib: float | None, *overrides: str) -> tuple[frozenset[int], tuple]:
+    def setup(*overrides: str, gpu_gib: float | None = None) -> tuple:
         config = load_config(QUICKSTART, [*hub_model, *overrides], check_paths=False)
         memory = int(gpu_gib * GIB) if gpu_gib else None
-        plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, 1, memory)
-        return checkpointed_layers(config, shape, plan, True, memory), (config, plan)
+        return config, choose_parallelism(shape.stored_bytes, shape.trainable, config, 1, memory), memory
+
+    def choice(gpu_gib: float | None, *overrides: str) -> Checkpointing:
+        config, plan, memory = setup(*overrides, gpu_gib=gpu_gib)
+        return choose_checkpointing(config, shape, plan, True, memory)
+
+    def peak(checkpointing: Checkpointing, *overrides: str) -> float:
+        config, plan, _ = setup(*overrides)
+        return _estimate(config, shape, plan, True, checkpointing).peak
 
     mixtral = next(name for name, (label, _) in HUB_SHAPES.items() if label == "mixtral-8x7b")
     hub_model = [f"model.name_or_path={mixtral}", "data.max_length=4096", "training.per_device_train_batch_size=2"]
     shape, _ = planned_model_shape(load_config(QUICKSTART, hub_model, check_paths=False))
-    assert len(shape.layers) == 32
+    assert len(shape.layers) == 32 and all(layer.sublayers for layer in shape.layers)
+    budget = USABLE_SHARE * GPU_MEMORY_GIB["H200"] * GIB
 
     # Mixtral-8x7B LoRA at 8,192 tokens on one H200: 93 GB of weights leave room for 26 layers' activations
-    # (bench_h200_auto2_mixtral.json: 6 of 32 checkpointed, 124.1 GiB at the peak).
-    chosen, (config, plan) = choice(GPU_MEMORY_GIB["H200"])
-    assert chosen == spread_layers(32, len(chosen)) and 4 <= len(chosen) <= 10
-    budget = USABLE_SHARE * GPU_MEMORY_GIB["H200"] * GIB
-    assert _estimate(config, shape, plan, True, chosen).peak <= budget
-    assert _estimate(config, shape, plan, True, spread_layers(32, len(chosen) - 1)).peak > budget
-    # Room for everything: none; room for nothing: all (the plan then says it does not fit); CPU: none.
-    assert choice(1000.0)[0] == frozenset() and choice(GPU_MEMORY_GIB["H100 80GB"])[0] == frozenset(range(32))
-    assert choice(None)[0] == frozenset()
-    # Set by hand, auto decides nothing.
-    every_other = choice(1000.0, "training.gradient_checkpointing=true", "training.gradient_checkpointing_every=2")[0]
-    assert every_other == frozenset(range(0, 32, 2))
-    assert choice(GPU_MEMORY_GIB["H200"], "training.gradient_checkpointing=false")[0] == frozenset()
+    # (bench_h200_auto2_mixtral.json: 6 of 32 checkpointed whole, 124.1 GiB at the peak). Whole layers only,
+    # the fewest that fit, evenly spread:
+    whole = choice(GPU_MEMORY_GIB["H200"], "training.gradient_checkpointing_granularity=layer")
+    assert whole == Checkpointing.uniform(32, "layer", spread_layers(32, whole.count)) and 4 <= whole.count <= 10
+    assert peak(whole) <= budget < peak(Checkpointing.uniform(32, "layer", spread_layers(32, whole.count - 1)))
+    # By default the attention of more layers instead: the fewest that fit, more than whole layers.
+    chosen = choice(GPU_MEMORY_GIB["H200"])
+    assert chosen == Checkpointing.uniform(32, "attention", spread_layers(32, chosen.count))
+    assert chosen.count > whole.count
+    assert peak(chosen) <= budget < peak(Checkpointing.uniform(32, "attention", spread_layers(32, chosen.count - 1)))
+    assert describe_checkpointing(setup()[0], chosen) == (
+        f"gradient checkpointing on {chosen.count} of 32 layers (auto; {chosen.count} recompute their attention)"
+    )
+    mixed = Checkpointing(("mlp", "sublayers", "layer", None, "attention"))
+    assert describe_checkpointing(setup("training.gradient_checkpointing=true")[0], mixed) == (
+        "gradient checkpointing on 4 of 5 layers (1 recompute their attention, 1 recompute their MLP, "
+        "1 recompute their attention and MLP, 1 recompute all of it)"
+    )
+    # Less memory: the attention of every layer, then the MoE blocks of more and more layers too, then whole
+    # layers; each the first step of that order that fits.
+    order = [Checkpointing.uniform(32, None)]
+    for below, part in ((None, "attention"), ("attention", "sublayers"), ("sublayers", "layer")):
+        order += [
+            Checkpointing(tuple(part if index in spread_layers(32, n) else below for index in range(32)))
+            for n in range(1, 33)
+        ]
+    for budget_gib in (110.0, 100.0, 96.0):
+        held = choice(GPU_MEMORY_GIB["H200"], f"training.memory_budget_gib={budget_gib}")
+        step = order.index(held)
+        overrides = f"training.memory_budget_gib={budget_gib}"
+        assert peak(held, overrides) <= budget_gib * GIB < peak(order[step - 1], overrides), budget_gib
+    # (at 100 GiB: the attention of every layer, and the MoE blocks of most layers too)
+    assert choice(GPU_MEMORY_GIB["H200"], "training.memory_budget_gib=100").counts() == {
+        "attention": 6,
+        "mlp": 0,
+        "sublayers": 26,
+        "layer": 0,
+    }
+    # Room for everything: nothing; room for nothing: whole layers everywhere (the plan then says it does
+    # not fit); CPU: nothing.
+    assert choice(1000.0) == Checkpointing.uniform(32, None)
+    assert choice(GPU_MEMORY_GIB["H100 80GB"]) == Checkpointing.uniform(32, "layer")
+    assert choice(None) == Checkpointing.uniform(32, None)
+    # Set by hand, auto decides nothing: whole layers, or the part the granularity names.
+    every_other = choice(1000.0, "training.gradient_checkpointing=true", "training.gradient_checkpointing_every=2")
+    assert every_other == Checkpointing.uniform(32, "layer", frozenset(range(0, 32, 2)))
+    mlps = choice(1000.0, "training.gradient_checkpointing=true", "training.gradient_checkpointing_granularity=mlp")
+    assert mlps == Checkpointing.uniform(32, "mlp")
+    assert choice(GPU_MEMORY_GIB["H200"], "training.gradient_checkpointing=false") == Checkpointing.uniform(32, None)
     assert spread_layers(32, 3) == {0, 10, 21} and spread_layers(5, 0) == frozenset()
-    # training.memory_budget_gib in place of 90% of the GPU: the fewest layers under it, below the GPU's share
-    # or above it (up to all of the GPU).
-    for budget_gib in (105.0, 130.0):
-        held, _ = choice(GPU_MEMORY_GIB["H200"], f"training.memory_budget_gib={budget_gib}")
-        assert (
-            held == spread_layers(32, len(held))
-            and 0 < len(held) < 32
-            and (len(held) > len(chosen)) == (budget_gib < USABLE_SHARE * GPU_MEMORY_GIB["H200"])
-        )
-        assert _estimate(config, shape, plan, True, held).peak <= budget_gib * GIB
-        assert _estimate(config, shape, plan, True, spread_layers(32, len(held) - 1)).peak > budget_gib * GIB
-    assert choice(GPU_MEMORY_GIB["H200"], "training.memory_budget_gib=1000")[0] == frozenset()
+    # A model whose layers have no MLP module of their own (OPT's): auto takes whole layers, and asking for
+    # less is one line saying what to set.
+    flat = replace(shape, layers=tuple(replace(layer, sublayers=False) for layer in shape.layers))
+    assert checkpoint_parts(setup()[0], flat) == ("layer",)
+    with pytest.raises(ConfigError) as raised:
+        checkpoint_parts(setup("training.gradient_checkpointing_granularity=sublayers")[0], flat)
+    assert str(raised.value) == (
+        "training.gradient_checkpointing_granularity: sublayers needs each decoder layer's attention and MLP as "
+        "modules of their own, which 32 of this model's 32 layers do not have; set it to layer (or auto)"
+    )
 
 
 def test_a_memory_budget_is_what_the_plan_checks_against(capsys, monkeypatch):
@@ -344,7 +397,7 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
     from shardtune.cli import build_parser
     from shardtune.config import load_config
     from shardtune.distributed.strategy import choose_parallelism
-    from shardtune.plan.memory import _estimate, estimate_memory, spread_layers
+    from shardtune.plan.memory import Checkpointing, _estimate, estimate_memory, spread_layers
     from shardtune.plan.shape import planned_model_shape
 
     model_dirs: dict[tuple, Path] = {}
@@ -365,6 +418,8 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
         assert [item for item in overrides if item not in RESTORED_DEFAULTS or item in ran] == ran, row.file
         if "checkpointed_layers" not in run and not args.gradient_checkpointing:
             overrides.append("training.gradient_checkpointing=false")  # the default before auto
+        if "checkpointed_parts" not in run:
+            overrides.append("training.gradient_checkpointing_granularity=layer")  # the only one before
 
         # The config bench trains on, from bench's own parser and config (its model directory written once).
         key = (args.shape, args.layers)
@@ -388,11 +443,14 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path):
         compiled = config.parallel.compiles_on("cuda")
         estimated = estimate_memory(config, shape, plan, compiled, gpu_memory)
         if row.file in CHOSEN_BY_AN_EARLIER_ESTIMATE:
-            ran = spread_layers(len(shape.layers), run["checkpointed_layers"])
+            ran = Checkpointing.uniform(
+                len(shape.layers), "layer", spread_layers(len(shape.layers), run["checkpointed_layers"])
+            )
             assert estimated.checkpointed != ran, f"{row.file}: the estimate chooses its layers again"
             estimated = _estimate(config, shape, plan, compiled, ran)
-        # The run checkpointed the layers the estimate chose (auto: from the same estimate, on the GPU).
-        assert len(estimated.checkpointed) == run.get("checkpointed_layers", len(estimated.checkpointed)), row.file
+        # The run checkpointed what the estimate chose (auto: from the same estimate, on the GPU).
+        assert estimated.checkpointed.count == run.get("checkpointed_layers", estimated.checkpointed.count), row.file
+        assert estimated.checkpointed.counts() == run.get("checkpointed_parts", estimated.checkpointed.counts())
         estimate = estimated.peak / GIB
         measured = run["peak_memory_gib_per_device"]
         error = estimate / measured - 1

@@ -2,7 +2,9 @@
 
 Three tools, applied to the decoder layers before compile and data parallelism:
 
-- activation checkpointing: a checkpointed layer keeps only its input and recomputes the rest in backward;
+- activation checkpointing: a checkpointed layer recomputes in backward its MLP, or its attention and its
+  MLP (each keeps only its input, the normalized hidden state), or all of it (only the layer's input is
+  kept): ``plan.memory.Checkpointing``;
 - activation offloading: that input waits in host memory instead (long sequences: at 256k tokens a
   Mistral-7B layer input is 2 GiB, 64 GiB for the 32 layers);
 - tiled MLPs: a dense MLP runs over a slice of the tokens at a time, each slice recomputed in its backward,
@@ -13,35 +15,91 @@ Three tools, applied to the decoder layers before compile and data parallelism:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtune.model.moe import find_moe_blocks
+from shardtune.plan.memory import Checkpointing
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, layers: list[torch.nn.Module], offload: bool = False) -> int:
-    """Recompute ``layers``' activations in backward (which layers: ``plan.memory.checkpointed_layers``);
-    returns how many were wrapped.
+def layer_sublayers(layer: torch.nn.Module) -> tuple[str, str] | None:
+    """The names of ``layer``'s attention and MLP children (the MLP may be an MoE block), or None where the
+    layer has no such pair (OPT computes its MLP with two linear layers of the decoder layer itself).
+
+    Attention is the child whose class is an ``...Attention`` of transformers (``self_attn``, GPT-2's
+    ``attn``, GPT-NeoX's ``attention``, Falcon's ``self_attention``); the MLP is the child named ``mlp``,
+    the name every supported architecture gives its MLP or MoE block."""
+    children = dict(layer.named_children())
+    attention = [name for name, child in children.items() if type(child).__name__.endswith("Attention")]
+    if len(attention) != 1 or "mlp" not in children:
+        return None
+    return attention[0], "mlp"
+
+
+def apply_activation_checkpointing(
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    checkpointing: Checkpointing | None = None,
+    offload: bool = False,
+    compiled: bool = False,
+) -> int:
+    """Make each of ``layers`` recompute in backward what ``checkpointing`` says (a part of ``PARTS`` per
+    layer, chosen by ``plan.memory.choose_checkpointing``; default: each whole layer); returns how many
+    layers recompute something.
 
     Non-reentrant checkpointing: it works with frozen inputs (LoRA) and with DDP, where the
     reentrant kind marks parameters ready twice and crashes (the seed's DDP + LoRA failure).
-    ``offload``: the layer input it keeps lives in (pinned) host memory until the recomputation.
+    ``offload``: the input a whole checkpointed layer keeps lives in (pinned) host memory until the
+    recomputation. ``compiled``: the layers will be compiled (``parallelize``).
     """
-    chosen = {id(layer) for layer in layers}
+    checkpointing = checkpointing or Checkpointing.uniform(len(layers), "layer")
+    whole, sublayers = [], []
+    for layer, part in zip(layers, checkpointing.parts, strict=True):
+        if part == "layer":
+            whole.append(layer)
+        elif part is not None:
+            attention, mlp = layer_sublayers(layer)  # plan.memory.checkpoint_parts checked there are both
+            names = {"attention": [attention], "mlp": [mlp], "sublayers": [attention, mlp]}[part]
+            sublayers += [layer.get_submodule(name) for name in names]
+    kinds = {id(module): {} for module in whole}
+    # A sublayer's checkpoint is traced into its compiled layer's graph: told to recompute every op of it.
+    # Left to choose, torch 2.11's partitioner kept an MoE block's routed rows (pairs x hidden: 33 kB a token
+    # on Qwen3-30B-A3B) instead of the block's input, more than the block keeps uncheckpointed (one H100).
+    # Eager, plain checkpointing recomputes everything anyway, without a dispatch mode on every op.
+    kinds.update({id(module): {"context_fn": _recompute_every_op} if compiled else {} for module in sublayers})
     checkpoint_fn = _offloading_checkpoint if offload else None
-    wrapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in chosen:
+            if id(child) in kinds:
                 wrapper = checkpoint_wrapper(
-                    child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint_fn
+                    child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint_fn, **kinds[id(child)]
                 )
                 parent.register_module(name, wrapper)
-                wrapped += 1
-    return wrapped
+    return checkpointing.count
+
+
+def _recompute_every_op() -> tuple:
+    return create_selective_checkpoint_contexts(_must_recompute)
+
+
+def _must_recompute(context, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+class _RecomputeEveryOpNotice(logging.Filter):
+    """Drops torch's warning that a checkpoint with a ``context_fn`` under torch.compile must hold no in-place
+    op: the only in-place ops in the sublayers shardtune checkpoints write tensors made just before (the
+    MoE block's inverse permutation, a group mask), which functionalization makes out of place."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_RecomputeEveryOpNotice())
 
 
 def _offloading_checkpoint(layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:

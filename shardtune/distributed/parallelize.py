@@ -41,7 +41,7 @@ from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import FusedMoeBlock
 from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
-from shardtune.plan.memory import describe_checkpointing, estimate_memory, usable_memory
+from shardtune.plan.memory import Checkpointing, describe_checkpointing, estimate_memory, usable_memory
 from shardtune.plan.shape import read_model_shape
 
 log = logging.getLogger("shardtune")
@@ -66,15 +66,15 @@ def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv
 
 def plan_checkpointing(
     model: torch.nn.Module, config: Config, env: DistributedEnv, plan: ParallelPlan, precision: Precision
-) -> frozenset[int]:
-    """The decoder layers (by index) whose activations ``model`` recomputes in backward, by the memory
-    estimate's rule (``checkpointed_layers``: with ``auto``, the fewest that make the step fit the GPU)."""
+) -> Checkpointing:
+    """What each decoder layer of ``model`` recomputes in backward, by the memory estimate's rule
+    (``choose_checkpointing``: with ``auto``, the least recomputation that makes the step fit the GPU)."""
     if config.training.gradient_checkpointing is False:
-        return frozenset()
+        return Checkpointing.uniform(len(decoder_layers(model)), None)
     memory = device_memory(env)
     shape = read_model_shape(model, config, precision)
     estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type), memory)
-    checkpointing = describe_checkpointing(config, estimate.checkpointed, len(shape.layers))
+    checkpointing = describe_checkpointing(config, estimate.checkpointed)
     if memory is None:
         log.info("%s", checkpointing)
     else:
@@ -113,9 +113,9 @@ def parallelize(
     compute_dtype: torch.dtype,
     materialized: bool,
     compiler: LayerCompiler | None = None,
-    checkpointed: frozenset[int] = frozenset(),
+    checkpointing: Checkpointing | None = None,
 ) -> torch.nn.Module:
-    """Activation memory (the ``checkpointed`` decoder layers, by index: ``plan_checkpointing``), compile
+    """Activation memory (what each decoder layer recomputes: ``plan_checkpointing``; default nothing), compile
     (with ``compiler``, by default a new one), then DDP or FSDP2, then weights from rank 0 onto every rank's
     device."""
     training = config.training
@@ -124,9 +124,9 @@ def parallelize(
     if training.mlp_chunk_tokens:
         count = tile_mlps(model, layers, training.mlp_chunk_tokens)
         log.info("tiled MLPs: %d decoder MLPs run %d tokens at a time", count, training.mlp_chunk_tokens)
-    if checkpointed:
-        apply_activation_checkpointing(model, [layers[index] for index in sorted(checkpointed)],
-                                       training.activation_offloading)  # fmt: skip
+    if checkpointing is not None and checkpointing.count:
+        apply_activation_checkpointing(model, layers, checkpointing, training.activation_offloading,
+                                       config.parallel.compiles_on(env.device.type))  # fmt: skip
         if training.activation_offloading:
             log.info("activation offloading: checkpointed layers keep their inputs in host memory")
     if config.parallel.compiles_on(env.device.type):
@@ -144,7 +144,9 @@ def parallelize(
             # graph). A fused MoE layer compiled so kept 17% more memory at its peak than HF's path on one
             # H200 (Qwen3-30B-A3B, seq 4096: 84.6 GiB against 72.6; the partitioner saves routing tensors
             # past the checkpoint); compiled inside its wrapper, the recomputation replays its graphs and
-            # nothing but the layer's input is kept.
+            # nothing but the layer's input is kept. A layer that recomputes only its sublayers is compiled
+            # whole, their checkpoints inside its graph: its backward graph recomputes them, fused with the
+            # rest of the backward.
             is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))

@@ -58,7 +58,7 @@ def memory_checks(config: Config, env: DistributedEnv, shape: ModelShape) -> lis
     plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, env.world_size, capacity)
     estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type), capacity)
     parts = ", ".join(f"{name} {size(value)}" for name, value in estimate.parts())
-    checkpointing = describe_checkpointing(config, estimate.checkpointed, len(shape.layers))
+    checkpointing = describe_checkpointing(config, estimate.checkpointed)
     breakdown = (
         f"{plan.strategy} on {plural(env.world_size, 'rank')}, {checkpointing}, per rank: {parts}; "
         f"{shape.flops_per_token / 1e9:.4g} GFLOP per trained token"

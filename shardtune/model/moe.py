@@ -60,6 +60,8 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
     blocks = []
     for index, layer in enumerate(layers):
         for path, module in _inner(layer).named_modules():
+            if _inner(module) is not module:
+                continue  # a wrapper (a checkpointed MoE block's): the block itself comes next
             children = _children(module)
             router_name = next((name for name in ROUTER_NAMES if name in children), None)
             if "experts" not in children or router_name is None:

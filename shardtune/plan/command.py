@@ -118,7 +118,7 @@ def describe(run: RunPlan, source: str) -> list[str]:
     training, data = config.training, config.data
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * cluster.world_size
     layers = [
-        describe_checkpointing(config, memory.checkpointed, len(run.shape.layers)),
+        describe_checkpointing(config, memory.checkpointed),
         f"layers {'compiled' if config.parallel.compiles_on('cuda') else 'eager'}",
     ]
     parts = ", ".join(f"{name} {size(value)}" for name, value in memory.parts())

@@ -15,12 +15,14 @@ A step's memory is its state, which lives across steps, plus what one micro-batc
   1/EP of them under expert parallelism) are whole while they run, the next one prefetched;
 - activations: what each decoder layer keeps for backward, per token (below), for the micro-batch's
   ``per_device_train_batch_size x data.max_length`` tokens (the longest a batch can be); a checkpointed
-  layer keeps only its input (in host memory with ``activation_offloading``). Which layers are checkpointed
-  is decided here too (``checkpointed_layers``): training applies the same choice;
+  layer keeps less: only its input when the whole layer is recomputed (in host memory with
+  ``activation_offloading``), the inputs of what it recomputes when only its MLP, or its attention and its
+  MLP, are (``Checkpointing``). What each layer recomputes is decided here too (``choose_checkpointing``):
+  training applies the same choice;
 - the loss: the logits it holds at its peak, for every token, or for one chunk of ``loss_chunk_tokens`` (with
   the gradients it keeps from forward: of the head's input, and of its weights when they train), or for
   one block of liger-kernel's fused linear cross-entropy;
-- one layer's backward: its activations again when they are recomputed (checkpointing), plus the
+- one layer's backward: its activations again where they are recomputed (checkpointing), plus the
   gradients its backward produces on the way (``BACKWARD_WORKSPACE`` of its activations).
 
 The peak is the larger of two moments: the loss (every layer's activations kept, the logits at their
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 from shardtune.config import Config
 from shardtune.distributed.strategy import ParallelPlan
+from shardtune.errors import ConfigError
 from shardtune.plan.shape import LayerShape, ModelShape
 
 # Of a GPU's memory, the share a run's own tensors may take: the rest is the CUDA context, NCCL's buffers
@@ -61,9 +64,36 @@ FP32_BYTES = 4
 DROPOUT_MASK_BYTES = 1  # a bool per element
 
 
-def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, compiled: bool) -> tuple[int, int]:
-    """Bytes a decoder layer keeps for backward per token, and per token of a tiled MLP's slice (0 when its
-    MLP is not tiled).
+@dataclass(frozen=True)
+class LayerActivations:
+    """What a decoder layer keeps for backward, in bytes per token, by where it is kept (``layer_token_bytes``)."""
+
+    attention: int  # the layer's input, its normalized copy and the attention sublayer's activations
+    mlp: int  # the residual after attention, its normalized copy and the MLP's (or MoE block's) activations
+    norms: int  # eager layers: the RMSNorms' fp32 copies of their inputs (outside either sublayer)
+    hidden: int  # one hidden state
+    sublayer_input: int  # what a recomputed sublayer keeps of its input, the normalized hidden state
+    slice: int  # per token of a tiled MLP's slice (0 when the MLP is not tiled)
+
+    def kept(self, part: str | None, offloaded: bool = False) -> int:
+        """Bytes per token kept from forward to backward when the layer recomputes ``part`` (``PARTS``, or
+        None). A recomputed sublayer keeps its input; the hidden state its RMSNorm normalizes stays too. A
+        recomputed layer keeps its own input (nothing on the device with ``activation_offloading``)."""
+        if part == "layer":
+            return 0 if offloaded else self.hidden
+        recomputed = {"attention": ("attention",), "mlp": ("mlp",), "sublayers": ("attention", "mlp")}.get(part, ())
+        return self.norms + sum(
+            self.hidden + self.sublayer_input if name in recomputed else getattr(self, name)
+            for name in ("attention", "mlp")
+        )
+
+    @property
+    def total(self) -> int:
+        return self.kept(None)
+
+
+def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, compiled: bool) -> LayerActivations:
+    """Bytes a decoder layer keeps for backward per token, by part, and per token of a tiled MLP's slice.
 
     In elements of the compute dtype, for h the hidden size, q and kv the query and key/value widths, I the
     MLP width; counted from what autograd saves (a frozen projection keeps no input for a weight gradient,
@@ -86,39 +116,43 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
 
     Measured against Mistral-7B with LoRA on every projection, compiled, 512 to 16,384 tokens a micro-batch:
     148.5 kB per token and layer, against 147.5 kB counted. LoRA dropout keeps a mask per adapted input (and,
-    eager, the dropped copy itself).
+    eager, the dropped copy itself), counted with the attention: kept unless the attention is recomputed.
     """
     h, q, kv, e = shape.hidden, shape.attention_width, shape.kv_width, shape.compute_bytes
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
-    elements = 2 * h + 3 * q + 2 * kv
+    attention = (2 * h + 3 * q + 2 * kv) * e
     if layer.num_experts:
-        elements += 2 * h + 2 * layer.top_k * layer.expert_width + 3 * layer.shared_width
+        elements = 2 * h + 2 * layer.top_k * layer.expert_width + 3 * layer.shared_width
         if layer.expert_adapter_rank:
             padded_rank = layer.expert_adapter_rank + -layer.expert_adapter_rank % 8
             elements += layer.top_k * 2 * padded_rank
             if config.parallel.expert_parallel_size > 1:
                 elements += layer.top_k * h  # rows from other ranks: kept, not gathered again
+        mlp = elements * e + layer.num_experts * FP32_BYTES  # the router's logits
     else:
-        elements += 2 * h if tiled else 2 * h + 3 * layer.mlp_width
-    per_token = elements * e + layer.num_experts * FP32_BYTES  # the router's logits
+        mlp = (2 * h if tiled else 2 * h + 3 * layer.mlp_width) * e
     slice_token = 3 * layer.mlp_width * e if tiled else 0
+    norms = 0
     if not compiled:
         if e < FP32_BYTES:
-            per_token += 2 * h * FP32_BYTES  # the two RMSNorms' fp32 copies
+            norms = 2 * h * FP32_BYTES  # the two RMSNorms' fp32 copies
         if tiled:
             slice_token += layer.mlp_width * e  # the SiLU output
         else:
-            per_token += (layer.mlp_width + layer.shared_width) * e  # (mlp_width is 0 in an MoE layer)
+            mlp += (layer.mlp_width + layer.shared_width) * e  # (mlp_width is 0 in an MoE layer)
     if config.lora.enabled and config.lora.lora_dropout > 0:
-        per_token += layer.adapter_inputs * (DROPOUT_MASK_BYTES + (0 if compiled else e))
-    return per_token, slice_token
+        attention += layer.adapter_inputs * (DROPOUT_MASK_BYTES + (0 if compiled else e))
+    # A compiled layer recomputes a recomputed sublayer's normalized input from the hidden state (measured on
+    # one H100, Qwen3-30B-A3B's layer at 8,192 tokens: 8,200 bytes a token kept with both sublayers
+    # recomputed, the layer's input and the residual); an eager one keeps it.
+    return LayerActivations(attention, mlp, norms, h * e, 0 if compiled else h * e, slice_token)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Peak bytes per GPU of a training step, by what holds them (see the module docstring)."""
 
-    checkpointed: frozenset[int]  # the decoder layers (by index) whose activations are recomputed
+    checkpointed: Checkpointing  # what each decoder layer recomputes in backward
     weights: int
     gradients: int
     optimizer: int
@@ -168,11 +202,11 @@ def loss_bytes(config: Config, shape: ModelShape, tokens: int) -> int:
 def estimate_memory(
     config: Config, shape: ModelShape, plan: ParallelPlan, compiled: bool, gpu_memory: int | None
 ) -> MemoryEstimate:
-    """The peak device memory per GPU of a step of ``config`` on ``shape`` under ``plan``, with the decoder
-    layers ``checkpointed_layers`` chooses for a GPU of ``gpu_memory`` bytes (None: a CPU run); ``compiled``:
-    whether the decoder layers run compiled (``parallel.compile`` on the run's device)."""
-    checkpointed = checkpointed_layers(config, shape, plan, compiled, gpu_memory)
-    return _estimate(config, shape, plan, compiled, checkpointed)
+    """The peak device memory per GPU of a step of ``config`` on ``shape`` under ``plan``, with the
+    checkpointing ``choose_checkpointing`` chooses for a GPU of ``gpu_memory`` bytes (None: a CPU run);
+    ``compiled``: whether the decoder layers run compiled (``parallel.compile`` on the run's device)."""
+    checkpointing = choose_checkpointing(config, shape, plan, compiled, gpu_memory)
+    return _estimate(config, shape, plan, compiled, checkpointing)
 
 
 def usable_memory(config: Config, gpu_memory: int) -> int:
@@ -188,36 +222,109 @@ def usable_share(config: Config) -> str:
     return f"{USABLE_SHARE:.0%}" if config.training.memory_budget_gib is None else "training.memory_budget_gib"
 
 
-def checkpointed_layers(
-    config: Config, shape: ModelShape, plan: ParallelPlan, compiled: bool, gpu_memory: int | None
-) -> frozenset[int]:
-    """The decoder layers whose activations are recomputed in backward, by index.
+# What a checkpointed decoder layer can recompute in backward: its attention, its MLP (or MoE block), both
+# (each from its own input), or all of it.
+PARTS = ("attention", "mlp", "sublayers", "layer")
+# The order ``auto`` takes them in, cheapest per byte freed first. Measured on one H100 (Qwen3-30B-A3B's
+# layer, LoRA on attention and routed experts, 8,192 tokens, compiled): recomputing the attention frees 44 kB
+# a token for about 0.7 ms of backward; the MoE block too, 30 kB more for 2.4 ms more (its router, sort,
+# gather and routed gate/up GEMMs); the whole layer, 4 kB more for 1.8 ms more (the norms, the output
+# projections and the routed down GEMM, whose outputs backward does not need).
+AUTO_PARTS = ("attention", "sublayers", "layer")
 
-    ``gradient_checkpointing: true``: every ``gradient_checkpointing_every``-th layer; ``false``: none.
-    ``auto``: the fewest layers that bring the estimated peak within ``usable_memory`` of the GPU's,
-    spread evenly over the model: none when the step fits without (recomputing costs about a third of a
-    layer's time: 19,740 against 13,830 tokens/s for Qwen3-30B-A3B LoRA at 8,192 tokens on one H200), all when
-    nothing less fits. On CPU (``gpu_memory`` None) none: host memory is not what a CPU run runs out of.
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """What each decoder layer recomputes in backward, by index: None (nothing) or one of ``PARTS``."""
+
+    parts: tuple[str | None, ...]
+
+    @classmethod
+    def uniform(cls, count: int, part: str | None, chosen: frozenset[int] | None = None) -> Checkpointing:
+        """``part`` on the ``chosen`` layers of ``count`` (default: all), nothing on the others."""
+        return cls(tuple(part if chosen is None or index in chosen else None for index in range(count)))
+
+    @property
+    def count(self) -> int:
+        """How many layers recompute something."""
+        return sum(part is not None for part in self.parts)
+
+    def layers(self, part: str) -> list[int]:
+        """The indices of the layers that recompute ``part``."""
+        return [index for index, recomputed in enumerate(self.parts) if recomputed == part]
+
+    def counts(self) -> dict[str, int]:
+        """Layers per part of ``PARTS``, for logs and results."""
+        return {part: len(self.layers(part)) for part in PARTS}
+
+
+def checkpoint_parts(config: Config, shape: ModelShape) -> tuple[str, ...]:
+    """The parts ``training.gradient_checkpointing_granularity`` lets a layer recompute, cheapest first.
+
+    ``auto``: ``AUTO_PARTS``, except where only whole layers can be: a decoder layer without its attention
+    and its MLP as modules of their own (OPT's MLP is two linear layers of the layer itself), and
+    ``activation_offloading`` (it moves a whole checkpointed layer's input to host memory); with tiled MLPs
+    (``mlp_chunk_tokens`` recomputes them slice by slice already) the attention, then whole layers."""
+    training = config.training
+    granularity = training.gradient_checkpointing_granularity
+    whole = [layer for layer in shape.layers if not layer.sublayers]
+    if granularity in ("attention", "mlp", "sublayers") and whole:
+        raise ConfigError(
+            f"training.gradient_checkpointing_granularity: {granularity} needs each decoder layer's attention and "
+            f"MLP as modules of their own, which {len(whole)} of this model's {len(shape.layers)} layers do not "
+            "have; set it to layer (or auto)"
+        )
+    if granularity != "auto":
+        return (granularity,)
+    if whole or training.activation_offloading:
+        return ("layer",)
+    return ("attention", "layer") if training.mlp_chunk_tokens else AUTO_PARTS
+
+
+def choose_checkpointing(
+    config: Config, shape: ModelShape, plan: ParallelPlan, compiled: bool, gpu_memory: int | None
+) -> Checkpointing:
+    """What each decoder layer recomputes in backward.
+
+    ``gradient_checkpointing: true``: every ``gradient_checkpointing_every``-th layer, the whole layer (or the
+    part ``gradient_checkpointing_granularity`` names); ``false``: nothing. ``auto``: the least recomputation
+    that brings the estimated peak within ``usable_memory`` of the GPU's, nothing when the step fits without
+    (recomputing a whole layer costs about a third of its time: 19,740 against 13,830 tokens/s for
+    Qwen3-30B-A3B LoRA at 8,192 tokens on one H200), everything when nothing less fits. Layers are taken
+    evenly spread over the model, one part at a time in the order of ``checkpoint_parts``, cheapest per byte
+    first: the attention of more and more layers, then their MLP too, then whole layers. On CPU
+    (``gpu_memory`` None) nothing: host memory is not what a CPU run runs out of.
     """
     training = config.training
     count = len(shape.layers)
+    parts = checkpoint_parts(config, shape)
     if training.gradient_checkpointing is True:
-        return frozenset(range(0, count, training.gradient_checkpointing_every))
+        every = frozenset(range(0, count, training.gradient_checkpointing_every))
+        return Checkpointing.uniform(count, parts[-1], every)
     if training.gradient_checkpointing is False or gpu_memory is None:
-        return frozenset()
+        return Checkpointing.uniform(count, None)
     budget = usable_memory(config, gpu_memory)
-    for checkpoints in range(count):
-        chosen = spread_layers(count, checkpoints)
-        if _estimate(config, shape, plan, compiled, chosen).peak <= budget:
-            return chosen
-    return frozenset(range(count))
+    for step in range(len(parts) * count):
+        level, upgraded = divmod(step, count)
+        chosen = spread_layers(count, upgraded)
+        below = parts[level - 1] if level else None
+        checkpointing = Checkpointing(tuple(parts[level] if index in chosen else below for index in range(count)))
+        if _estimate(config, shape, plan, compiled, checkpointing).peak <= budget:
+            return checkpointing
+    return Checkpointing.uniform(count, parts[-1])
 
 
-def describe_checkpointing(config: Config, checkpointed: frozenset[int], layers: int) -> str:
-    """``checkpointed`` (of ``layers`` decoder layers) in words, for plan, doctor and the training log."""
-    count = len(checkpointed)
+def describe_checkpointing(config: Config, checkpointing: Checkpointing) -> str:
+    """``checkpointing`` in words, for plan, doctor and the training log."""
+    count, layers = checkpointing.count, len(checkpointing.parts)
     what = "off" if not count else "on every layer" if count == layers else f"on {count} of {layers} layers"
-    return f"gradient checkpointing {what}{' (auto)' if config.training.gradient_checkpointing == 'auto' else ''}"
+    notes = ["auto"] if config.training.gradient_checkpointing == "auto" else []
+    recomputed = {part: number for part, number in checkpointing.counts().items() if number}
+    if set(recomputed) - {"layer"}:
+        words = {"attention": "their attention", "mlp": "their MLP", "sublayers": "their attention and MLP",
+                 "layer": "all of it"}  # fmt: skip
+        notes.append(", ".join(f"{number} recompute {words[part]}" for part, number in recomputed.items()))
+    return f"gradient checkpointing {what}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def spread_layers(count: int, chosen: int) -> frozenset[int]:
@@ -226,7 +333,7 @@ def spread_layers(count: int, chosen: int) -> frozenset[int]:
 
 
 def _estimate(
-    config: Config, shape: ModelShape, plan: ParallelPlan, compiled: bool, checkpointed: frozenset[int]
+    config: Config, shape: ModelShape, plan: ParallelPlan, compiled: bool, checkpointing: Checkpointing
 ) -> MemoryEstimate:
     training, parallel = config.training, config.parallel
     tokens = micro_batch_tokens(config)
@@ -243,16 +350,14 @@ def _estimate(
 
     kept = 0
     layer_backward = 0
-    for index, layer in enumerate(shape.layers):
-        per_token, slice_token = layer_token_bytes(shape, layer, config, compiled)
-        activations = per_token * tokens
-        tile = slice_token * min(tokens, training.mlp_chunk_tokens) * (1 + BACKWARD_WORKSPACE)
-        if index in checkpointed:
-            kept += 0 if training.activation_offloading else tokens * shape.hidden * shape.compute_bytes
-            backward = activations * (1 + BACKWARD_WORKSPACE) + tile
-        else:
-            kept += activations
-            backward = activations * BACKWARD_WORKSPACE + tile
+    for layer, part in zip(shape.layers, checkpointing.parts, strict=True):
+        per_token = layer_token_bytes(shape, layer, config, compiled)
+        activations = per_token.total * tokens
+        tile = per_token.slice * min(tokens, training.mlp_chunk_tokens) * (1 + BACKWARD_WORKSPACE)
+        layer_kept = per_token.kept(part, training.activation_offloading) * tokens
+        kept += layer_kept
+        # In its backward a layer holds all its activations again: what it kept, and what it recomputed.
+        backward = activations - layer_kept + activations * BACKWARD_WORKSPACE + tile
         layer_backward = max(layer_backward, round(backward))
     loss = loss_bytes(config, shape, tokens)
 
@@ -261,7 +366,7 @@ def _estimate(
     grown = 0 if plan.strategy == "ddp" else gradients
     in_backward = state + max(kept, grown) + layer_backward
     return MemoryEstimate(
-        checkpointed=checkpointed,
+        checkpointed=checkpointing,
         weights=weights,
         gradients=gradients,
         optimizer=optimizer,

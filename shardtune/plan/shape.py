@@ -40,6 +40,7 @@ class LayerShape:
     expert_adapter_rank: int  # LoRA on the routed experts' gate/up projection: its rank (0: none)
     params: int  # parameters outside its routed experts: one FSDP unit
     expert_params: int  # its routed experts' parameters: an FSDP unit of their own
+    sublayers: bool = True  # its attention and its MLP are modules of their own (``layer_sublayers``)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     """The shape of ``model``, built by ``build_model`` for ``config`` with ``precision`` (on any device)."""
     from peft.tuners.lora import Linear as LoraLinear
 
+    from shardtune.distributed.activations import layer_sublayers
     from shardtune.distributed.parallelize import decoder_layers
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
     from shardtune.model.fused_moe import parameter_adapters
@@ -94,8 +96,9 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         adapter_inputs = sum(module.in_features for module in layer.modules() if isinstance(module, LoraLinear))
         layer_params = sum(p.numel() for p in layer.parameters())
         block = blocks.get(index)
+        sublayers = layer_sublayers(layer) is not None
         if block is None:
-            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0))
+            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers))
             continue
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
@@ -114,6 +117,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 ),
                 params=layer_params - expert_params,
                 expert_params=expert_params,
+                sublayers=sublayers,
             )
         )
     routed = routed_expert_trainable(list(blocks.values()))

@@ -228,9 +228,9 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     vocab, tokens = head_vocab(model), micro_batch_tokens(config)
     log.info("%s", describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel))
     compiler = LayerCompiler()
-    checkpointed = plan_checkpointing(model, config, env, plan, precision)
+    checkpointing = plan_checkpointing(model, config, env, plan, precision)
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler,
-                        checkpointed=checkpointed)  # fmt: skip
+                        checkpointing=checkpointing)  # fmt: skip
     model.train()
     install_faults(env.rank).attach(model)
 
@@ -432,7 +432,8 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         "dtype": str(precision.compute).removeprefix("torch."),
         "bf16": precision.autocast == torch.bfloat16,
         "gradient_checkpointing": training.gradient_checkpointing,
-        "checkpointed_layers": len(checkpointed),
+        "checkpointed_layers": checkpointing.count,
+        "checkpointed_parts": checkpointing.counts(),
         "strategy": plan.strategy,
         "trainable_params": trainable,
         "total_params": total,

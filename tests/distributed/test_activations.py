@@ -5,14 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
 from shardtune.config import LoraConfig, TrainingConfig
 from shardtune.data.collate import collate
 from shardtune.data.tokenize import IGNORE_INDEX
-from shardtune.distributed.activations import apply_activation_checkpointing, tile_mlps
+from shardtune.distributed.activations import apply_activation_checkpointing, layer_sublayers, tile_mlps
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model.lora import apply_lora
+from shardtune.plan.memory import Checkpointing
 from shardtune.train.loss import summed_token_loss
 
 
@@ -81,3 +83,65 @@ def test_a_tiled_mlp_runs_slice_by_slice(tiny_model_dir):
 def test_offloading_needs_checkpointing():
     with pytest.raises(ValueError, match="activation_offloading: needs gradient_checkpointing"):
         TrainingConfig(activation_offloading=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "gpt_neox", "falcon", "phi3"])
+def test_recomputed_sublayers_give_the_same_loss_and_gradients(arch):
+    """A layer that recomputes its MLP, or its attention and its MLP, runs exactly those forwards twice
+    (once more in backward) and gives the loss and gradients of a layer that recomputes nothing; LoRA
+    targets every linear layer, so every sublayer's parameters get gradients through the recomputation."""
+
+    def run(checkpointing: Checkpointing | None):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+        model = apply_lora(model, LoraConfig(r=4, lora_dropout=0.0, target_modules="all-linear"))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)  # PEFT starts B at zero: A would get no gradient
+        layers = decoder_layers(model)
+        calls = {"attention": 0, "mlp": 0}
+        for layer in layers:
+            attention, mlp = layer_sublayers(layer)
+            for key, name in (("attention", attention), ("mlp", mlp)):
+                layer.get_submodule(name).register_forward_pre_hook(
+                    lambda *_, key=key: calls.__setitem__(key, calls[key] + 1)
+                )
+        if checkpointing is not None:
+            assert apply_activation_checkpointing(model, layers, checkpointing) == checkpointing.count
+        loss = summed_token_loss(model, packed_batch(), None)
+        loss.backward()
+        grads = {
+            name.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
+        return loss.detach(), grads, calls
+
+    plain_loss, plain_grads, plain_calls = run(None)
+    assert plain_calls == {"attention": 2, "mlp": 2}  # two layers, one forward each
+    for parts, recomputed in (
+        (("mlp", None), {"attention": 2, "mlp": 3}),
+        (("sublayers", "mlp"), {"attention": 3, "mlp": 4}),
+    ):
+        loss, grads, calls = run(Checkpointing(parts))
+        assert calls == recomputed, parts
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-6)
+        assert grads.keys() == plain_grads.keys() and len(grads) > 8
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=f"{parts} {name}")
+
+
+def test_a_layer_without_an_mlp_module_has_no_sublayers():
+    """OPT computes its MLP with two linear layers of the decoder layer itself: only whole layers can be
+    checkpointed there (plan.memory.checkpoint_parts); every other architecture has both sublayers."""
+    found = {
+        arch: layer_sublayers(decoder_layers(AutoModelForCausalLM.from_config(tiny_config(arch)))[0])
+        for arch in ("opt", "llama", "gpt2", "gpt_neox", "falcon")
+    }
+    assert found == {
+        "opt": None,
+        "llama": ("self_attn", "mlp"),
+        "gpt2": ("attn", "mlp"),
+        "gpt_neox": ("attention", "mlp"),
+        "falcon": ("self_attention", "mlp"),
+    }

@@ -25,6 +25,7 @@ from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
 from shardtune.model.grouped_gemm import quack_unavailable, resolve_grouped_gemm
 from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
+from shardtune.plan.memory import Checkpointing
 
 ARCHS = list(FUSED_MOE_ARCHITECTURES)
 SHARED = ("glm4_moe", "deepseek_v3")  # the architectures with shared experts
@@ -274,6 +275,75 @@ def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, 
             losses[-1].append(loss.float().item())
     assert losses[1] == pytest.approx(losses[0], rel=2e-3)
     assert losses[0][-1] < losses[0][0]
+
+
+@pytest.mark.parametrize("part", ["attention", "mlp", "sublayers"])
+def test_compiled_layers_recomputing_their_sublayers_train_like_eager_and_keep_only_their_inputs(moe_dirs, part):
+    """A compiled layer whose attention, MoE block (``mlp``) or both (``sublayers``) are checkpointed inside
+    its graph, as training compiles it (fullgraph: a graph break fails the test): three AdamW steps
+    give the losses of eager layers that recompute nothing, routing is recorded once per forward (not
+    again when backward recomputes the block), and a layer keeps for backward what the planner counts
+    (``LayerActivations.kept``): what it does not recompute, and the inputs of what it does."""
+    torch._dynamo.reset()  # the layers' code compiled by earlier tests counts toward dynamo's recompile limit
+    reference = fused_copy(build(moe_dirs["qwen3_moe"], ["attention", "routed_experts"])).to(torch.bfloat16)
+    compiled_model = copy.deepcopy(reference)
+    layers = decoder_layers(compiled_model)
+    apply_activation_checkpointing(compiled_model, layers, Checkpointing.uniform(len(layers), part), compiled=True)
+    for layer in layers:
+        layer.compile(fullgraph=True)
+
+    def kept_bytes(model: torch.nn.Module) -> int:
+        """What the first decoder layer saves for backward at 128 tokens, parameters and the rotary
+        embedding (shared by every layer) aside."""
+        layer = decoder_layers(model)[0]
+        rotary = model.get_base_model().model.rotary_emb
+        x = torch.randn(1, 128, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        positions = torch.arange(128).unsqueeze(0)
+        cos, sin = rotary(x, positions)
+        skipped = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
+        kept: dict[int, int] = {}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in skipped:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+        return sum(kept.values())
+
+    plain = copy.deepcopy(reference)
+    for layer in decoder_layers(plain):
+        layer.compile(fullgraph=True)
+    config, tokens, bf16 = reference.config, 128, 2
+    hidden = tokens * config.hidden_size * bf16
+    gate_up = tokens * config.num_experts_per_tok * 2 * config.moe_intermediate_size * bf16
+    # the LoRA factors of the routed experts laid out for the grouped GEMMs, per layer and step (rank 4
+    # padded to 8): a constant that 8,192 tokens make negligible, here a tenth of the layer's activations
+    factors = config.num_experts * 8 * (2 * config.hidden_size + 3 * config.moe_intermediate_size) * bf16
+    everything, recomputing = kept_bytes(plain), kept_bytes(compiled_model)
+    if part == "attention":  # the MoE block's activations stay (its gate/up GEMM output among them)
+        assert gate_up + hidden < recomputing <= everything - 3 * hidden
+    elif part == "mlp":  # the attention's activations stay, the MoE block's are its input only
+        assert recomputing <= everything - gate_up - hidden
+    else:  # the layer's input and the residual (the normalized inputs are recomputed)
+        assert recomputing <= 2 * hidden + factors < everything / 2
+    compiled_model.zero_grad(set_to_none=True)
+
+    inputs, labels = padded_batch()
+    losses = []
+    for model in (reference, compiled_model):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        losses.append([])
+        for _ in range(3):
+            records, loss, _ = record_and_balance(model, inputs, labels, weight=0.01)
+            assert len(records) == len(find_moe_blocks(model, decoder_layers(model)))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[-1].append(loss.float().item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-3)
 
 
 def test_saved_adapter_loads_in_peft_and_merges_to_the_fused_logits(moe_dirs, tmp_path):
