@@ -38,11 +38,27 @@ def runs(tmp_path_factory):
     experts = ["lora.moe_targets=[attention,routed_experts,router]", f"training.save_steps={STEPS}"]
     run("qwen3_moe", "experts-single", 1, *experts)
     run("qwen3_moe", "experts-fsdp", 2, "parallel.strategy=fsdp", *experts)
-    # Full fine-tuning with the experts' own FSDP units, with activation checkpointing around the layers.
+    # Full fine-tuning with the experts' own FSDP units, with activation checkpointing: around whole layers in
+    # one process; around each layer's attention and MoE block (the experts' FSDP unit gathered again for
+    # the recomputation) under FSDP; around the attention alone under DDP.
     full = ["lora.enabled=false", "training.gradient_checkpointing=true"]
     run("glm4_moe", "full-single", 1, *full)
-    run("glm4_moe", "full-fsdp", 2, "parallel.strategy=fsdp", *full)
-    run("glm4_moe", "full-ddp", 2, "parallel.strategy=ddp", *full)
+    run(
+        "glm4_moe",
+        "full-fsdp",
+        2,
+        "parallel.strategy=fsdp",
+        *full,
+        "training.gradient_checkpointing_granularity=sublayers",
+    )
+    run(
+        "glm4_moe",
+        "full-ddp",
+        2,
+        "parallel.strategy=ddp",
+        *full,
+        "training.gradient_checkpointing_granularity=attention",
+    )
     return results
 
 
@@ -63,6 +79,12 @@ def test_two_workers_train_and_route_like_one(runs, arch, strategy):
     assert len(reference["losses"]) == STEPS
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert run["metrics"]["world_size"] == 2
+    parts = {"full-single": "layer", "full-fsdp": "sublayers", "full-ddp": "attention"}
+    for name, metrics in ((single_of(strategy), reference["metrics"]), (strategy, run["metrics"])):
+        if name in parts:  # every one of the 3 layers recomputes that part
+            assert metrics["checkpointed_parts"] == {"attention": 0, "mlp": 0, "sublayers": 0, "layer": 0} | {
+                parts[name]: 3
+            }
 
     train_log, reference_log = (
         jsonl(run["out"] / "logs/train_log.jsonl"),
