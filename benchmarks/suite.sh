@@ -15,7 +15,9 @@
 # adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
 # setting that fits), h200-moe-profile (the GEMM share of the Qwen3-30B-A3B LoRA step's device time) and
 # h200-grouped-gemm (model.grouped_gemm: quack's kernels against torch._grouped_mm, kernels and steps; needs
-# shardtune[quack]), moe-loss (the chunked loss: the loss alone, and Qwen3-30B-A3B against HF). Each
+# shardtune[quack]), moe-loss (the chunked loss: the loss alone, and Qwen3-30B-A3B against HF),
+# checkpoint-parts (auto recomputing parts of layers against whole layers; BENCH_ONLY splits it: the first
+# four runs on an 80 GB GPU, the others on one H200). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -234,6 +236,25 @@ h200-moe-default)
         'logging.profile_steps=[3,4]' "${extra[@]}"
     trace=$work/auto-qwen3-attn-profile/shardtune/profile/rank0.trace.json.gz
     [[ -f $trace ]] && python3 -m shardtune.bench.profile_share "$trace" | tee "$results/auto-qwen3-attn-profile.gemm.txt"
+    ;;
+checkpoint-parts)
+    # gradient_checkpointing auto recomputing parts of layers (a layer's attention, then its MoE block too)
+    # against whole layers only (training.gradient_checkpointing_granularity=layer, the earlier auto), each
+    # pair in one device call. On an 80 GB GPU (h100), and on one H200 held under HF + PEFT's peak (79.6 GiB):
+    # the routed-expert run at memory budgets of 75 and 78.5 GiB, against HF in the same run; and Mixtral-8x7B.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 "${extra[@]}")
+    experts='lora.moe_targets=[attention,routed_experts]'
+    layers=training.gradient_checkpointing_granularity=layer
+    bench parts-qwen3-experts "${qwen3[@]}" "$experts"
+    bench parts-qwen3-experts-layers "${qwen3[@]}" "$experts" "$layers"
+    bench parts-qwen3-attn "${qwen3[@]}"
+    bench parts-qwen3-attn-layers "${qwen3[@]}" "$layers"
+    bench parts-qwen3-experts-budget-layers "${qwen3[@]}" "$experts" training.memory_budget_gib=75 "$layers"
+    bench parts-qwen3-experts-budget "${qwen3[@]}" "$experts" training.memory_budget_gib=75 --baseline hf
+    bench parts-qwen3-experts-budget785 "${qwen3[@]}" "$experts" training.memory_budget_gib=78.5 --baseline hf
+    bench parts-mixtral --shape mixtral-8x7b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}"
+    bench parts-mixtral-layers --shape mixtral-8x7b --seq 4096 --batch 2 --steps 3 --warmup 3 "$layers" "${extra[@]}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all

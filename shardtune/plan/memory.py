@@ -225,11 +225,11 @@ def usable_share(config: Config) -> str:
 # What a checkpointed decoder layer can recompute in backward: its attention, its MLP (or MoE block), both
 # (each from its own input), or all of it.
 PARTS = ("attention", "mlp", "sublayers", "layer")
-# The order ``auto`` takes them in, cheapest per byte freed first. Measured on one H100 (Qwen3-30B-A3B's
-# layer, LoRA on attention and routed experts, 8,192 tokens, compiled): recomputing the attention frees 44 kB
-# a token for about 0.7 ms of backward; the MoE block too, 30 kB more for 2.4 ms more (its router, sort,
-# gather and routed gate/up GEMMs); the whole layer, 4 kB more for 1.8 ms more (the norms, the output
-# projections and the routed down GEMM, whose outputs backward does not need).
+# The order ``auto`` takes them in, cheapest per byte freed first. Measured on one H100
+# (``benchmarks/layer_recompute.py``: Qwen3-30B-A3B's layer, LoRA on attention and routed experts, 8,192 tokens,
+# compiled): recomputing the attention frees 44 kB a token for 1.2 ms more backward; the MoE block too, 30 kB
+# more for 1.7 ms more (its router, sort, gather and routed gate/up GEMMs); the whole layer, 4 kB more for
+# 1.3 ms more (the norms, the output projections and the routed down GEMM, whose outputs backward does not need).
 AUTO_PARTS = ("attention", "sublayers", "layer")
 
 
