@@ -2,9 +2,8 @@
 
 Three tools, applied to the decoder layers before compile and data parallelism:
 
-- activation checkpointing: a checkpointed layer recomputes in backward its MLP, or its attention and its
-  MLP (each keeps only its input, the normalized hidden state), or all of it (only the layer's input is
-  kept): ``plan.memory.Checkpointing``;
+- activation checkpointing: a checkpointed layer recomputes in backward its attention, its MLP or both
+  (each keeps only its input), or all of it (only the layer's input is kept): ``plan.memory.Checkpointing``;
 - activation offloading: that input waits in host memory instead (long sequences: at 256k tokens a
   Mistral-7B layer input is 2 GiB, 64 GiB for the 32 layers);
 - tiled MLPs: a dense MLP runs over a slice of the tokens at a time, each slice recomputed in its backward,
@@ -65,18 +64,21 @@ def apply_activation_checkpointing(
             attention, mlp = layer_sublayers(layer)  # plan.memory.checkpoint_parts checked there are both
             names = {"attention": [attention], "mlp": [mlp], "sublayers": [attention, mlp]}[part]
             sublayers += [layer.get_submodule(name) for name in names]
-    kinds = {id(module): {} for module in whole}
+    options = {id(module): {} for module in whole}
     # A sublayer's checkpoint is traced into its compiled layer's graph: told to recompute every op of it.
     # Left to choose, torch 2.11's partitioner kept an MoE block's routed rows (pairs x hidden: 33 kB a token
     # on Qwen3-30B-A3B) instead of the block's input, more than the block keeps uncheckpointed (one H100).
     # Eager, plain checkpointing recomputes everything anyway, without a dispatch mode on every op.
-    kinds.update({id(module): {"context_fn": _recompute_every_op} if compiled else {} for module in sublayers})
+    options.update({id(module): {"context_fn": _recompute_every_op} if compiled else {} for module in sublayers})
     checkpoint_fn = _offloading_checkpoint if offload else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in kinds:
+            if id(child) in options:
                 wrapper = checkpoint_wrapper(
-                    child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=checkpoint_fn, **kinds[id(child)]
+                    child,
+                    checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                    checkpoint_fn=checkpoint_fn,
+                    **options[id(child)],
                 )
                 parent.register_module(name, wrapper)
     return checkpointing.count

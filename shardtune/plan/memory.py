@@ -16,8 +16,8 @@ A step's memory is its state, which lives across steps, plus what one micro-batc
 - activations: what each decoder layer keeps for backward, per token (below), for the micro-batch's
   ``per_device_train_batch_size x data.max_length`` tokens (the longest a batch can be); a checkpointed
   layer keeps less: only its input when the whole layer is recomputed (in host memory with
-  ``activation_offloading``), the inputs of what it recomputes when only its MLP, or its attention and its
-  MLP, are (``Checkpointing``). What each layer recomputes is decided here too (``choose_checkpointing``):
+  ``activation_offloading``), the inputs of what it recomputes when only its attention, its MLP or both
+  are (``Checkpointing``). What each layer recomputes is decided here too (``choose_checkpointing``):
   training applies the same choice;
 - the loss: the logits it holds at its peak, for every token, or for one chunk of ``loss_chunk_tokens`` (with
   the gradients it keeps from forward: of the head's input, and of its weights when they train), or for
