@@ -31,6 +31,19 @@ def packed_batch():
     return collate(rows, pad_token_id=0, packed=True)
 
 
+def loss_and_gradients(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The summed token loss of the packed batch, and every parameter's gradient under its name without
+    checkpoint wrappers."""
+    loss = summed_token_loss(model, packed_batch(), None)
+    loss.backward()
+    grads = {
+        name.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return loss.detach(), grads
+
+
 def loss_and_grads(model_dir, *, lora: bool, chunk: int = 0, checkpointing: bool = False, offload: bool = False):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -41,14 +54,7 @@ def loss_and_grads(model_dir, *, lora: bool, chunk: int = 0, checkpointing: bool
         assert tile_mlps(model, layers, chunk) == len(layers)
     if checkpointing:
         assert apply_activation_checkpointing(model, layers, offload=offload) == len(layers)
-    loss = summed_token_loss(model, packed_batch(), None)
-    loss.backward()
-    grads = {
-        name.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
-        for name, p in model.named_parameters()
-        if p.grad is not None
-    }
-    return loss.detach(), grads, model
+    return (*loss_and_gradients(model), model)
 
 
 @pytest.mark.parametrize("lora", [True, False])
@@ -108,14 +114,7 @@ def test_recomputed_sublayers_give_the_same_loss_and_gradients(arch):
                 )
         if checkpointing is not None:
             assert apply_activation_checkpointing(model, layers, checkpointing) == checkpointing.count
-        loss = summed_token_loss(model, packed_batch(), None)
-        loss.backward()
-        grads = {
-            name.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
-            for name, p in model.named_parameters()
-            if p.grad is not None
-        }
-        return loss.detach(), grads, calls
+        return (*loss_and_gradients(model), calls)
 
     plain_loss, plain_grads, plain_calls = run(None)
     assert plain_calls == {"attention": 2, "mlp": 2}  # two layers, one forward each

@@ -186,6 +186,21 @@ def record_and_balance(model: torch.nn.Module, inputs: dict, labels: torch.Tenso
     return recorder.records, lm.detach(), balance.detach()
 
 
+def three_recorded_steps(model: torch.nn.Module) -> list[float]:
+    """Three AdamW steps on the padded batch, the balance loss trained, each forward recording its routing
+    once per MoE block; the LM losses."""
+    inputs, labels = padded_batch()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(3):
+        records, loss, _ = record_and_balance(model, inputs, labels, weight=0.01)
+        assert len(records) == len(find_moe_blocks(model, decoder_layers(model)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.float().item())
+    return losses
+
+
 def assert_same_records(mine: list, theirs: list) -> None:
     assert len(mine) == len(theirs) > 0
     for record, reference in zip(mine, theirs, strict=True):
@@ -262,17 +277,7 @@ def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, 
         next(m for m in compiled_model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
             fullgraph=True
         )
-    inputs, labels = padded_batch()
-    losses = []
-    for model in (reference, compiled_model):
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        losses.append([])
-        for _ in range(3):
-            records, loss, _ = record_and_balance(model, inputs, labels, weight=0.01)
-            assert len(records) == len(find_moe_blocks(model, decoder_layers(model)))
-            optimizer.step()
-            optimizer.zero_grad()
-            losses[-1].append(loss.float().item())
+    losses = [three_recorded_steps(model) for model in (reference, compiled_model)]
     assert losses[1] == pytest.approx(losses[0], rel=2e-3)
     assert losses[0][-1] < losses[0][0]
 
@@ -332,17 +337,7 @@ def test_compiled_layers_recomputing_their_sublayers_train_like_eager_and_keep_o
         assert recomputing <= 2 * hidden + factors < everything / 2
     compiled_model.zero_grad(set_to_none=True)
 
-    inputs, labels = padded_batch()
-    losses = []
-    for model in (reference, compiled_model):
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        losses.append([])
-        for _ in range(3):
-            records, loss, _ = record_and_balance(model, inputs, labels, weight=0.01)
-            assert len(records) == len(find_moe_blocks(model, decoder_layers(model)))
-            optimizer.step()
-            optimizer.zero_grad()
-            losses[-1].append(loss.float().item())
+    losses = [three_recorded_steps(model) for model in (reference, compiled_model)]
     assert losses[1] == pytest.approx(losses[0], rel=2e-3)
 
 
