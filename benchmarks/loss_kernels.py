@@ -1,5 +1,7 @@
 """The loss alone on one GPU: all logits at once (``training.loss_chunk_tokens: 0``) against the chunked loss
-that computes each chunk's gradients in the forward pass (``auto``, the default), at 8,192 tokens:
+that computes each chunk's gradients in the forward pass (``auto``, the default), its softmax eager
+(``parallel.compile: false``) and compiled (``compiled_softmax_gradient``, the default on CUDA), at 8,192
+tokens:
 
     python benchmarks/loss_kernels.py [--out FILE]
 
@@ -18,7 +20,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from shardtune.train.loss import LinearCrossEntropy, auto_chunk_tokens
+from shardtune.distributed.compile import LayerCompiler
+from shardtune.train.loss import LinearCrossEntropy, auto_chunk_tokens, compiled_softmax_gradient, softmax_gradient_
 
 # (name, hidden, vocabulary)
 SHAPES = [("qwen3-30b-a3b", 2048, 151_936), ("llama3-8b", 4096, 128_256), ("mistral-7b", 4096, 32_000)]
@@ -30,8 +33,12 @@ def standard(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
-def chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return LinearCrossEntropy.apply(hidden, weight, None, targets, auto_chunk_tokens(weight.shape[0]), True)
+def chunked(softmax_gradient):
+    def loss_of(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        chunk = auto_chunk_tokens(weight.shape[0])
+        return LinearCrossEntropy.apply(hidden, weight, None, targets, chunk, True, softmax_gradient)
+
+    return loss_of
 
 
 def run(loss_of, hidden, weight, targets) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -67,10 +74,14 @@ def main() -> None:
     torch.manual_seed(0)
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens",
-        "| head | weights | chunk | standard ms | chunked ms | standard GiB | chunked GiB | loss diff | grad diff |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| head | weights | chunk | standard ms | eager chunks ms | compiled chunks ms | standard GiB | "
+        "eager chunks GiB | compiled chunks GiB | loss diff | grad diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    compiler = LayerCompiler()
+    losses = {"eager": chunked(softmax_gradient_), "compiled": chunked(compiled_softmax_gradient(compiler))}
     for name, width, vocab in SHAPES:
+        torch._dynamo.reset()  # each head's vocabulary compiles as a run's would: static, not dynamic
         for trainable in (False, True):
             hidden = torch.randn(TOKENS, width, device="cuda", dtype=torch.bfloat16).requires_grad_()
             weight = (torch.randn(vocab, width, device="cuda") / width**0.5).to(torch.bfloat16)
@@ -78,21 +89,21 @@ def main() -> None:
             targets = torch.randint(0, vocab, (TOKENS,), device="cuda")
             reference = run(standard, hidden, weight, targets)
             reference = tuple(None if t is None else t.clone() for t in reference)
-            mine = run(chunked, hidden, weight, targets)
+            # The differences: the compiled chunks' (the default) from the standard loss.
+            mine = run(losses["compiled"], hidden, weight, targets)
             loss_diff = ((mine[0] - reference[0]).abs() / reference[0].abs()).item()
             grad_diff = ((mine[1].float() - reference[1].float()).abs().max() / reference[1].float().abs().max()).item()
-            (standard_ms, standard_gib), (chunked_ms, chunked_gib) = (
-                measure(standard, hidden, weight, targets),
-                measure(chunked, hidden, weight, targets),
-            )
+            timings = [measure(loss_of, hidden, weight, targets) for loss_of in (standard, *losses.values())]
             lines.append(
                 f"| {name} ({width} x {vocab:,}) | {'trainable' if trainable else 'frozen'} | "
-                f"{auto_chunk_tokens(vocab):,} | {standard_ms:.2f} | {chunked_ms:.2f} | {standard_gib:.2f} | "
-                f"{chunked_gib:.2f} | {loss_diff:.1e} | {grad_diff:.1e} |"
+                f"{auto_chunk_tokens(vocab):,} | {' | '.join(f'{ms:.2f}' for ms, _ in timings)} | "
+                f"{' | '.join(f'{gib:.2f}' for _, gib in timings)} | {loss_diff:.1e} | {grad_diff:.1e} |"
             )
             print(lines[-1], flush=True)
             del hidden, weight, targets, reference, mine
             torch.cuda.empty_cache()
+    if compiler.failure:
+        lines.append(f"compiled chunks ran eagerly: {compiler.failure}")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     if args.out:

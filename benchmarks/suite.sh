@@ -17,7 +17,8 @@
 # h200-grouped-gemm (model.grouped_gemm: quack's kernels against torch._grouped_mm, kernels and steps; needs
 # shardtune[quack]), moe-loss (the chunked loss: the loss alone, and Qwen3-30B-A3B against HF),
 # checkpoint-parts (auto recomputing parts of layers against whole layers; BENCH_ONLY splits it: the first
-# four runs on an 80 GB GPU, the others on one H200). Each
+# four runs on an 80 GB GPU, the others on one H200), compiled-loss (the chunked loss's softmax compiled:
+# the loss alone, and the routed-expert run under HF's peak; BENCH_ONLY: loss-kernels and run names). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -255,6 +256,19 @@ checkpoint-parts)
     bench parts-qwen3-experts-budget785 "${qwen3[@]}" "$experts" training.memory_budget_gib=78.5 --baseline hf
     bench parts-mixtral --shape mixtral-8x7b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}"
     bench parts-mixtral-layers --shape mixtral-8x7b --seq 4096 --batch 2 --steps 3 --warmup 3 "$layers" "${extra[@]}"
+    ;;
+compiled-loss)
+    # The chunked loss's softmax compiled (under parallel.compile, the default on CUDA): the loss alone (eager
+    # and compiled chunks), then on one H200 the routed-expert run held under HF + PEFT's peak (79.6 GiB) at a
+    # memory budget of 79 GiB, and Qwen3 LoRA on attention, each against HF in the same run.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" loss-kernels "* ]]; then
+        python3 benchmarks/loss_kernels.py --out "$results/loss_kernels.txt"
+    fi
+    bench loss-qwen3-experts-budget79 "${qwen3[@]}" 'lora.moe_targets=[attention,routed_experts]' \
+        training.memory_budget_gib=79
+    bench loss-qwen3-attn "${qwen3[@]}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all

@@ -6,10 +6,10 @@ mechanism, so the code under test meets it exactly as it would meet the real thi
 
     SHARDTUNE_FAULT="POINT:ACTION[:rank=R][:step=S][:attempt=A]"   (several: separated by ",")
 
-Points are named places in a run: ``save.begin`` (a rank enters a checkpoint save), ``save.shards``
-(before this rank writes its shards), ``save.written`` (after this rank's shards are on disk, before
-the commit), every heartbeat phase of a training step (``forward_backward``, ``optimizer``, ...), and
-``eval.batch`` (after each evaluation batch). Actions:
+Points are named places in a run: ``save.begin`` (a rank enters a checkpoint save), ``save.shards`` (before
+this rank writes its shards), ``save.written`` (after this rank's shards are on disk, before the commit),
+``save.rotate`` (as ``save_total_limit`` removes an older checkpoint), every heartbeat phase of a training
+step (``forward_backward``, ``optimizer``, ...), and ``eval.batch`` (after each evaluation batch). Actions:
 
 - ``kill``: SIGKILL this process (a crashed rank or lost node: no handler, no cleanup).
 - ``hang``: sleep forever (a stuck rank: a deadlock, a dead NFS mount, a GPU that stopped answering).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import socket
@@ -284,7 +285,7 @@ class Checkpointer:
                     write_atomic(staging / name, text, durable=True)
                 self.tokenizer.save_pretrained(staging)
                 replace_path(staging, final)  # the commit
-                self._rotate()
+                self._rotate(step)
             except Exception as error:
                 failures = self._describe_failure(error)
         self._agree(step, staging, failures, "committing")
@@ -372,14 +373,19 @@ class Checkpointer:
             "manifest.json": json.dumps(manifest, indent=2) + "\n",
         }
 
-    def _rotate(self) -> None:
+    def _rotate(self, step: int) -> None:
         limit = self.config.training.save_total_limit
         if not limit:
             return
         checkpoints = complete_checkpoints(self.output_dir)
-        # The newest complete checkpoint is always kept: only older ones beyond the limit go.
+        # The newest complete checkpoint is always kept: only older ones beyond the limit go. Each is renamed
+        # to a partial's name first (atomic), so a kill during the removal leaves no checkpoint-N without
+        # its manifest, only a partial that the next start clears (``remove_partial``).
         for old in checkpoints[: max(0, len(checkpoints) - limit)]:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = old.with_name(f".{old.name}.removed.tmp")
+            os.replace(old, doomed)
+            fault_point("save.rotate", step)
+            shutil.rmtree(doomed, ignore_errors=True)
             log.info("removed %s (save_total_limit=%d)", old, limit)
 
     def remove_partial(self) -> None:
@@ -394,7 +400,7 @@ class Checkpointer:
         if self.domains.is_leader and self.output_dir.is_dir():
             for partial in self.output_dir.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(partial, ignore_errors=True)
-                log.info("removed %s, left by an interrupted save", partial)
+                log.info("removed %s, left by an interrupted save or removal", partial)
 
     # -- loading -----------------------------------------------------------------------------------
     def load(self, path: Path) -> int:

@@ -34,7 +34,8 @@ _BACKWARD_NOW = (
 
 
 class LayerCompiler:
-    """The torch.compile backend of the decoder layers: inductor, timed, with an eager fallback."""
+    """The torch.compile backend of the decoder layers (and of the chunked loss's softmax): inductor, timed,
+    with an eager fallback."""
 
     def __init__(self) -> None:
         self.graphs = 0  # graphs inductor compiled
@@ -51,8 +52,8 @@ class LayerCompiler:
         except Exception as error:  # whatever inductor, Triton or the C++ toolchain raised
             self.failure = f"{type(error).__name__}: {first_line(error)}"
             log.warning(
-                "parallel.compile: torch.compile failed (%s); the decoder layers run eagerly (same results, "
-                "slower); set parallel.compile=false to skip the attempt",
+                "parallel.compile: torch.compile failed (%s); the decoder layers run eagerly, the chunked "
+                "loss's softmax too (same results, slower); set parallel.compile=false to skip the attempt",
                 self.failure,
             )
             return graph.forward

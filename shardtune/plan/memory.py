@@ -19,9 +19,9 @@ A step's memory is its state, which lives across steps, plus what one micro-batc
   ``activation_offloading``), the inputs of what it recomputes when only its attention, its MLP or both
   are (``Checkpointing``). What each layer recomputes is decided here too (``choose_checkpointing``):
   training applies the same choice;
-- the loss: the logits it holds at its peak, for every token, or for one chunk of ``loss_chunk_tokens`` (with
-  the gradients it keeps from forward: of the head's input, and of its weights when they train), or for
-  one block of liger-kernel's fused linear cross-entropy;
+- the loss: the logits it holds at its peak, for every token, or for one chunk of ``loss_chunk_tokens`` (fewer
+  bytes a logit when its softmax is compiled; with the gradients it keeps from forward: of the head's input,
+  and of its weights when they train), or for one block of liger-kernel's fused linear cross-entropy;
 - one layer's backward: its activations again where they are recomputed (checkpointing), plus the
   gradients its backward produces on the way (``BACKWARD_WORKSPACE`` of its activations).
 
@@ -50,10 +50,13 @@ USABLE_SHARE = 0.9
 # more embedding weights): at 8,192 tokens a step peaks 10.28 GiB higher, 1.47 GiB of it weights, the rest
 # 12.0 bytes per extra logit.
 LOGIT_BYTES = 12
-# Bytes per logit of one chunk of the chunked loss (``train.loss.LinearCrossEntropy``): the bf16 logits, and
-# log_softmax's fp32 copy of them and its fp32 output. Measured (``benchmarks/loss_kernels.py``, one H100):
-# 1.74 GiB above the inputs for chunks of 1,024 x 151,936 logits, 12.0 bytes per logit.
-CHUNK_LOGIT_BYTES = 12
+# Bytes per logit of one chunk of the chunked loss (``train.loss.LinearCrossEntropy``), its softmax eager: the
+# bf16 logits, and log_softmax's fp32 copy of them and its fp32 output. Measured (``benchmarks/loss_kernels.py``,
+# one H200): 1.45 GiB above the inputs for chunks of 1,024 x 151,936 logits, 10.0 bytes per logit.
+CHUNK_LOGIT_BYTES = 10
+# The same, its softmax compiled (``train.loss.compiled_softmax_gradient``, under ``parallel.compile``): only
+# the bf16 logits, which the kernel overwrites with their gradient (measured: 0.29 GiB, 2.0 bytes per logit).
+COMPILED_CHUNK_LOGIT_BYTES = 2
 # A decoder layer's backward makes gradients of what it kept as it goes (input gradients of every
 # projection, attention's fp32 accumulators), freeing the activations behind it: at its peak about this
 # share of the layer's activations on top of them. Calibrated on the two measured runs whose peak is a
@@ -100,7 +103,10 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     a trainable one or its LoRA adapter does) with compiled layers:
 
     - attention 2h + 3q + 2kv: the layer input and its normalized copy, q, k, v after rotary, the attention
-      output and the output projection's contiguous input;
+      output and the output projection's contiguous input; q + kv more where queries and keys are normalized
+      (qk-norm: their RMSNorm keeps its input; measured on Qwen3-30B-A3B's compiled layer,
+      ``benchmarks/layer_recompute.py``: recomputing the attention frees 44.5 kB a token, 9.7 kB more than
+      counted without this term);
     - dense MLP 2h + 3I: the residual, its normalized copy, gate, up and their product (SiLU recomputed);
     - MoE block 2h + 2km + 3s: per chosen expert (k of them, m wide) its gate/up output (the routing weight
       multiplies the hidden activation, so the down projection's output rows are not kept, and frozen experts
@@ -120,7 +126,7 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     """
     h, q, kv, e = shape.hidden, shape.attention_width, shape.kv_width, shape.compute_bytes
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
-    attention = (2 * h + 3 * q + 2 * kv) * e
+    attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0)) * e
     if layer.num_experts:
         elements = 2 * h + 2 * layer.top_k * layer.expert_width + 3 * layer.shared_width
         if layer.expert_adapter_rank:
@@ -177,8 +183,9 @@ def micro_batch_tokens(config: Config) -> int:
     return config.training.per_device_train_batch_size * config.data.max_length
 
 
-def loss_bytes(config: Config, shape: ModelShape, tokens: int) -> int:
-    """What the loss holds at its peak for a micro-batch of ``tokens`` (every token taken as a target)."""
+def loss_bytes(config: Config, shape: ModelShape, tokens: int, compiled: bool) -> int:
+    """What the loss holds at its peak for a micro-batch of ``tokens`` (every token taken as a target), its
+    chunks' softmax ``compiled`` or not."""
     from shardtune.train.loss import chunk_tokens_for  # train.loss imports parallelize, which imports this
 
     if config.model.liger_kernel:
@@ -193,7 +200,7 @@ def loss_bytes(config: Config, shape: ModelShape, tokens: int) -> int:
     # weights (fp32) where they train (full fine-tuning).
     head_gradient = 0 if config.lora.enabled else shape.vocab * shape.hidden * FP32_BYTES
     return (
-        CHUNK_LOGIT_BYTES * min(tokens, chunk) * shape.vocab
+        (COMPILED_CHUNK_LOGIT_BYTES if compiled else CHUNK_LOGIT_BYTES) * min(tokens, chunk) * shape.vocab
         + tokens * shape.hidden * shape.compute_bytes
         + head_gradient
     )
@@ -359,7 +366,7 @@ def _estimate(
         # In its backward a layer holds all its activations again: what it kept, and what it recomputed.
         backward = activations - layer_kept + activations * BACKWARD_WORKSPACE + tile
         layer_backward = max(layer_backward, round(backward))
-    loss = loss_bytes(config, shape, tokens)
+    loss = loss_bytes(config, shape, tokens, compiled)
 
     state = weights + optimizer + (gradients if plan.strategy == "ddp" else 0) + gathered
     at_loss = state + kept + loss

@@ -41,6 +41,7 @@ class LayerShape:
     params: int  # parameters outside its routed experts: one FSDP unit
     expert_params: int  # its routed experts' parameters: an FSDP unit of their own
     sublayers: bool = True  # its attention and its MLP are modules of their own (``layer_sublayers``)
+    qk_norm: bool = False  # its attention normalizes queries and keys (RMSNorm: Qwen3, GLM-4.5 with use_qk_norm)
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,9 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         layer_params = sum(p.numel() for p in layer.parameters())
         block = blocks.get(index)
         sublayers = layer_sublayers(layer) is not None
+        qk_norm = any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for name, _ in layer.named_modules())
         if block is None:
-            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers))
+            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm))
             continue
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
@@ -118,6 +120,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 params=layer_params - expert_params,
                 expert_params=expert_params,
                 sublayers=sublayers,
+                qk_norm=qk_norm,
             )
         )
     routed = routed_expert_trainable(list(blocks.values()))

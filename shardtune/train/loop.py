@@ -60,7 +60,13 @@ from shardtune.plan.memory import micro_batch_tokens
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
-from shardtune.train.loss import describe_loss, head_vocab, summed_token_loss
+from shardtune.train.loss import (
+    SoftmaxGradient,
+    compiled_softmax_gradient,
+    describe_loss,
+    head_vocab,
+    summed_token_loss,
+)
 from shardtune.train.nonfinite import NonFiniteGuard
 from shardtune.train.optim import build_optimizer
 from shardtune.train.preemption import Preempted, PreemptionWatch
@@ -144,6 +150,7 @@ def accumulate_gradients(
     routing: RouterTraining | None = None,
     loss_chunk_tokens: int | str = 0,
     fused_loss: bool = False,
+    softmax_gradient: SoftmaxGradient | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward this rank's micro-batches of one optimizer step.
 
@@ -166,7 +173,7 @@ def accumulate_gradients(
         with gradient_sync(model, sync=index == len(micro_batches) - 1):
             batch = batch.to(env.device)
             with routing.forward(batch) if routing else contextlib.nullcontext():
-                batch_loss = summed_token_loss(model, batch, autocast, loss_chunk_tokens, fused_loss)
+                batch_loss = summed_token_loss(model, batch, autocast, loss_chunk_tokens, fused_loss, softmax_gradient)
             objective = batch_loss * (env.mesh.dp_size / global_targets)
             balance = routing.balance_term(len(micro_batches)) if routing else None
             (objective if balance is None else objective + balance).backward()
@@ -226,8 +233,12 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
     plan = plan_parallelism(model, config, env)
     log.info("%s", plan.describe(env.world_size))
     vocab, tokens = head_vocab(model), micro_batch_tokens(config)
-    log.info("%s", describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel))
     compiler = LayerCompiler()
+    # The chunked loss's softmax compiles with the layers, by the same compiler (and its eager fallback).
+    compiled = config.parallel.compiles_on(env.device.type)
+    softmax_gradient = compiled_softmax_gradient(compiler) if compiled else None
+    loss_kind = describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel, compiled)
+    log.info("%s", loss_kind)
     checkpointing = plan_checkpointing(model, config, env, plan, precision)
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler,
                         checkpointing=checkpointing)  # fmt: skip
@@ -322,6 +333,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
             routing,
             training.loss_chunk_tokens,
             config.model.liger_kernel,
+            softmax_gradient,
         )
         heartbeat.beat(step, "optimizer")
         grad_norm = clip_gradients(trainable_params, max_norm, env.mesh)
@@ -434,6 +446,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         "gradient_checkpointing": training.gradient_checkpointing,
         "checkpointed_layers": checkpointing.count,
         "checkpointed_parts": checkpointing.counts(),
+        "loss": loss_kind,
         "strategy": plan.strategy,
         "trainable_params": trainable,
         "total_params": total,

@@ -1,15 +1,17 @@
 """Token-level cross entropy, summed, so a step can divide by its global target-token count.
 
-Two ways to the same number, up to rounding. The standard one takes the model's logits for every position.
-The chunked one (``training.loss_chunk_tokens``) never holds more than one chunk of logits: during the
-forward pass the LM head is stood in for by a module that works through the positions chunk by chunk, and
-for each chunk computes the logits, the summed loss and the gradients of the head's input and weights
-(``LinearCrossEntropy``); backward only scales what forward kept. At 128k-152k vocabularies the full
-logits, their fp32 copy and gradient are 14 GiB at 8,192 tokens; a chunk of 1,024 tokens is 1.7 GiB (12
-bytes a logit at the peak, at most 2**28 logits under ``auto``), and nothing is recomputed: the head's two
-GEMMs run once each, as in the standard loss. It runs inside the model's forward, so DDP's and FSDP's
-hooks see the LM head used as usual. ``auto`` (the default) chunks a batch whose logits are more than one
-chunk, for models whose logits come straight from a linear head.
+Two ways to the same number, up to rounding. The standard one takes the model's logits for every position. The
+chunked one (``training.loss_chunk_tokens``) never holds more than one chunk of logits: during the forward
+pass the LM head is stood in for by a module that works through the positions chunk by chunk, and for each
+chunk computes the logits, the summed loss and the gradients of the head's input and weights
+(``LinearCrossEntropy``); backward only scales what forward kept. At 128k-152k vocabularies the full logits,
+their fp32 copy and gradient are 14 GiB at 8,192 tokens; a chunk of 1,024 tokens is 1.5 GiB (10 bytes a logit
+at the peak, at most 2**28 logits under ``auto``), and nothing is recomputed: the head's two GEMMs run once
+each, as in the standard loss. Under ``parallel.compile`` each chunk's softmax and gradient is one inductor
+kernel pair that writes the gradient over the logits (``compiled_softmax_gradient``): 2 bytes a logit, and the
+logits read twice instead of the eager ops' six passes over fp32 copies. It runs inside the model's forward,
+so DDP's and FSDP's hooks see the LM head used as usual. ``auto`` (the default) chunks a batch whose logits
+are more than one chunk, for models whose logits come straight from a linear head.
 
 With ``model.liger_kernel`` the same stand-in head computes the loss with liger-kernel's fused linear
 cross-entropy, a Triton kernel that does the same block by block.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,9 @@ from shardtune.data.collate import Batch
 from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.distributed.parallelize import unwrap
 from shardtune.errors import ConfigError
+
+# (logits, targets) -> the summed loss, with the logits overwritten by their gradient: ``softmax_gradient_``.
+SoftmaxGradient = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Models that change the logits after the LM head: a head that returns a loss would skip that.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
@@ -70,15 +75,20 @@ def chunk_tokens_for(setting: int | str, vocab: int | None, tokens: int) -> int:
     return chunk if tokens > chunk else 0
 
 
-def describe_loss(setting: int | str, vocab: int | None, tokens: int, fused: bool) -> str:
-    """The loss a run of micro-batches of ``tokens`` positions computes, for its log."""
+def describe_loss(setting: int | str, vocab: int | None, tokens: int, fused: bool, compiled: bool) -> str:
+    """The loss a run of micro-batches of ``tokens`` positions computes (its chunks' softmax ``compiled`` or
+    not), for its log and metrics.json."""
     if fused:
         return "loss: liger-kernel's fused linear cross-entropy (model.liger_kernel)"
     chunk = chunk_tokens_for(setting, vocab, tokens)
     key = f"training.loss_chunk_tokens: {setting}"
     if not chunk:
         return f"loss: cross-entropy over all logits at once ({key})"
-    return f"loss: cross-entropy and its gradients {chunk:,} tokens at a time in the forward pass ({key})"
+    softmax = "compiled" if compiled else "eager"
+    return (
+        f"loss: cross-entropy and its gradients {chunk:,} tokens at a time in the forward pass, the softmax "
+        f"{softmax} ({key})"
+    )
 
 
 def summed_token_loss(
@@ -87,11 +97,14 @@ def summed_token_loss(
     autocast_dtype: torch.dtype | None,
     chunk_tokens: int | str = 0,
     fused: bool = False,
+    softmax_gradient: SoftmaxGradient | None = None,
 ) -> torch.Tensor:
     """Sum of next-token cross entropies over the batch's target tokens (targets are pre-shifted).
 
     ``chunk_tokens``: at most this many positions' logits at a time (``auto``: see ``chunk_tokens_for``);
-    ``fused``: liger-kernel's fused linear cross-entropy (needs CUDA and liger-kernel).
+    ``fused``: liger-kernel's fused linear cross-entropy (needs CUDA and liger-kernel);
+    ``softmax_gradient``: what turns a chunk's logits into its loss and gradient (default the eager
+    ``softmax_gradient_``; training under ``parallel.compile`` passes ``compiled_softmax_gradient``'s).
     """
     with torch.autocast(
         batch.input_ids.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
@@ -99,7 +112,7 @@ def summed_token_loss(
         if chunk_tokens == "auto":
             chunk_tokens = chunk_tokens_for("auto", head_vocab(model), batch.targets.numel())
         if chunk_tokens or fused:
-            with _loss_head(model, batch.targets, chunk_tokens, fused):
+            with _loss_head(model, batch.targets, chunk_tokens, fused, softmax_gradient or softmax_gradient_):
                 return model(**batch.model_inputs(), use_cache=False).logits
         logits = model(**batch.model_inputs(), use_cache=False).logits
     # Softmax in fp32: bf16 logits lose the small probabilities that dominate the loss.
@@ -108,18 +121,53 @@ def summed_token_loss(
     )
 
 
+def softmax_gradient_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross entropy (fp32) of ``logits`` (rows x vocabulary) against ``targets`` (``IGNORE_INDEX``:
+    no loss), with ``logits`` overwritten by its gradient: softmax - one-hot of the target, 0 on ignored
+    rows. Eager: the softmax in an fp32 copy of the logits (10 bytes a logit at the peak)."""
+    kept = targets != IGNORE_INDEX
+    picked = targets.clamp_min(0)[:, None]
+    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
+    loss = (log_probs.gather(1, picked).squeeze(1) * kept).sum().neg()
+    probs = log_probs.exp_()
+    probs.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=probs.dtype))
+    logits.copy_(probs.mul_(kept[:, None]))
+    return loss
+
+
+def _fused_softmax_gradient_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # The form inductor fuses: one reduction kernel (logsumexp and the target's logit) and one pointwise
+    # kernel that writes the gradient over the logits, in fp32 registers only. The one-hot is a comparison
+    # with the column index, not a scatter (a scatter would need the fp32 probabilities in memory first).
+    kept = targets != IGNORE_INDEX
+    values = logits.float()
+    log_total = torch.logsumexp(values, -1, keepdim=True)
+    picked = values.gather(1, targets.clamp_min(0)[:, None])
+    loss = ((log_total - picked).squeeze(1) * kept).sum()
+    hit = torch.arange(values.shape[1], device=values.device)[None, :] == targets[:, None]
+    logits.copy_((torch.exp(values - log_total) - hit.float()) * kept[:, None])
+    return loss
+
+
+def compiled_softmax_gradient(backend: Callable) -> SoftmaxGradient:
+    """``softmax_gradient_`` as inductor kernels compiled by ``backend`` (the run's ``LayerCompiler``, which
+    falls back to eager where inductor fails). Rows are dynamic after the first shape: a batch's last,
+    shorter chunk and batches padded to their longest do not compile again."""
+    return torch.compile(_fused_softmax_gradient_, backend=backend, fullgraph=True)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """The summed cross entropy of ``hidden @ weight.T + bias`` against ``targets`` (``IGNORE_INDEX``: no
     loss), ``chunk`` rows at a time, with the gradients of ``hidden``, ``weight`` and ``bias`` computed in
-    the forward pass from each chunk's softmax, so no chunk's logits outlive it and backward recomputes
-    nothing (it scales the kept gradients by the loss's incoming gradient).
+    the forward pass from each chunk's softmax (``softmax_gradient``), so no chunk's logits outlive it and
+    backward recomputes nothing (it scales the kept gradients by the loss's incoming gradient).
 
     Written here rather than taken from liger-kernel (``model.liger_kernel``) so that it runs wherever torch
     does (CPU included, so CI tests the path GPUs run) and follows autocast as the standard loss does: bf16
     GEMMs, softmax in fp32. Ignored positions are masked, not filtered out: no host sync."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled, softmax_gradient=softmax_gradient_):
         device = hidden.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         # Under no_grad (evaluation) needs_input_grad still says which inputs require grad: nothing to compute.
@@ -136,24 +184,23 @@ class LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.shape[0], chunk):
                 part = rows[start : start + chunk].to(compute)
                 wanted = targets[start : start + chunk]
-                kept = wanted != IGNORE_INDEX
-                picked = wanted.clamp_min(0)[:, None]
-                log_probs = torch.log_softmax(F.linear(part, weight_c, bias_c), -1, dtype=torch.float32)
-                total += (log_probs.gather(1, picked).squeeze(1) * kept).sum().neg()
+                logits = F.linear(part, weight_c, bias_c)
                 if not (needs_hidden or needs_weight or needs_bias):
+                    kept = wanted != IGNORE_INDEX
+                    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
+                    total += (log_probs.gather(1, wanted.clamp_min(0)[:, None]).squeeze(1) * kept).sum().neg()
+                    del logits, log_probs  # before the next chunk's logits are allocated, not after
                     continue
-                # d(loss)/d(logits) = softmax - one-hot of the target, on kept rows only.
-                probs = log_probs.exp_()
-                probs.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=probs.dtype))
-                grad_logits = probs.to(compute)
-                del log_probs, probs
-                mask = kept[:, None].to(compute)
+                total += softmax_gradient(logits, wanted)
+                grad_logits = logits  # overwritten: d(loss)/d(logits), 0 on ignored rows
                 if needs_hidden:
-                    grad_rows[start : start + chunk] = (grad_logits @ weight_c) * mask
+                    grad_rows[start : start + chunk] = grad_logits @ weight_c
                 if needs_weight:
-                    grad_weight.add_(grad_logits.t() @ (part * mask))  # promoted as it adds: no fp32 copy
+                    grad_weight.add_(grad_logits.t() @ part)  # promoted as it adds: no fp32 copy
                 if needs_bias:
-                    grad_bias += (grad_logits * mask).float().sum(0)
+                    grad_bias += grad_logits.float().sum(0)
+                # Freed before the next chunk's logits are allocated: one chunk's at a time, not two.
+                del logits, grad_logits
         ctx.save_for_backward(
             grad_rows.view_as(hidden) if needs_hidden else None,
             grad_weight.to(weight.dtype) if needs_weight else None,
@@ -165,22 +212,32 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         # In fp32: the incoming gradient (1 / the step's target tokens) rounded to bf16 would scale by up to 0.4%.
         grads = [None if grad is None else (grad.float() * grad_total).to(grad.dtype) for grad in ctx.saved_tensors]
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 class _ChunkedLossHead(torch.nn.Module):
-    def __init__(self, head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int, fused: bool):
+    def __init__(
+        self,
+        head: torch.nn.Linear,
+        targets: torch.Tensor,
+        chunk_tokens: int,
+        fused: bool,
+        softmax_gradient: SoftmaxGradient,
+    ):
         super().__init__()
         self.head = head
         self.targets = targets
         self.chunk_tokens = chunk_tokens
         self.fused_loss = _liger_loss() if fused else None
+        self.softmax_gradient = softmax_gradient
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fused_loss is None:
             chunk = self.chunk_tokens or max(self.targets.numel(), 1)
             head, grad_enabled = self.head, torch.is_grad_enabled()
-            return LinearCrossEntropy.apply(hidden, head.weight, head.bias, self.targets, chunk, grad_enabled)
+            return LinearCrossEntropy.apply(
+                hidden, head.weight, head.bias, self.targets, chunk, grad_enabled, self.softmax_gradient
+            )
         keep = self.targets != IGNORE_INDEX
         hidden, targets = hidden[keep], self.targets[keep]
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -204,7 +261,9 @@ def _liger_loss() -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def _loss_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int, fused: bool) -> Iterator[None]:
+def _loss_head(
+    model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int, fused: bool, softmax_gradient: SoftmaxGradient
+) -> Iterator[None]:
     causal_lm = _causal_lm(model)
     head = causal_lm.get_output_embeddings()
     transforms = logit_transforms(causal_lm.config.get_text_config())
@@ -212,7 +271,7 @@ def _loss_head(model: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int,
         why = f"it transforms logits after the head ({', '.join(transforms)})" if transforms else "no linear head"
         key = "model.liger_kernel" if fused else "training.loss_chunk_tokens"
         raise ConfigError(f"{key}: not for {type(causal_lm).__name__}: {why}; turn it off")
-    causal_lm.set_output_embeddings(_ChunkedLossHead(head, targets, chunk_tokens, fused))
+    causal_lm.set_output_embeddings(_ChunkedLossHead(head, targets, chunk_tokens, fused, softmax_gradient))
     try:
         yield
     finally:

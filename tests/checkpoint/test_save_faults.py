@@ -48,6 +48,21 @@ def test_rank_killed_during_a_save_fails_the_job_and_the_restart_resumes_from_th
     assert not list(out.glob(".checkpoint-*.tmp"))
 
 
+def test_a_kill_while_rotation_removes_a_checkpoint_leaves_no_checkpoint_without_its_manifest(tmp_path):
+    out = tmp_path / "run"
+    # save_total_limit=1: saving step 4 removes checkpoint-2, and the process dies in that removal.
+    result = run(tmp_path, out, 1, *SAVING, "training.save_total_limit=1", fault="save.rotate:kill:step=4")
+    assert result.returncode != 0 and "fault injection: kill at save.rotate, step 4, rank 0" in result.log
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert_intact(out / "checkpoint-4")
+    assert (out / ".checkpoint-2.removed.tmp").is_dir()  # checkpoint-2 went aside whole before its removal
+    resumed = run(tmp_path, out, 1, *SAVING, "training.save_total_limit=1", "training.resume_from_checkpoint=auto")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert ".checkpoint-2.removed.tmp, left by an interrupted save or removal" in resumed.log
+    assert "checkpoint-4 (step 4" in resumed.log
+    assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == ["checkpoint-6"]
+
+
 def test_write_error_on_one_rank_fails_every_rank_at_once_and_commits_nothing(tmp_path):
     out = tmp_path / "run"
     # Rank 1's file size limit drops to 0 bytes as it starts writing step 4's shards: the kernel fails

@@ -8,10 +8,14 @@ from cli_runs import train
 
 
 def test_compiled_layers_train_like_eager_ones(tmp_path):
-    common = ["training.gradient_checkpointing=true", "data.pad_to=max_length", "data.max_length=64"]
+    # The chunked loss's softmax compiles too, chunks of 50 rows leaving a shorter last one.
+    common = ["training.gradient_checkpointing=true", "data.pad_to=max_length", "data.max_length=64",
+              "training.loss_chunk_tokens=50"]  # fmt: skip
     eager = train(tmp_path, "eager", 1, *common, steps=3)
     compiled = train(tmp_path, "compiled", 1, *common, "parallel.compile=true", steps=3)
     assert "torch.compile on 4 decoder layers" in compiled["log"]
+    assert "50 tokens at a time in the forward pass, the softmax compiled" in compiled["log"]
+    assert "50 tokens at a time in the forward pass, the softmax eager" in eager["log"]
     assert compiled["log"].count("graph(s) compiled in") == 1  # the compile time, once
     assert "torch.compile" not in eager["log"]  # parallel.compile: auto, the default, is off on CPU
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)

@@ -9,9 +9,18 @@ from transformers import AutoModelForCausalLM
 from shardtune.config import LoraConfig
 from shardtune.data.collate import collate
 from shardtune.data.tokenize import IGNORE_INDEX
+from shardtune.distributed.compile import LayerCompiler
 from shardtune.errors import ConfigError
 from shardtune.model.lora import apply_lora
-from shardtune.train.loss import LinearCrossEntropy, chunk_tokens_for, describe_loss, head_vocab, summed_token_loss
+from shardtune.train.loss import (
+    LinearCrossEntropy,
+    chunk_tokens_for,
+    compiled_softmax_gradient,
+    describe_loss,
+    head_vocab,
+    softmax_gradient_,
+    summed_token_loss,
+)
 
 
 def batch_with_prompts_and_padding():
@@ -58,10 +67,55 @@ def test_chunked_loss_refuses_models_that_transform_logits(tiny_model_dir):
         summed_token_loss(model, batch_with_prompts_and_padding(), None, 16)
 
 
+@pytest.fixture(scope="module")
+def compiled_softmax():
+    torch._dynamo.reset()
+    compiler = LayerCompiler()
+    yield compiler, compiled_softmax_gradient(compiler)
+    torch._dynamo.reset()
+
+
+def test_the_compiled_softmax_gradient_equals_the_eager_one_and_overwrites_the_logits(compiled_softmax):
+    """Its loss and gradient equal the eager ops' (fp32 and bf16 logits, ignored rows), written over the
+    logits with no buffer of their size (inductor's code allocates only per-row values); a second row count
+    compiles once more (dynamic rows), a third not at all."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    compiler, compiled = compiled_softmax
+    generator = torch.Generator().manual_seed(0)
+    vocab = 1000
+    for rows, dtype in ((64, torch.bfloat16), (64, torch.float32), (37, torch.bfloat16), (21, torch.bfloat16)):
+        logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
+        targets = torch.randint(0, vocab, (rows,), generator=generator)
+        targets[:5] = IGNORE_INDEX
+        eager_logits, compiled_logits = logits.clone(), logits.clone()
+        eager_loss = softmax_gradient_(eager_logits, targets)
+        code = []  # the source of what inductor compiles for this call, if anything
+        with mock.patch.object(GraphLowering, "save_output_code", code.append):
+            compiled_loss = compiled(compiled_logits, targets)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=0)
+        # Within one rounding of the logits' dtype (fp32 exp and log differ in their last bits).
+        rounding = torch.finfo(dtype).eps
+        torch.testing.assert_close(compiled_logits, eager_logits, rtol=rounding, atol=1e-6)
+        expected = torch.softmax(logits.float(), -1) - torch.nn.functional.one_hot(targets.clamp_min(0), vocab)
+        torch.testing.assert_close(compiled_logits.float()[5:], expected[5:], rtol=1e-2, atol=1e-3)
+        assert not compiled_logits[:5].any()  # ignored rows: no gradient
+        allocations = [line for source in code for line in source.splitlines() if "= empty_strided" in line]
+        assert not any(f"{vocab}" in line for line in allocations), allocations
+        assert bool(allocations) == (rows != 21)  # the dynamic graph of 37 rows serves 21
+    # 64 rows in bf16 and fp32 (a dtype change compiles again), then any row count in bf16.
+    assert compiler.graphs == 3 and compiler.failure is None
+
+
+@pytest.mark.parametrize("softmax", ["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_cross_entropy_gives_the_standard_loss_and_every_gradient(dtype):
+def test_linear_cross_entropy_gives_the_standard_loss_and_every_gradient(dtype, softmax, request):
     """Chunks of 5 rows, ignored targets, a bias, and an incoming gradient that is not 1: as autograd through
-    the logits. In bf16 (weights bf16, as a LoRA run holds its frozen head) within bf16 rounding."""
+    the logits. In bf16 (weights bf16, as a LoRA run holds its frozen head) within bf16 rounding; the
+    chunks' softmax eager and compiled."""
+    softmax_gradient = request.getfixturevalue("compiled_softmax")[1] if softmax == "compiled" else softmax_gradient_
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 7, 16, generator=generator).to(dtype)
     weight = (torch.randn(50, 16, generator=generator) / 4).to(dtype)
@@ -74,7 +128,7 @@ def test_linear_cross_entropy_gives_the_standard_loss_and_every_gradient(dtype):
     for chunked in (False, True):
         inputs = [tensor.clone().requires_grad_() for tensor in (hidden, weight, bias)]
         if chunked:
-            loss = LinearCrossEntropy.apply(*inputs, targets, 5, True)
+            loss = LinearCrossEntropy.apply(*inputs, targets, 5, True, softmax_gradient)
         else:
             logits = torch.nn.functional.linear(*inputs)
             loss = torch.nn.functional.cross_entropy(
@@ -147,19 +201,28 @@ def test_auto_chunks_a_batch_whose_logits_pass_the_limit(tiny_model_dir, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("setting", "vocab", "fused", "line"),
+    ("setting", "vocab", "fused", "compiled", "line"),
     [
         (
             "auto",
             151_936,
             False,
-            "loss: cross-entropy and its gradients 1,024 tokens at a time in the forward pass "
-            "(training.loss_chunk_tokens: auto)",
+            True,
+            "loss: cross-entropy and its gradients 1,024 tokens at a time in the forward pass, the softmax "
+            "compiled (training.loss_chunk_tokens: auto)",
         ),
-        ("auto", 32_000, False, "loss: cross-entropy over all logits at once (training.loss_chunk_tokens: auto)"),
-        (0, 151_936, False, "loss: cross-entropy over all logits at once (training.loss_chunk_tokens: 0)"),
-        ("auto", 151_936, True, "loss: liger-kernel's fused linear cross-entropy (model.liger_kernel)"),
+        (
+            300,
+            151_936,
+            False,
+            False,
+            "loss: cross-entropy and its gradients 300 tokens at a time in the forward pass, the softmax "
+            "eager (training.loss_chunk_tokens: 300)",
+        ),
+        ("auto", 32_000, False, True, "loss: cross-entropy over all logits at once (training.loss_chunk_tokens: auto)"),
+        (0, 151_936, False, True, "loss: cross-entropy over all logits at once (training.loss_chunk_tokens: 0)"),
+        ("auto", 151_936, True, True, "loss: liger-kernel's fused linear cross-entropy (model.liger_kernel)"),
     ],
 )
-def test_the_log_names_the_loss(setting, vocab, fused, line):
-    assert describe_loss(setting, vocab, 8_192, fused) == line
+def test_the_log_names_the_loss(setting, vocab, fused, compiled, line):
+    assert describe_loss(setting, vocab, 8_192, fused, compiled) == line
