@@ -259,16 +259,20 @@ checkpoint-parts)
     ;;
 compiled-loss)
     # The chunked loss's softmax compiled (under parallel.compile, the default on CUDA): the loss alone (eager
-    # and compiled chunks), then on one H200 the routed-expert run held under HF + PEFT's peak (79.6 GiB) at a
-    # memory budget of 79 GiB, and Qwen3 LoRA on attention, each against HF in the same run.
+    # and compiled chunks), then on one H200 the routed-expert run held under HF + PEFT's peak (79.6 GiB) at
+    # memory budgets of 79 and 79.5 GiB, Qwen3 LoRA on attention and GLM-4.5-Air (20 layers), each against HF
+    # in the same run.
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
     qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
     if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" loss-kernels "* ]]; then
         python3 benchmarks/loss_kernels.py --out "$results/loss_kernels.txt"
     fi
-    bench loss-qwen3-experts-budget79 "${qwen3[@]}" 'lora.moe_targets=[attention,routed_experts]' \
-        training.memory_budget_gib=79
+    for budget in 79 79.5; do
+        bench "loss-qwen3-experts-budget${budget/./}" "${qwen3[@]}" 'lora.moe_targets=[attention,routed_experts]' \
+            "training.memory_budget_gib=$budget"
+    done
     bench loss-qwen3-attn "${qwen3[@]}"
+    bench loss-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all
