@@ -383,7 +383,12 @@ class Checkpointer:
         # its manifest, only a partial that the next start clears (``remove_partial``).
         for old in checkpoints[: max(0, len(checkpoints) - limit)]:
             doomed = old.with_name(f".{old.name}.removed.tmp")
-            os.replace(old, doomed)
+            try:
+                os.replace(old, doomed)
+            except OSError as error:
+                # The checkpoint just saved is committed: a copy that cannot go only costs disk space.
+                log.warning("could not remove %s (save_total_limit=%d): %s; it stays", old, limit, error)
+                continue
             fault_point("save.rotate", step)
             shutil.rmtree(doomed, ignore_errors=True)
             log.info("removed %s (save_total_limit=%d)", old, limit)

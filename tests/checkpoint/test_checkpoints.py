@@ -129,6 +129,34 @@ def test_partial_checkpoints_are_ignored_and_missing_files_named(tmp_path):
     assert f"model/{shard.name} (written by rank 0 on" in result.stderr
 
 
+def test_rotation_that_cannot_move_a_checkpoint_aside_keeps_it_and_fails_nothing(tmp_path, caplog):
+    """save_total_limit=1 after saving step 3: checkpoint-1 goes, checkpoint-2 cannot be renamed aside (a
+    non-empty directory already holds its partial's name) and stays, with a warning; nothing raises."""
+    from types import SimpleNamespace
+
+    from shardtune.checkpoint.checkpointer import Checkpointer
+    from shardtune.checkpoint.layout import MANIFEST_KEYS, complete_checkpoints
+
+    for step in (1, 2, 3):
+        checkpoint = tmp_path / f"checkpoint-{step}"
+        (checkpoint / "model").mkdir(parents=True)
+        (checkpoint / "manifest.json").write_text(json.dumps(dict.fromkeys(MANIFEST_KEYS, step)))
+        (checkpoint / "trainer.json").write_text("{}")
+        (checkpoint / "config.yaml").write_text("")
+    blocker = tmp_path / ".checkpoint-2.removed.tmp"
+    blocker.mkdir()
+    (blocker / "file").write_text("x")
+    limit = SimpleNamespace(training=SimpleNamespace(save_total_limit=1))
+    rotating = SimpleNamespace(config=limit, output_dir=tmp_path)
+    with caplog.at_level("INFO", logger="shardtune"):
+        Checkpointer._rotate(rotating, 3)
+    assert [path.name for path in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+    assert not (tmp_path / ".checkpoint-1.removed.tmp").exists()
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"could not remove {tmp_path / 'checkpoint-2'}")
+    assert warnings[0].endswith("; it stays")
+
+
 def test_kill_during_saves_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen(
