@@ -121,17 +121,23 @@ def summed_token_loss(
     )
 
 
+def _log_softmax_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 log-probabilities of ``logits`` (rows x vocabulary) and their summed cross entropy against
+    ``targets`` (``IGNORE_INDEX``: no loss)."""
+    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
+    picked = log_probs.gather(1, targets.clamp_min(0)[:, None]).squeeze(1)
+    return log_probs, (picked * (targets != IGNORE_INDEX)).sum().neg()
+
+
 def softmax_gradient_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed cross entropy (fp32) of ``logits`` (rows x vocabulary) against ``targets`` (``IGNORE_INDEX``:
     no loss), with ``logits`` overwritten by its gradient: softmax - one-hot of the target, 0 on ignored
     rows. Eager: the softmax in an fp32 copy of the logits (10 bytes a logit at the peak)."""
-    kept = targets != IGNORE_INDEX
+    log_probs, loss = _log_softmax_loss(logits, targets)
     picked = targets.clamp_min(0)[:, None]
-    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
-    loss = (log_probs.gather(1, picked).squeeze(1) * kept).sum().neg()
     probs = log_probs.exp_()
     probs.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=probs.dtype))
-    logits.copy_(probs.mul_(kept[:, None]))
+    logits.copy_(probs.mul_((targets != IGNORE_INDEX)[:, None]))
     return loss
 
 
@@ -186,21 +192,18 @@ class LinearCrossEntropy(torch.autograd.Function):
                 wanted = targets[start : start + chunk]
                 logits = F.linear(part, weight_c, bias_c)
                 if not (needs_hidden or needs_weight or needs_bias):
-                    kept = wanted != IGNORE_INDEX
-                    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
-                    total += (log_probs.gather(1, wanted.clamp_min(0)[:, None]).squeeze(1) * kept).sum().neg()
-                    del logits, log_probs  # before the next chunk's logits are allocated, not after
+                    total += _log_softmax_loss(logits, wanted)[1]
+                    del logits  # before the next chunk's logits are allocated, not after
                     continue
-                total += softmax_gradient(logits, wanted)
-                grad_logits = logits  # overwritten: d(loss)/d(logits), 0 on ignored rows
+                total += softmax_gradient(logits, wanted)  # logits now hold d(loss)/d(logits), 0 on ignored rows
                 if needs_hidden:
-                    grad_rows[start : start + chunk] = grad_logits @ weight_c
+                    grad_rows[start : start + chunk] = logits @ weight_c
                 if needs_weight:
-                    grad_weight.add_(grad_logits.t() @ part)  # promoted as it adds: no fp32 copy
+                    grad_weight.add_(logits.t() @ part)  # promoted as it adds: no fp32 copy
                 if needs_bias:
-                    grad_bias += grad_logits.float().sum(0)
+                    grad_bias += logits.float().sum(0)
                 # Freed before the next chunk's logits are allocated: one chunk's at a time, not two.
-                del logits, grad_logits
+                del logits
         ctx.save_for_backward(
             grad_rows.view_as(hidden) if needs_hidden else None,
             grad_weight.to(weight.dtype) if needs_weight else None,
