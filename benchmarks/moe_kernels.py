@@ -10,7 +10,10 @@
 - the sum of each token's k expert-sorted rows back to token order, compiled, in the two forms inductor
   can be given: a reduction over a (tokens, k, H) view of the gathered rows, and a running sum over the k
   gathers (``shardtune/model/fused_moe.py:_sum_rows``, compiled); a copy of the rows is the bandwidth
-  reference.
+  reference;
+- the weighted SiLU (``WeightedSiluMul``): its backward as inductor compiles the torch ops against
+  shardtune's Triton kernel (``shardtune/model/weighted_silu_kernel.py``), and its forward compiled with
+  static shapes against ``dynamic=True``, with the bytes each must move.
 
 A time is the device's time per call over 20 calls issued back to back (CUDA events; the median of 5
 such runs), as in a training step, where the host issues work ahead of the device. For quack, whose
@@ -22,6 +25,7 @@ synchronization after it, host and device together: ``results/moe_kernels_h200.t
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,9 +33,11 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 
+from shardtune.model.fused_moe import _silu_operands, _weighted_silu_mul
 from shardtune.model.fused_moe import _sum_rows as sum_rows
 from shardtune.model.grouped_gemm import grouped_mm as shardtune_grouped_mm
 from shardtune.model.grouped_gemm import quack_unavailable
+from shardtune.model.weighted_silu_kernel import weighted_silu_mul_backward
 
 # (name, experts, hidden, expert width, routed rows: 8,192 tokens x top_k)
 SHAPES = [("qwen3-30b-a3b", 128, 2048, 768, 8192 * 8), ("glm-4.5-air", 128, 4096, 1408, 8192 * 8),
@@ -133,6 +139,46 @@ def row_sums(report) -> None:
         report(f"  {name:14s} k={top_k}  {times[0] * 1e6:6.0f} us | {times[1] * 1e6:6.0f} us | {copy * 1e6:6.0f} us")
 
 
+def silu_backward_as_torch_ops(gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor):
+    """WeightedSiluMul's backward in the torch ops it ran as before the Triton kernel (compiled: in fp32)."""
+    gate, up, weights = _silu_operands(gate_up, row_weights, torch.float32)
+    grad = grad.float()
+    sigmoid = torch.sigmoid(gate)
+    silu = gate * sigmoid
+    grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
+    grad = grad * weights
+    grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
+    return torch.cat([grad_gate, grad * silu], dim=-1).to(gate_up.dtype), grad_weights
+
+
+def weighted_silu(report) -> None:
+    report("weighted SiLU backward: inductor's kernels for the torch ops | Triton kernel (same input gradient?)")
+    for name, _, _, width, rows in SHAPES:
+        gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16)
+        row_weights = torch.rand(rows, device="cuda")
+        grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+        moved = (2 * gate_up.numel() + grad.numel()) * 2  # read gate/up and grad, write the gate/up gradient
+        torch._dynamo.reset()
+        compiled = torch.compile(silu_backward_as_torch_ops)
+        operands = (gate_up, row_weights, grad)
+        times = [seconds(compiled, *operands), seconds(weighted_silu_mul_backward, *operands)]
+        same = torch.equal(compiled(*operands)[0], weighted_silu_mul_backward(*operands)[0])
+        rates = [f"{time * 1e6:6.0f} us {moved / time / 1e12:4.2f} TB/s" for time in times]
+        report(f"  {name:14s} {' | '.join(rates)} ({'equal' if same else 'DIFFERENT'})")
+    report("weighted SiLU forward, compiled: static shapes | dynamic=True")
+    for name, _, _, width, rows in SHAPES:
+        gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16)
+        row_weights = torch.rand(rows, device="cuda")
+        moved = (gate_up.numel() + rows * width) * 2
+        times = []
+        for dynamic in (None, True):
+            torch._dynamo.reset()
+            forward = torch.compile(functools.partial(_weighted_silu_mul, compute=torch.float32), dynamic=dynamic)
+            times.append(seconds(forward, gate_up, row_weights))
+        rates = [f"{time * 1e6:6.0f} us {moved / time / 1e12:4.2f} TB/s" for time in times]
+        report(f"  {name:14s} {' | '.join(rates)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the report to this file")
@@ -147,6 +193,7 @@ def main() -> None:
         lines.append(line)
 
     report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    weighted_silu(report)
     row_sums(report)
     grouped_gemms(report, triton=not args.no_triton)
     if args.out:

@@ -45,6 +45,11 @@ from shardtune.model.moe import (
     token_statistics,
 )
 
+try:  # Triton ships with CUDA builds of torch; without it WeightedSiluMul's backward runs as torch ops
+    from shardtune.model.weighted_silu_kernel import runs_on, weighted_silu_mul_backward
+except ImportError:
+    weighted_silu_mul_backward = None
+
 log = logging.getLogger("shardtune")
 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
@@ -632,8 +637,11 @@ def _low_rank_weight_grad(
 @functools.cache
 def _compiled_weighted_silu_mul() -> Callable:
     # One fused kernel: run op by op in fp32, the recomputation read and wrote every row 6 times and cost 8.5% of
-    # a step (Qwen3-30B-A3B, LoRA on the routed experts, one H200: 15,432 against 16,734 tokens/s).
-    return torch.compile(functools.partial(_weighted_silu_mul, compute=torch.float32), dynamic=True)
+    # a step (Qwen3-30B-A3B, LoRA on the routed experts, one H200: 15,432 against 16,734 tokens/s). Shapes are
+    # left to dynamo, which makes only a dimension that changes symbolic (the rows, under expert parallelism):
+    # compiled with dynamic=True, the width was symbolic too, every element's index a 64-bit division by a
+    # run-time value, and the kernel took 195 against 73 us at Qwen3-30B-A3B's shape (one H200).
+    return torch.compile(functools.partial(_weighted_silu_mul, compute=torch.float32))
 
 
 @regathered_weight_grad.register_fake
@@ -648,10 +656,12 @@ def _(gate_up, row_weights, grad, offsets, a, fp32):
 
 class WeightedSiluMul(torch.autograd.Function):
     """weight * SiLU(gate) * up for each row of a [gate | up] GEMM output and the row's fp32 routing weight;
-    backward keeps only the GEMM output (and the weights). Compiled, inductor fuses it into one kernel that
-    computes in fp32 and rounds once; eager, the math runs in the GEMM output's dtype: unfused fp32 copies
-    of every row made eager bf16 steps 10% slower (Qwen3-30B-A3B LoRA, every layer checkpointed, one H200:
-    7,590 against 8,453 tokens/s)."""
+    backward keeps only the GEMM output (and the weights). Compiled, inductor fuses the forward into one
+    kernel that computes in fp32 and rounds once; eager, the math runs in the GEMM output's dtype: unfused
+    fp32 copies of every row made eager bf16 steps 10% slower (Qwen3-30B-A3B LoRA, every layer checkpointed,
+    one H200: 7,590 against 8,453 tokens/s). On CUDA the backward, compiled or eager, is one Triton kernel in
+    fp32 (``weighted_silu_kernel.py``: 2.3x faster than inductor's kernels for it); elsewhere, torch ops in
+    the forward's precision."""
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
@@ -661,6 +671,8 @@ class WeightedSiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up, row_weights = ctx.saved_tensors
+        if weighted_silu_mul_backward is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+            return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
         gate, up, weights = _silu_operands(gate_up, row_weights, _silu_precision(gate_up))
         grad = grad.to(gate.dtype)
         sigmoid = torch.sigmoid(gate)
