@@ -18,7 +18,9 @@
 # shardtune[quack]), moe-loss (the chunked loss: the loss alone, and Qwen3-30B-A3B against HF),
 # checkpoint-parts (auto recomputing parts of layers against whole layers; BENCH_ONLY splits it: the first
 # four runs on an 80 GB GPU, the others on one H200), compiled-loss (the chunked loss's softmax compiled:
-# the loss alone, and the routed-expert run under HF's peak; BENCH_ONLY: loss-kernels and run names). Each
+# the loss alone, and the routed-expert run under HF's peak; BENCH_ONLY: loss-kernels and run names),
+# weighted-silu (the weighted SiLU's backward kernel: the MoE kernels alone, and the three Qwen3-30B-A3B and
+# GLM-4.5-Air runs against HF; BENCH_ONLY: moe-kernels and run names). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -273,6 +275,20 @@ compiled-loss)
     done
     bench loss-qwen3-attn "${qwen3[@]}"
     bench loss-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
+    ;;
+weighted-silu)
+    # The weighted SiLU's backward as one Triton kernel: the MoE kernels alone, then on one H200 the
+    # routed-expert run held under HF + PEFT's peak (79.6 GiB), Qwen3 LoRA on attention and GLM-4.5-Air (20
+    # layers), each against HF in the same run.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --no-triton --out "$results/moe_kernels.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench silu-qwen3-experts-budget795 "${qwen3[@]}" 'lora.moe_targets=[attention,routed_experts]' \
+        training.memory_budget_gib=79.5
+    bench silu-qwen3-attn "${qwen3[@]}"
+    bench silu-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all
