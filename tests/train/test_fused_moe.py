@@ -21,7 +21,7 @@ from shardtune.distributed.activations import apply_activation_checkpointing
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model import grouped_gemm
-from shardtune.model.fused_moe import FusedMoeBlock, route, use_fused_experts
+from shardtune.model.fused_moe import Fp32Linear, FusedMoeBlock, route, use_fused_experts
 from shardtune.model.grouped_gemm import quack_unavailable, resolve_grouped_gemm
 from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
@@ -612,6 +612,35 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     for name, value in expected.items():
         assert torch.equal(counted[name], value), name
         assert torch.equal(fallen_back[name], value), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_router_logits_on_a_gpu_are_accumulated_and_written_in_fp32(compiled):
+    """On a GPU the router multiplies bf16 operands on tensor cores into fp32: within fp32's summation error
+    of the exact product (bf16 accumulation or output would be off by about 2e-3), eager and compiled, and its
+    gradients are those of the exact product rounded to bf16. No fp32 copy of the tokens is made (2 MiB here)."""
+    torch.manual_seed(0)
+    tokens = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    product = torch.compile(Fp32Linear.apply, fullgraph=True) if compiled else Fp32Linear.apply
+    product(tokens, weight)  # compiled: compile first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    logits = product(tokens, weight)
+    assert torch.cuda.max_memory_allocated() - before <= logits.numel() * 4 + 2**16
+    exact = tokens.detach().double() @ weight.detach().double().t()
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    grad = torch.randn_like(logits)
+    logits.backward(grad)
+    for got, expected in ((tokens.grad, grad.double() @ weight.detach().double()),
+                          (weight.grad, grad.double().t() @ tokens.detach().double())):  # fmt: skip
+        torch.testing.assert_close(
+            got, expected.to(torch.bfloat16), rtol=2**-7, atol=1e-3 * expected.abs().max().item()
+        )
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per-expert", "shared"])
