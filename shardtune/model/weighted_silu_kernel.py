@@ -6,8 +6,8 @@ pass, computing in fp32 and rounding once. Written here because inductor does no
 lowers the concatenation of the two halves to a kernel that loads every operand under a mask for each
 output element (7 loads an element) and runs the weight's dot product as a second kernel over the same
 rows, 1.7-1.9 TB/s together. This kernel reads each operand once, 4.1-4.2 TB/s, on one H200
-(``benchmarks/moe_kernels.py``): 122 against 285 us at Qwen3-30B-A3B's shape (65,536 rows, 768 wide), 218
-against 530 at GLM-4.5-Air's and 566 against 1,237 at Mixtral-8x7B's, with the same input gradient bit for
+(``benchmarks/moe_kernels.py``): 119 against 285 us at Qwen3-30B-A3B's shape (65,536 rows, 768 wide), 219
+against 527 at GLM-4.5-Air's and 567 against 1,229 at Mixtral-8x7B's, with the same input gradient bit for
 bit.
 
 It is a ``torch.library.triton_op``, so a compiled graph calls the kernel itself. Importing this module needs
