@@ -645,7 +645,7 @@ def _compiled_weighted_silu_mul() -> Callable:
     # a step (Qwen3-30B-A3B, LoRA on the routed experts, one H200: 15,432 against 16,734 tokens/s). Shapes are
     # left to dynamo, which makes only a dimension that changes symbolic (the rows, under expert parallelism):
     # compiled with dynamic=True, the width was symbolic too, every element's index a 64-bit division by a
-    # run-time value, and the kernel took 195 against 73 us at Qwen3-30B-A3B's shape (one H200).
+    # run-time value, and the kernel took 196 against 74 us at Qwen3-30B-A3B's shape (one H200).
     return torch.compile(functools.partial(_weighted_silu_mul, compute=torch.float32))
 
 
