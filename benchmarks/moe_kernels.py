@@ -33,8 +33,8 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 
-from shardtune.model.fused_moe import _silu_operands, _weighted_silu_mul
 from shardtune.model.fused_moe import _sum_rows as sum_rows
+from shardtune.model.fused_moe import _weighted_silu_mul, weighted_silu_mul_backward_ops
 from shardtune.model.grouped_gemm import grouped_mm as shardtune_grouped_mm
 from shardtune.model.grouped_gemm import quack_unavailable
 from shardtune.model.weighted_silu_kernel import weighted_silu_mul_backward
@@ -139,18 +139,6 @@ def row_sums(report) -> None:
         report(f"  {name:14s} k={top_k}  {times[0] * 1e6:6.0f} us | {times[1] * 1e6:6.0f} us | {copy * 1e6:6.0f} us")
 
 
-def silu_backward_as_torch_ops(gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor):
-    """WeightedSiluMul's backward in the torch ops it ran as before the Triton kernel (compiled: in fp32)."""
-    gate, up, weights = _silu_operands(gate_up, row_weights, torch.float32)
-    grad = grad.float()
-    sigmoid = torch.sigmoid(gate)
-    silu = gate * sigmoid
-    grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
-    grad = grad * weights
-    grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
-    return torch.cat([grad_gate, grad * silu], dim=-1).to(gate_up.dtype), grad_weights
-
-
 def weighted_silu(report) -> None:
     report("weighted SiLU backward: inductor's kernels for the torch ops | Triton kernel (same input gradient?)")
     for name, _, _, width, rows in SHAPES:
@@ -159,7 +147,8 @@ def weighted_silu(report) -> None:
         grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
         moved = (2 * gate_up.numel() + grad.numel()) * 2  # read gate/up and grad, write the gate/up gradient
         torch._dynamo.reset()
-        compiled = torch.compile(silu_backward_as_torch_ops)
+        # the torch ops it ran as before the Triton kernel, compiled (in fp32, as in a compiled layer)
+        compiled = torch.compile(functools.partial(weighted_silu_mul_backward_ops, compute=torch.float32))
         operands = (gate_up, row_weights, grad)
         times = [seconds(compiled, *operands), seconds(weighted_silu_mul_backward, *operands)]
         same = torch.equal(compiled(*operands)[0], weighted_silu_mul_backward(*operands)[0])

@@ -103,6 +103,16 @@ DEEPSEEK_V3 = {
 FUSED_MOE_ARCHITECTURES = {**MOE_ARCHITECTURES, "deepseek_v3": DEEPSEEK_V3}
 
 
+def kernel_sized_qwen3_moe():
+    """A Qwen3-MoE config for the GPU tests of the fused block's kernels: wide enough to fill their tiles
+    (hidden 256, 16 experts 128 wide, 4 a token)."""
+    return AutoConfig.for_model(
+        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+        num_experts_per_tok=4,
+    )  # fmt: skip
+
+
 def tiny_config(architecture: str):
     return AutoConfig.for_model(
         architecture, **{**COMMON, **{**ARCHITECTURES, **FUSED_MOE_ARCHITECTURES}[architecture]}

@@ -678,14 +678,22 @@ class WeightedSiluMul(torch.autograd.Function):
         gate_up, row_weights = ctx.saved_tensors
         if weighted_silu_mul_backward is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
             return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-        gate, up, weights = _silu_operands(gate_up, row_weights, _silu_precision(gate_up))
-        grad = grad.to(gate.dtype)
-        sigmoid = torch.sigmoid(gate)
-        silu = gate * sigmoid
-        grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
-        grad = grad * weights
-        grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
-        return torch.cat([grad_gate, grad * silu], dim=-1).to(gate_up.dtype), grad_weights
+        return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _silu_precision(gate_up))
+
+
+def weighted_silu_mul_backward_ops(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """WeightedSiluMul's backward as torch ops computing in ``compute``: (the gradient of ``gate_up`` in its
+    dtype, the fp32 gradient of ``row_weights``)."""
+    gate, up, weights = _silu_operands(gate_up, row_weights, compute)
+    grad = grad.to(compute)
+    sigmoid = torch.sigmoid(gate)
+    silu = gate * sigmoid
+    grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
+    grad = grad * weights
+    grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
+    return torch.cat([grad_gate, grad * silu], dim=-1).to(gate_up.dtype), grad_weights
 
 
 def _silu_precision(gate_up: torch.Tensor) -> torch.dtype:

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from cli_runs import jsonl, train
-from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
+from tiny_models import FUSED_MOE_ARCHITECTURES, kernel_sized_qwen3_moe, write_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import LoraConfig, ModelConfig
@@ -567,12 +567,7 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     assert resolve_grouped_gemm("auto", cuda, 1408) == "torch"
     assert resolve_grouped_gemm("quack", cuda, 14336) == "quack"
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
-        num_experts_per_tok=4,
-    )  # fmt: skip
-    base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    base = AutoModelForCausalLM.from_config(kernel_sized_qwen3_moe(), dtype=torch.bfloat16).cuda()
     base.config.use_cache = False
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0, moe_targets=targets)
     base = apply_lora(base, lora)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tiny_models import kernel_sized_qwen3_moe
+from transformers import AutoModelForCausalLM
 
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model import fused_moe
@@ -26,7 +27,8 @@ def test_the_kernel_equals_the_torch_ops_and_serves_the_fused_block():
     """Interpreted on CPU: the kernel's input gradient is within one rounding of the fp32 math and its weight
     gradient within 1e-5, for widths of a partial tile, two tiles and fp32 rows; a tiny Qwen3-MoE model's every
     gradient is the same through the kernel as through the torch ops, and its two MoE layers call the kernel."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests = str(CHECK.parent.parent)  # for tiny_models
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == "kernel calls: 2"
@@ -39,12 +41,7 @@ def test_compiled_bf16_blocks_train_through_the_kernel_like_through_inductors_ke
     model through inductor's kernels for the torch ops, to bf16's precision, and the compiled backward graphs
     call the kernel."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
-        num_experts_per_tok=4,
-    )  # fmt: skip
-    base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    base = AutoModelForCausalLM.from_config(kernel_sized_qwen3_moe(), dtype=torch.bfloat16).cuda()
     base.config.use_cache = False
     fused_moe.use_fused_experts(base, decoder_layers(base), "fused", "torch", torch.device("cuda"))
     ids = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))

@@ -1,14 +1,16 @@
 """Run by ``test_weighted_silu_kernel.py`` with TRITON_INTERPRET=1 set (the Triton kernel then runs on CPU
 tensors): the weighted SiLU's backward kernel against the same math in fp32 torch ops, and a fused MoE
-model whose every gradient is the same through the kernel as through the torch ops. Exits non-zero, with
-the reason, when one differs; prints the kernel's call count on success."""
+model whose every gradient is the same through the kernel as through the torch ops (``tests`` on
+PYTHONPATH, for tiny_models). Exits non-zero, with the reason, when one differs; prints the kernel's call
+count on success."""
 
 from __future__ import annotations
 
 import sys
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tiny_models import tiny_config
+from transformers import AutoModelForCausalLM
 
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model import fused_moe
@@ -55,12 +57,7 @@ def check_block() -> int:
     """Every gradient of a tiny Qwen3-MoE model with fused experts through the kernel and through the torch
     ops (fp32, where the two compute alike); the number of kernel calls."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=2,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float32)
     model.config.use_cache = False
     fused_moe.use_fused_experts(model, decoder_layers(model), "fused")
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
