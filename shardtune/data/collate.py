@@ -40,12 +40,17 @@ class Batch:
             move(self.real_tokens),
         )
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    def model_inputs(self, one_row: bool = False) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments. ``one_row``: packed rows laid end to end as a batch of one row, the
+        only batch in which transformers' flash attention implementations find the examples' boundaries
+        (from the position ids; the loss flattens rows in the same order)."""
         inputs = {"input_ids": self.input_ids}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+            if one_row:
+                return {key: value.reshape(1, -1) for key, value in inputs.items()}
         return inputs
 
 

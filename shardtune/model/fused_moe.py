@@ -385,7 +385,12 @@ def routed_experts(
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up)
     top_k = chosen.shape[1]
+    experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
     flat = chosen.reshape(-1)
+    if experts_total <= torch.iinfo(torch.int16).max:
+        # A radix sort makes one pass per key byte: 2 over 16-bit keys where int64 ids take 8, for the same
+        # stable order (SORT_KEYS_MEASURED).
+        flat = flat.to(torch.int16)
     expert_of_row, order = torch.sort(flat, stable=True)  # row p of the sorted layout is pair order[p]
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs

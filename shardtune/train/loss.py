@@ -111,14 +111,22 @@ def summed_token_loss(
     ):
         if chunk_tokens == "auto":
             chunk_tokens = chunk_tokens_for("auto", head_vocab(model), batch.targets.numel())
+        inputs = batch.model_inputs(one_row=packs_in_one_row(model))
         if chunk_tokens or fused:
             with _loss_head(model, batch.targets, chunk_tokens, fused, softmax_gradient or softmax_gradient_):
-                return model(**batch.model_inputs(), use_cache=False).logits
-        logits = model(**batch.model_inputs(), use_cache=False).logits
+                return model(**inputs, use_cache=False).logits
+        logits = model(**inputs, use_cache=False).logits
     # Softmax in fp32: bf16 logits lose the small probabilities that dominate the loss.
     return F.cross_entropy(
         logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def packs_in_one_row(model: torch.nn.Module) -> bool:
+    """Whether ``model`` keeps packed examples apart only within a batch of one row: transformers' flash
+    attention implementations take the examples' boundaries from the position ids of a single row; with
+    several rows they would attend across them (sdpa, eager and FlexAttention isolate them in any batch)."""
+    return getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_4")
 
 
 def _log_softmax_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -531,6 +531,25 @@ def test_the_block_keeps_no_output_rows_for_backward(moe_dirs):
     assert sum(kept.values()) <= bound < sum(kept.values()) + output_rows
 
 
+def test_the_pairs_are_sorted_by_expert_on_16_bit_keys(moe_dirs):
+    """A radix sort makes one pass per key byte: the block's one sort takes int16 expert ids, not int64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SortKeys(TorchDispatchMode):
+        dtypes: list[torch.dtype] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.sort:
+                self.dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    model = fused_copy(build(moe_dirs["qwen3_moe"]))
+    block = find_moe_blocks(model, decoder_layers(model))[0].block
+    with SortKeys() as sorts:
+        block(torch.randn(2, 8, model.config.hidden_size))
+    assert sorts.dtypes == [torch.int16]
+
+
 def test_grouped_gemm_choice(moe_dirs, caplog):
     """``model.grouped_gemm``: auto is torch where quack cannot run (here: no CUDA device), quack asked for
     there is an error naming the key and what to do, and the log names the kernel in use."""

@@ -226,3 +226,49 @@ def test_auto_chunks_a_batch_whose_logits_pass_the_limit(tiny_model_dir, monkeyp
 )
 def test_the_log_names_the_loss(setting, vocab, fused, compiled, line):
     assert describe_loss(setting, vocab, 8_192, fused, compiled) == line
+
+
+def packed_batch_of_two_rows():
+    """Two rows of two packed examples each; the positions restart where each example begins."""
+    generator = torch.Generator().manual_seed(3)
+    sequences = []
+    for lengths in ((12, 18), (20, 7)):
+        ids = torch.randint(3, 1000, (sum(lengths),), generator=generator).numpy()
+        targets = ids.copy()
+        targets[lengths[0] - 1] = IGNORE_INDEX  # no example predicts the next one's first token
+        positions = torch.cat([torch.arange(n) for n in lengths]).numpy().astype("int32")
+        sequences.append((ids, targets, positions))
+    return collate(sequences, pad_token_id=0, packed=True)
+
+
+def test_flash_attention_models_get_packed_rows_as_one_row_with_the_same_loss(tiny_model_dir):
+    """transformers' flash attention implementations isolate packed examples only in a one-row batch: such a
+    model gets the rows laid end to end. The loss of that one row is the loss of the rows (sdpa, which runs
+    here under a config that names flash attention, isolates the examples either way); other implementations
+    keep their rows."""
+    import copy
+
+    class NamesFlashAttention(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module, implementation: str):
+            super().__init__()
+            self.model = model
+            self.config = copy.copy(model.config)
+            self.config._attn_implementation = implementation
+            self.seen: list[dict] = []
+
+        def forward(self, **inputs):
+            self.seen.append(inputs)
+            return self.model(**inputs)
+
+    batch = packed_batch_of_two_rows()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    rows = summed_token_loss(model, batch, None)
+    for implementation in ("flash_attention_4", "flash_attention_2", "sdpa"):
+        wrapper = NamesFlashAttention(model, implementation)
+        assert summed_token_loss(wrapper, batch, None).item() == pytest.approx(rows.item(), rel=1e-6)
+        if implementation == "sdpa":
+            assert wrapper.seen[-1]["input_ids"].shape == batch.input_ids.shape
+        else:
+            assert wrapper.seen[-1]["input_ids"].shape == (1, batch.input_ids.numel())
+            assert torch.equal(wrapper.seen[-1]["position_ids"], batch.position_ids.reshape(1, -1))
