@@ -32,9 +32,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     name_or_path: str = Field(description="Local model directory or Hugging Face hub id.")
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    attn_implementation: Literal[
-        "auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_4"
-    ] = Field("auto", description="auto: flex_attention for packed sequences on GPUs, sdpa otherwise")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "auto", description="auto: flex_attention for packed sequences on GPUs, sdpa otherwise"
+    )
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = "pretrained"
     init_routing: Literal["random", "balanced", "skewed"] = Field(

@@ -19,7 +19,6 @@ from faulty_runs import command, worker_env
 from test_doctor import free_port, table
 
 from shardtune.doctor.report import FAIL
-from shardtune.errors import ConfigError
 
 HOST = socket.gethostname()
 
@@ -183,38 +182,6 @@ def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
     )  # fmt: skip
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     assert table(doctor.stdout)["0", "kernels"] == (FAIL, FLASH)
-
-
-FLASH4_PACKAGE = (
-    "model.attn_implementation: flash_attention_4 needs the flash-attn-4 package, which is not installed: "
-    "pip install 'shardtune[flash4]', or set model.attn_implementation: sdpa"
-)
-FLASH4_DEVICE = (
-    "model.attn_implementation: flash_attention_4 trains on CUDA GPUs of compute capability 9.0 or newer "
-    "(Hopper, Blackwell), not on cpu; set model.attn_implementation: sdpa"
-)
-
-
-def test_flash_attention_4_where_it_cannot_train_is_one_line_before_anything_is_loaded(tmp_path, monkeypatch):
-    import importlib.metadata
-
-    from shardtune.config import load_config
-    from shardtune.model.load import training_attention
-
-    installed = True
-    try:
-        importlib.metadata.distribution("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        installed = False
-    if not installed:
-        assert_one_line(train(tmp_path, 1, "model.attn_implementation=flash_attention_4"), FLASH4_PACKAGE)
-        assert not (tmp_path / "run").exists()
-    # With the package there, a CPU still cannot run its backward.
-    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object())
-    config = load_config("examples/quickstart.yaml", ["model.attn_implementation=flash_attention_4"])
-    with pytest.raises(ConfigError) as raised:
-        training_attention(config, torch.device("cpu"))
-    assert str(raised.value) == FLASH4_DEVICE
 
 
 def test_quack_grouped_gemm_where_it_cannot_run_is_one_line_before_anything_is_loaded(tmp_path):

@@ -42,7 +42,7 @@ class Batch:
 
     def model_inputs(self, one_row: bool = False) -> dict[str, torch.Tensor]:
         """The model's keyword arguments. ``one_row``: packed rows laid end to end as a batch of one row, the
-        only batch in which transformers' flash attention implementations find the examples' boundaries
+        only batch in which transformers' flash attention finds the examples' boundaries
         (from the position ids; the loss flattens rows in the same order)."""
         inputs = {"input_ids": self.input_ids}
         if self.attention_mask is not None:

@@ -2,7 +2,8 @@
 
 Each example's ``position_ids`` restart at 0. Given position ids like these and no attention mask
 (and no KV cache), transformers builds attention that stays within each example for the sdpa,
-eager and flex_attention implementations, and uses the variable-length kernels for flash attention;
+eager and flex_attention implementations, and uses the variable-length kernels for flash attention in a
+batch of one row (``Batch.model_inputs(one_row=True)``: the loss lays packed rows end to end for it);
 targets were shifted per example, so no example predicts the next one's first token.
 """
 

@@ -6,7 +6,6 @@ and evaluation all build it the same way, with the same dtypes, attention and Lo
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -31,11 +30,7 @@ log = logging.getLogger(__name__)
 
 # The class attribute by which a transformers model says it runs an attention implementation; eager
 # runs everywhere.
-ATTENTION_SUPPORT = {
-    "sdpa": "_supports_sdpa",
-    "flex_attention": "_supports_flex_attn",
-    "flash_attention_4": "_supports_flash_attn",
-}
+ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
 
 
 def resolve_dtype(name: str, device: torch.device, bf16_supported: bool | None = None) -> torch.dtype:
@@ -101,32 +96,9 @@ def training_attention(config: Config, device: torch.device) -> str:
                 "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only; set model.attn_implementation: "
                 "sdpa on this machine"
             )
-    if chosen == "flash_attention_4":
-        check_flash_attention_4(device)
     if chosen != "auto":
         return chosen
     return "flex_attention" if config.data.packing and device.type == "cuda" else "sdpa"
-
-
-def check_flash_attention_4(device: torch.device) -> None:
-    """FlashAttention-4 (the flash-attn-4 package, CuTe DSL kernels) trains on CUDA GPUs of compute
-    capability 9.0 or newer: its backward has no kernels for older ones. transformers runs it, padded and
-    packed batches included (varlen). Against cuDNN's sdpa on one H200, causal bf16 at 8,192 tokens: 6%
-    less time for the forward and backward of Qwen3-30B-A3B's attention, 6% for GLM-4.5-Air's, 4% for
-    Llama/Mixtral's (benchmarks/results/attention_h200.txt)."""
-    try:
-        importlib.metadata.distribution("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(
-            "model.attn_implementation: flash_attention_4 needs the flash-attn-4 package, which is not installed: "
-            "pip install 'shardtune[flash4]', or set model.attn_implementation: sdpa"
-        ) from None
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        here = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        raise ConfigError(
-            "model.attn_implementation: flash_attention_4 trains on CUDA GPUs of compute capability 9.0 or newer "
-            f"(Hopper, Blackwell), not on {here}; set model.attn_implementation: sdpa"
-        )
 
 
 def supported_attention(model_config: PretrainedConfig, requested: str, chosen: str) -> str:

@@ -242,8 +242,8 @@ def packed_batch_of_two_rows():
 
 
 def test_flash_attention_models_get_packed_rows_as_one_row_with_the_same_loss(tiny_model_dir):
-    """transformers' flash attention implementations isolate packed examples only in a one-row batch: such a
-    model gets the rows laid end to end. The loss of that one row is the loss of the rows (sdpa, which runs
+    """transformers' flash attention isolates packed examples only in a one-row batch: such a model gets the
+    rows laid end to end. The loss of that one row is the loss of the rows (sdpa, which runs
     here under a config that names flash attention, isolates the examples either way); other implementations
     keep their rows."""
     import copy
@@ -264,7 +264,7 @@ def test_flash_attention_models_get_packed_rows_as_one_row_with_the_same_loss(ti
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     rows = summed_token_loss(model, batch, None)
-    for implementation in ("flash_attention_4", "flash_attention_2", "sdpa"):
+    for implementation in ("flash_attention_2", "sdpa"):
         wrapper = NamesFlashAttention(model, implementation)
         assert summed_token_loss(wrapper, batch, None).item() == pytest.approx(rows.item(), rel=1e-6)
         if implementation == "sdpa":

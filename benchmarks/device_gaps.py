@@ -1,0 +1,83 @@
+"""Where the device idles in a profiled step (``logging.profile_steps``' trace): the gaps between kernels, whether
+the host had launched the next kernel before the device ran dry, and what the host was doing at that launch;
+then one layer's forward and backward kernels in order.
+
+    python benchmarks/device_gaps.py RUN/profile/rank0.trace.json.gz
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import gzip
+import json
+import sys
+
+SIZES = ((3, 10), (10, 50), (50, 200), (200, 1000), (1000, float("inf")))  # gap sizes, us
+
+
+def enclosing_ops(ops: list[dict], starts: list[float], ts: float, tid) -> str:
+    """The host operators of thread ``tid`` running at ``ts``, outermost first."""
+    index = bisect.bisect_right(starts, ts)
+    around = [
+        op
+        for op in ops[max(0, index - 4000) : index]
+        if op["ts"] <= ts <= op["ts"] + op["dur"] and op.get("tid") == tid
+    ]
+    return " > ".join(op["name"][:40] for op in sorted(around, key=lambda op: -op["dur"])[:6])
+
+
+def main(path: str) -> None:
+    with gzip.open(path) as trace:
+        events = json.load(trace)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    ops = sorted(
+        (e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e), key=lambda e: e["ts"]
+    )
+    starts = [op["ts"] for op in ops]
+    busy = sum(k["dur"] for k in kernels)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    print(f"kernels {len(kernels)}, busy {busy / 1e3:.1f} ms of span {span / 1e3:.1f} ms ({busy / span:.1%})")
+    gaps = []  # (us, previous kernel, next kernel, at us, host late, host ops at the launch)
+    end, previous = kernels[0]["ts"] + kernels[0]["dur"], kernels[0]
+    for kernel in kernels[1:]:
+        if kernel["ts"] - end > 3:
+            launch = launches.get(kernel["args"].get("correlation"))
+            stack = enclosing_ops(ops, starts, launch["ts"], launch.get("tid")) if launch else "?"
+            late = launch is not None and launch["ts"] > end
+            gaps.append(
+                (kernel["ts"] - end, previous["name"], kernel["name"], kernel["ts"] - kernels[0]["ts"], late, stack)
+            )
+        if kernel["ts"] + kernel["dur"] > end:
+            end, previous = kernel["ts"] + kernel["dur"], kernel
+    late = sum(gap[0] for gap in gaps if gap[4])
+    total = sum(gap[0] for gap in gaps)
+    print(f"gaps > 3 us: {len(gaps)}, {total / 1e3:.1f} ms;", end=" ")
+    print(f"host late (launched when the device was idle): {late / 1e3:.1f} ms")
+    for low, high in SIZES:
+        chosen = [gap[0] for gap in gaps if low < gap[0] <= high]
+        print(f"  {low:>5}-{high:<6} us: {len(chosen):5d} gaps, {sum(chosen) / 1e3:7.2f} ms")
+    print("\nlargest 40 gaps (us, at ms, host late, previous -> next kernel, host ops at the next launch):")
+    for gap in sorted(gaps, key=lambda gap: -gap[0])[:40]:
+        flag = "late" if gap[4] else "    "
+        print(f"{gap[0]:8.0f} {gap[3] / 1e3:8.2f} {flag} {gap[1][:70]} -> {gap[2][:70]}\n        {gap[5][:300]}")
+    by_stack, count = collections.Counter(), collections.Counter()
+    for gap in gaps:
+        key = " > ".join(gap[5].split(" > ")[:4])
+        by_stack[key] += gap[0]
+        count[key] += 1
+    print("\nidle by host ops at the next launch (4 levels):")
+    for key, total in by_stack.most_common(25):
+        print(f"{total / 1e3:8.2f} ms {count[key]:5d}  {key[:250]}")
+    for marker, what in (("fprop", "forward"), ("bprop", "backward")):
+        at = [i for i, kernel in enumerate(kernels) if marker in kernel["name"]]
+        if len(at) > 12:
+            first, last = (at[10] - 20, at[11]) if marker == "fprop" else (at[10], at[11])
+            print(f"\none layer's {what}: kernels {first}..{last}")
+            for kernel in kernels[first:last]:
+                print(f"{kernel['dur']:8.1f} us  {kernel['name'][:110]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
