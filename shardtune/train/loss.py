@@ -126,7 +126,7 @@ def packs_in_one_row(model: torch.nn.Module) -> bool:
     """Whether ``model`` keeps packed examples apart only within a batch of one row: transformers' flash
     attention takes the examples' boundaries from the position ids of a single row (``_is_packed_sequence``);
     with several rows they would attend across them (sdpa, eager and FlexAttention isolate them in any batch)."""
-    return getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+    return getattr(_causal_lm(model).config, "_attn_implementation", None) == "flash_attention_2"
 
 
 def _log_softmax_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
