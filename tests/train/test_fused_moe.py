@@ -535,19 +535,19 @@ def test_the_pairs_are_sorted_by_expert_on_16_bit_keys(moe_dirs):
     """A radix sort makes one pass per key byte: the block's one sort takes int16 expert ids, not int64."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class SortKeys(TorchDispatchMode):
-        dtypes: list[torch.dtype] = []
+    sorted_dtypes: list[torch.dtype] = []
 
+    class SortKeys(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket is torch.ops.aten.sort:
-                self.dtypes.append(args[0].dtype)
+                sorted_dtypes.append(args[0].dtype)
             return func(*args, **(kwargs or {}))
 
     model = fused_copy(build(moe_dirs["qwen3_moe"]))
     block = find_moe_blocks(model, decoder_layers(model))[0].block
-    with SortKeys() as sorts:
+    with SortKeys():
         block(torch.randn(2, 8, model.config.hidden_size))
-    assert sorts.dtypes == [torch.int16]
+    assert sorted_dtypes == [torch.int16]
 
 
 def test_grouped_gemm_choice(moe_dirs, caplog):
