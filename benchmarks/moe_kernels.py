@@ -6,7 +6,9 @@
   input gradient, against one dense GEMM of the same FLOPs, against inductor's autotuned Triton template
   for the same op (``max_autotune_gemm`` with the Triton backend; ``--no-triton`` leaves it out), and
   against quack-kernels' varlen GEMM through shardtune's own op (``model.grouped_gemm: quack``, where
-  quack imports on a Hopper GPU), on a skewed expert load;
+  quack imports on a Hopper GPU), on a skewed expert load; and the two GEMMs whose rows are gathered
+  from the tokens (gate/up's forward, down's input gradient), gathered first against quack gathering them
+  inside its GEMM (``gathered_grouped_mm``);
 - the sum of each token's k expert-sorted rows back to token order, compiled, in the two forms inductor
   can be given: a reduction over a (tokens, k, H) view of the gathered rows, and a running sum over the k
   gathers (``shardtune/model/fused_moe.py:_sum_rows``, compiled); a copy of the rows is the bandwidth
@@ -35,8 +37,8 @@ import torch._inductor.config as inductor_config
 
 from shardtune.model.fused_moe import _sum_rows as sum_rows
 from shardtune.model.fused_moe import _weighted_silu_mul, weighted_silu_mul_backward_ops
+from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable
 from shardtune.model.grouped_gemm import grouped_mm as shardtune_grouped_mm
-from shardtune.model.grouped_gemm import quack_unavailable
 from shardtune.model.weighted_silu_kernel import weighted_silu_mul_backward
 
 # (name, experts, hidden, expert width, routed rows: 8,192 tokens x top_k)
@@ -119,6 +121,45 @@ def grouped_gemms(report, triton: bool) -> None:
             report(f"  {name:14s} {what:10s} " + " | ".join(rates) + equal)
 
 
+def skewed_routing(tokens: int, top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token of each expert-sorted row (int32), cumulative row counts) of ``tokens`` tokens routed to ``top_k``
+    distinct experts each, drawn from long-tailed (Dirichlet(2)) expert shares, sorted as the fused block sorts."""
+    generator = torch.Generator().manual_seed(0)
+    shares = torch._sample_dirichlet(torch.full((experts,), 2.0), generator)
+    chosen = torch.multinomial(shares.expand(tokens, -1), top_k, generator=generator)
+    expert_of_row, order = torch.sort(chosen.reshape(-1), stable=True)
+    offsets = expert_of_row.bincount(minlength=experts).cumsum(0).to(device="cuda", dtype=torch.int32)
+    return (order // top_k).to(device="cuda", dtype=torch.int32), offsets
+
+
+def gathered_gemms(report) -> None:
+    """The two GEMMs whose rows are each token's own row (gate/up's forward, down's input gradient): the rows
+    gathered by index_select and then multiplied, against quack gathering them inside its GEMM."""
+    if quack_unavailable(torch.device("cuda")) is not None:
+        report("gathered GEMMs: quack-kernels is not available here")
+        return
+    report("gathered GEMMs (bf16, 8,192 tokens): gather + CUTLASS | gather + quack | quack gathering itself "
+           "(bit for bit equal to gather + CUTLASS?)")  # fmt: skip
+    for name, experts, hidden, width, rows in SHAPES:
+        top_k = rows // 8192
+        token_of_row, offsets = skewed_routing(8192, top_k, experts)
+        tokens = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
+        gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+        down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16)  # down dX's operand
+        for what, weight in (("gate/up", gate_up), ("down dX", down)):
+            operands = (tokens, token_of_row, weight, offsets)
+            times = [seconds(gathered_first, gemm, *operands) for gemm in (grouped_mm, quack_grouped_mm)]
+            times.append(seconds(gathered_grouped_mm, *operands, "quack"))
+            same = torch.equal(gathered_grouped_mm(*operands, "quack"), gathered_first(grouped_mm, *operands))
+            flops = 2 * rows * hidden * weight.shape[-1]
+            rates = [f"{time * 1e6:7.0f} us {flops / time / 1e12:4.0f} TFLOP/s" for time in times]
+            report(f"  {name:14s} {what:10s} " + " | ".join(rates) + f" ({'equal' if same else 'DIFFERENT'})")
+
+
+def gathered_first(gemm, tokens, token_of_row, weight, offsets) -> torch.Tensor:
+    return gemm(tokens.index_select(0, token_of_row), weight, offsets)
+
+
 def summed_by_reduction(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     per_choice = rows.index_select(0, inverse).view(-1, top_k, rows.shape[-1])
     return per_choice.sum(dim=1, dtype=torch.float32).to(rows.dtype)
@@ -185,6 +226,7 @@ def main() -> None:
     weighted_silu(report)
     row_sums(report)
     grouped_gemms(report, triton=not args.no_triton)
+    gathered_gemms(report)
     if args.out:
         with open(args.out, "w") as handle:
             handle.write("\n".join(lines) + "\n")

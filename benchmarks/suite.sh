@@ -20,7 +20,9 @@
 # four runs on an 80 GB GPU, the others on one H200), compiled-loss (the chunked loss's softmax compiled:
 # the loss alone, and the routed-expert run under HF's peak; BENCH_ONLY: loss-kernels and run names),
 # weighted-silu (the weighted SiLU's backward kernel: the MoE kernels alone, and the three Qwen3-30B-A3B and
-# GLM-4.5-Air runs against HF; BENCH_ONLY: moe-kernels and run names). Each
+# GLM-4.5-Air runs against HF; BENCH_ONLY: moe-kernels and run names), gathered (the down projection's input
+# gradient gathering its rows in quack's GEMM: the MoE kernels, and the Qwen3-30B-A3B and GLM-4.5-Air runs against
+# HF; BENCH_ONLY as for weighted-silu). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -289,6 +291,22 @@ weighted-silu)
         training.memory_budget_gib=79.5
     bench silu-qwen3-attn "${qwen3[@]}"
     bench silu-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
+    ;;
+gathered)
+    # The down projection's input gradient gathering its rows inside quack's GEMM (gathered_grouped_mm): the MoE
+    # kernels alone (their last table: the gathered GEMMs), then on one H200 Qwen3-30B-A3B LoRA on attention at
+    # skewed and random routing, the routed-expert run held under HF + PEFT's peak (79.6 GiB) and GLM-4.5-Air (20
+    # layers), each against HF in the same run. Needs shardtune[quack] for the gathered GEMMs.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --no-triton --out "$results/moe_kernels.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench gathered-qwen3-attn "${qwen3[@]}"
+    bench gathered-qwen3-attn-random "${qwen3[@]}" --routing random
+    bench gathered-qwen3-experts-budget795 "${qwen3[@]}" 'lora.moe_targets=[attention,routed_experts]' \
+        training.memory_budget_gib=79.5
+    bench gathered-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all

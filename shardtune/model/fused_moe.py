@@ -18,7 +18,8 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
   width, and the down projection's output rows need not be kept for it (Megatron-LM and torchtitan can
   weight before the experts the same way). On Qwen3-30B-A3B that is 256 MiB less per layer at 8,192 tokens;
 - the sum back to token order is the adjoint of the gather that made the rows: each token's ``top_k`` rows
-  summed in fp32, and its backward that gather.
+  summed in fp32, and its backward that gather (for a frozen down projection without LoRA, inside the
+  input gradient's GEMM where quack's kernel gathers rows itself: ``ProjectionSummed``).
 
 Blocks report their routing to the ``RoutingRecorder`` themselves (their router module's forward no
 longer runs) from inside the graph: a compiled decoder layer has no graph break (``report_routing``).
@@ -36,7 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
-from shardtune.model.grouped_gemm import describe, grouped_mm, grouped_mm_weight_grad, resolve_grouped_gemm
+from shardtune.model.grouped_gemm import (
+    describe,
+    gathered_grouped_mm,
+    grouped_mm,
+    grouped_mm_weight_grad,
+    resolve_grouped_gemm,
+)
 from shardtune.model.moe import (
     MoeBlock,
     RoutingRecorder,
@@ -418,7 +425,14 @@ def routed_experts(
     low_rank = regathered if dispatch is None else None
     projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype, backend, low_rank)
     hidden = WeightedSiluMul.apply(projected, row_weights)
-    outputs = _projection(hidden, down, adapters.get("down_proj", []), offsets, dtype, backend, reactivated)
+    down_adapters = adapters.get("down_proj", [])
+    if dispatch is None and not down_adapters and not down.requires_grad:
+        # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
+        # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
+        token_of_row = (order // top_k).to(torch.int32)
+        weight = down.to(dtype).transpose(-2, -1)
+        return ProjectionSummed.apply(hidden, weight, offsets, token_of_row, inverse, top_k, backend)
+    outputs = _projection(hidden, down, down_adapters, offsets, dtype, backend, reactivated)
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
     return SumRows.apply(outputs, order, inverse, top_k)
@@ -556,6 +570,23 @@ class SumRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (order,) = ctx.saved_tensors
         return _gather_rows(grad, order, ctx.top_k), None, None, None
+
+
+class ProjectionSummed(torch.autograd.Function):
+    """The grouped GEMM by a weight that takes no gradient, then ``SumRows``. Backward: each row's token
+    gradient gathered (SumRows' backward) inside the input gradient's GEMM where its kernel can."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, offsets, token_of_row, inverse, top_k: int, backend: str) -> torch.Tensor:
+        ctx.save_for_backward(weight, offsets, token_of_row)
+        ctx.backend = backend
+        return _sum_rows(grouped_mm(rows, weight, offsets, backend), inverse, top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, offsets, token_of_row = ctx.saved_tensors
+        grad_rows = gathered_grouped_mm(grad.contiguous(), token_of_row, weight.transpose(-2, -1), offsets, ctx.backend)
+        return grad_rows, None, None, None, None, None, None
 
 
 class Permute(torch.autograd.Function):

@@ -98,18 +98,60 @@ def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.T
             starts = torch.cat([offsets.new_zeros(1), offsets])  # quack's cu_seqlens_m: (experts + 1,) int32
             return _Quack.gemm(rows, weight, cu_seqlens_m=starts, tuned=False)
         except Exception as error:  # a kernel that does not build or launch on this machine
-            _Quack.failure = f"{type(error).__name__}: {first_line(error)}"
-            log.warning(
-                "model.grouped_gemm: quack's kernel failed (%s); torch._grouped_mm computes the experts from "
-                "here on (the same results); set model.grouped_gemm: torch to skip quack",
-                _Quack.failure,
-            )
+            _quack_failed(error)
     return torch._grouped_mm(rows, weight, offs=offsets)
 
 
 @_quack_grouped_mm.register_fake
 def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+def gathered_grouped_mm(
+    tokens: torch.Tensor,
+    token_of_row: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """``grouped_mm(tokens[token_of_row], weight, offsets)`` for a weight that takes no gradient. quack's kernel
+    loads each row from ``tokens`` itself (its gather_A), so the gathered rows are never written; elsewhere they
+    are gathered first. fused_moe uses it for the down projection's input gradient, whose rows are each
+    token's output gradient: at Qwen3-30B-A3B's shapes on one H200, 491 against 504 us with the gather
+    (``benchmarks/moe_kernels.py``), and 1% a training step. Gate/up's forward, the other GEMM whose rows are
+    the tokens, measured slower this way (911 against 849 us), so it keeps its gather. No autograd: the caller
+    (fused_moe's ProjectionSummed) states the backward."""
+    if backend == "quack" and tokens.is_cuda and _kernel_takes(tokens, weight):
+        return torch.ops.shardtune.quack_gathered_grouped_mm(tokens, token_of_row, weight, offsets)
+    return grouped_mm(tokens.index_select(0, token_of_row), weight, offsets, backend)
+
+
+@torch.library.custom_op("shardtune::quack_gathered_grouped_mm", mutates_args=(), device_types="cuda")
+def _quack_gathered_grouped_mm(
+    tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    if _Quack.failure is None:
+        try:
+            starts = torch.cat([offsets.new_zeros(1), offsets])
+            return _Quack.gemm(tokens, weight, cu_seqlens_m=starts, A_idx=token_of_row, tuned=False)
+        except Exception as error:
+            _quack_failed(error)
+    return torch._grouped_mm(tokens.index_select(0, token_of_row), weight, offs=offsets)
+
+
+@_quack_gathered_grouped_mm.register_fake
+def _(tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return tokens.new_empty(token_of_row.shape[0], weight.shape[2])
+
+
+def _quack_failed(error: Exception) -> None:
+    """Hand the experts over to torch._grouped_mm for the rest of the run, saying so once."""
+    _Quack.failure = f"{type(error).__name__}: {first_line(error)}"
+    log.warning(
+        "model.grouped_gemm: quack's kernel failed (%s); torch._grouped_mm computes the experts from "
+        "here on (the same results); set model.grouped_gemm: torch to skip quack",
+        _Quack.failure,
+    )
 
 
 def _quack_setup(ctx, inputs, output) -> None:

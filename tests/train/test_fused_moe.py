@@ -22,7 +22,7 @@ from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model import grouped_gemm
 from shardtune.model.fused_moe import Fp32Linear, FusedMoeBlock, route, use_fused_experts
-from shardtune.model.grouped_gemm import quack_unavailable, resolve_grouped_gemm
+from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable, resolve_grouped_gemm
 from shardtune.model.lora import apply_lora, share_expert_adapters
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 from shardtune.plan.memory import Checkpointing
@@ -550,6 +550,42 @@ def test_the_pairs_are_sorted_by_expert_on_16_bit_keys(moe_dirs):
     assert sorted_dtypes == [torch.int16]
 
 
+@pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]])
+def test_frozen_down_projection_takes_the_token_gradients_for_its_input_gradient(moe_dirs, monkeypatch, targets):
+    """Without LoRA on the experts, the down projection's input gradient is one GEMM over each row's token
+    gradient, looked up by the row's token (quack gathers those rows inside its GEMM, so the (pairs, H)
+    gradient rows are never written): called once per block in backward, with the tokens' own gradient and
+    each row's token, and the same result as the gathered rows' GEMM. LoRA on the experts keeps the rows."""
+    from shardtune.model import fused_moe
+
+    calls = []
+
+    def recording(tokens, token_of_row, weight, offsets, backend="torch"):
+        calls.append((tokens.detach().clone(), token_of_row.clone()))
+        result = gathered_grouped_mm(tokens, token_of_row, weight, offsets, backend)
+        assert torch.equal(result, grouped_gemm.grouped_mm(tokens[token_of_row.long()], weight, offsets)), "operands"
+        return result
+
+    monkeypatch.setattr(fused_moe, "gathered_grouped_mm", recording)
+    model = fused_copy(build(moe_dirs["qwen3_moe"], lora_targets=targets))
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    hidden = torch.randn(2, 8, model.config.hidden_size, requires_grad=True)
+    block = blocks[0].block
+    output = block(hidden)
+    assert calls == []  # nothing in the forward
+    gradient = torch.randn_like(output)
+    output.backward(gradient)
+    if targets != ["attention"]:
+        assert calls == []
+        return
+    ((tokens, token_of_row),) = calls
+    assert torch.equal(tokens, gradient.reshape(-1, gradient.shape[-1]))  # the tokens' gradient, not rows
+    top_k = block.routing.top_k
+    chosen = route(block.gate, hidden.detach().reshape(-1, hidden.shape[-1]), block.routing)[2]
+    order = torch.sort(chosen.reshape(-1).to(torch.int16), stable=True).indices
+    assert token_of_row.dtype == torch.int32 and torch.equal(token_of_row.long(), order // top_k)
+
+
 def test_grouped_gemm_choice(moe_dirs, caplog):
     """``model.grouped_gemm``: auto is torch where quack cannot run (here: no CUDA device), quack asked for
     there is an error naming the key and what to do, and the log names the kernel in use."""
@@ -578,7 +614,8 @@ def _quack_runs() -> bool:
 @pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]])
 def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     """On a Hopper GPU, quack's varlen GEMM computes the frozen experts' projections, forward and input
-    gradient, and the block's logits, loss and every gradient are bit for bit those of torch._grouped_mm;
+    gradient (down's gathering its rows itself where the experts carry no LoRA), and the block's logits, loss and
+    every gradient are bit for bit those of torch._grouped_mm;
     a quack kernel that fails at run time hands over to torch._grouped_mm with one warning, same results.
     auto takes quack for fine-grained experts only (where it measured faster)."""
     cuda = torch.device("cuda")
@@ -611,7 +648,7 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     quack = grouped_gemm._Quack.gemm
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(kwargs.get("A_idx") is not None)  # whether quack gathered the rows itself
         return quack(*args, **kwargs)
 
     def failing(*args, **kwargs):
@@ -620,6 +657,8 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     expected = run_with("torch")
     counted = run_with("quack", counting)
     assert len(calls) == 2 * 4  # per layer: gate/up and down, forward and input gradient
+    # Without LoRA on the experts, down's input gradient gathers its rows (the tokens' gradients) in the kernel.
+    assert calls.count(True) == (2 if targets == ["attention"] else 0)
     caplog.set_level("WARNING", logger="shardtune")
     fallen_back = run_with("quack", failing)
     assert caplog.text.count("model.grouped_gemm: quack's kernel failed (RuntimeError: no kernel image") == 1
