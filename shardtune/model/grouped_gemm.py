@@ -5,7 +5,8 @@ Three kernels compute it, each with the same result:
 - quack-kernels' varlen GEMM (CuTe DSL, ``pip install 'shardtune[quack]'``) for the frozen expert
   projections on Hopper GPUs, where it measures faster than ``torch._grouped_mm`` with bit for bit the same
   output: on one H200 at Qwen3-30B-A3B's shapes (8,192 tokens, top-8 of 128 experts 768 wide) 5-17% less
-  device time per GEMM (``benchmarks/moe_kernels.py``) and 1.3% a training step;
+  device time per GEMM (``benchmarks/moe_kernels.py``) and 1.3% a training step. Where the rows are looked
+  up from the tokens (``gathered_grouped_mm``), its kernel gathers them itself;
 - ``torch._grouped_mm`` (CUTLASS) for everything else it takes: bf16 on GPUs, and on CPUs fp32 eagerly
   or bf16 compiled;
 - a loop of one GEMM per expert for the dtypes neither takes.
@@ -95,8 +96,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, 
 def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if _Quack.failure is None:
         try:
-            starts = torch.cat([offsets.new_zeros(1), offsets])  # quack's cu_seqlens_m: (experts + 1,) int32
-            return _Quack.gemm(rows, weight, cu_seqlens_m=starts, tuned=False)
+            return _Quack.gemm(rows, weight, cu_seqlens_m=_row_starts(offsets), tuned=False)
         except Exception as error:  # a kernel that does not build or launch on this machine
             _quack_failed(error)
     return torch._grouped_mm(rows, weight, offs=offsets)
@@ -105,6 +105,20 @@ def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.T
 @_quack_grouped_mm.register_fake
 def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+def _quack_setup(ctx, inputs, output) -> None:
+    _, weight, offsets = inputs
+    ctx.save_for_backward(weight, offsets)
+
+
+def _quack_backward(ctx, grad: torch.Tensor):
+    """The input gradient, grad @ weight[e]^T per expert; the weight takes none (see grouped_mm)."""
+    weight, offsets = ctx.saved_tensors
+    return torch.ops.shardtune.quack_grouped_mm(grad.contiguous(), weight.transpose(-2, -1), offsets), None, None
+
+
+_quack_grouped_mm.register_autograd(_quack_backward, setup_context=_quack_setup)
 
 
 def gathered_grouped_mm(
@@ -132,8 +146,7 @@ def _quack_gathered_grouped_mm(
 ) -> torch.Tensor:
     if _Quack.failure is None:
         try:
-            starts = torch.cat([offsets.new_zeros(1), offsets])
-            return _Quack.gemm(tokens, weight, cu_seqlens_m=starts, A_idx=token_of_row, tuned=False)
+            return _Quack.gemm(tokens, weight, cu_seqlens_m=_row_starts(offsets), A_idx=token_of_row, tuned=False)
         except Exception as error:
             _quack_failed(error)
     return torch._grouped_mm(tokens.index_select(0, token_of_row), weight, offs=offsets)
@@ -144,6 +157,11 @@ def _(tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, of
     return tokens.new_empty(token_of_row.shape[0], weight.shape[2])
 
 
+def _row_starts(offsets: torch.Tensor) -> torch.Tensor:
+    """quack's cu_seqlens_m, (experts + 1,) int32: each expert's first row, then the total."""
+    return torch.cat([offsets.new_zeros(1), offsets])
+
+
 def _quack_failed(error: Exception) -> None:
     """Hand the experts over to torch._grouped_mm for the rest of the run, saying so once."""
     _Quack.failure = f"{type(error).__name__}: {first_line(error)}"
@@ -152,20 +170,6 @@ def _quack_failed(error: Exception) -> None:
         "here on (the same results); set model.grouped_gemm: torch to skip quack",
         _Quack.failure,
     )
-
-
-def _quack_setup(ctx, inputs, output) -> None:
-    _, weight, offsets = inputs
-    ctx.save_for_backward(weight, offsets)
-
-
-def _quack_backward(ctx, grad: torch.Tensor):
-    """The input gradient, grad @ weight[e]^T per expert; the weight takes none (see grouped_mm)."""
-    weight, offsets = ctx.saved_tensors
-    return torch.ops.shardtune.quack_grouped_mm(grad.contiguous(), weight.transpose(-2, -1), offsets), None, None
-
-
-_quack_grouped_mm.register_autograd(_quack_backward, setup_context=_quack_setup)
 
 
 def grouped_mm_weight_grad(
