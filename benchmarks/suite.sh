@@ -296,7 +296,7 @@ gathered)
     # The down projection's input gradient gathering its rows inside quack's GEMM (gathered_grouped_mm): the MoE
     # kernels alone (their last table: the gathered GEMMs), then on one H200 Qwen3-30B-A3B LoRA on attention at
     # skewed and random routing, the routed-expert run held under HF + PEFT's peak (79.6 GiB) and GLM-4.5-Air (20
-    # layers), each against HF in the same run. Needs shardtune[quack] for the gathered GEMMs.
+    # layers) and Mixtral-8x7B, each against HF in the same run. Needs shardtune[quack] for the gathered GEMMs.
     if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
         python3 "$(dirname "$0")/moe_kernels.py" --no-triton --out "$results/moe_kernels.txt"
     fi
@@ -307,6 +307,7 @@ gathered)
     bench gathered-qwen3-experts-budget795 "${qwen3[@]}" 'lora.moe_targets=[attention,routed_experts]' \
         training.memory_budget_gib=79.5
     bench gathered-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
+    bench gathered-mixtral --shape mixtral-8x7b "${qwen3[@]:2}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all
