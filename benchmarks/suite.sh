@@ -21,8 +21,8 @@
 # the loss alone, and the routed-expert run under HF's peak; BENCH_ONLY: loss-kernels and run names),
 # weighted-silu (the weighted SiLU's backward kernel: the MoE kernels alone, and the three Qwen3-30B-A3B and
 # GLM-4.5-Air runs against HF; BENCH_ONLY: moe-kernels and run names), gathered (the down projection's input
-# gradient gathering its rows in quack's GEMM: the MoE kernels, and the Qwen3-30B-A3B and GLM-4.5-Air runs against
-# HF; BENCH_ONLY as for weighted-silu). Each
+# gradient gathering its rows in quack's GEMM: the MoE kernels, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs
+# against HF; BENCH_ONLY as for weighted-silu). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
