@@ -1,6 +1,6 @@
 """The fused MoE block's kernels on the shapes of issue 20's models, one GPU:
 
-    python benchmarks/moe_kernels.py [--out FILE] [--no-triton]
+    python benchmarks/moe_kernels.py [--out FILE] [--no-triton] [--quack-configs] [--shapes NAME ...]
 
 - grouped GEMMs: ``torch._grouped_mm`` (CUTLASS) on the experts' gate/up and down projections, forward and
   input gradient, against one dense GEMM of the same FLOPs, against inductor's autotuned Triton template
@@ -15,7 +15,10 @@
   reference;
 - the weighted SiLU (``WeightedSiluMul``): its backward as inductor compiles the torch ops against
   shardtune's Triton kernel (``shardtune/model/weighted_silu_kernel.py``), and its forward compiled with
-  static shapes against ``dynamic=True``, with the bytes each must move.
+  static shapes against ``dynamic=True``, with the bytes each must move;
+- ``--quack-configs`` (only this table): every SM90 tile configuration quack-kernels has, on each of those
+  GEMMs at a skewed and a uniform load, against CUTLASS, quack's default configuration and the one shardtune
+  pins (``shardtune/model/grouped_gemm.py``).
 
 A time is the device's time per call over 20 calls issued back to back (CUDA events; the median of 5
 such runs), as in a training step, where the host issues work ahead of the device. For quack, whose
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -156,6 +160,76 @@ def gathered_gemms(report) -> None:
             report(f"  {name:14s} {what:10s} " + " | ".join(rates) + f" ({'equal' if same else 'DIFFERENT'})")
 
 
+def uniform_routing(tokens: int, top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``skewed_routing``, each token's ``top_k`` experts drawn uniformly (a balanced load)."""
+    generator = torch.Generator().manual_seed(1)
+    chosen = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices
+    expert_of_row, order = torch.sort(chosen.reshape(-1), stable=True)
+    offsets = expert_of_row.bincount(minlength=experts).cumsum(0).to(device="cuda", dtype=torch.int32)
+    return (order // top_k).to(device="cuda", dtype=torch.int32), offsets
+
+
+def quack_configs(report) -> None:
+    """Every SM90 tile configuration quack has, on each GEMM of the fused block (the rows gathered by the
+    kernel where they are the tokens'), against CUTLASS, quack's default configuration (its untuned calls) and
+    the one shardtune runs (``grouped_gemm.quack_unavailable``)."""
+    if quack_unavailable(torch.device("cuda")) is not None:
+        report("quack configurations: quack-kernels is not available here")
+        return
+    from quack.gemm_config import config_supports, get_all_configs
+    from quack.gemm_interface import gemm
+
+    from shardtune.model.grouped_gemm import _Quack
+
+    def named(config) -> str:
+        kind = "pingpong" if config.pingpong else "cooperative"
+        return f"{config.tile_m}x{config.tile_n} {kind} {config.cluster_m}x{config.cluster_n}"
+
+    report("quack's SM90 tile configurations (bf16, 8,192 tokens; device time per call): CUTLASS (after a gather "
+           "where the rows are gathered) | quack's default | shardtune's | the fastest of all (all bit for bit "
+           "equal to quack's default?)")  # fmt: skip
+    candidates = [config for config in get_all_configs() if config.device_capacity == 9 and not config.swap_ab]
+    for name, experts, hidden, width, rows in SHAPES:
+        top_k = rows // 8192
+        gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16)
+        down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16)
+        tokens = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
+        for load, routing in (("skewed", skewed_routing), ("uniform", uniform_routing)):
+            token_of_row, offsets = routing(8192, top_k, experts)
+            starts = torch.cat([offsets.new_zeros(1), offsets])
+            cases = [
+                ("gate/up", torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16), gate_up.mT, None),
+                ("down", torch.randn(rows, width, device="cuda", dtype=torch.bfloat16), down.mT, None),
+                ("gate/up dX", torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16), gate_up, None),
+                ("gate/up gathered", tokens, gate_up.mT, token_of_row),
+                ("down dX gathered", tokens, down, token_of_row),
+            ]
+            for what, a, weight, row_of_a in cases:
+                flops = 2 * rows * a.shape[1] * weight.shape[-1]
+                out = torch.empty(rows, weight.shape[-1], device="cuda", dtype=torch.bfloat16)
+                default = gemm(a, weight, cu_seqlens_m=starts, A_idx=row_of_a, tuned=False)
+                if load == "skewed":  # quack's autotuner compiles every configuration, in parallel
+                    gemm(a, weight, cu_seqlens_m=starts, A_idx=row_of_a, tuned=True)
+                mine = _Quack.config if row_of_a is None else _Quack.gathered_config
+                times, equal = {}, True
+                for config in candidates:
+                    if config_supports(config, gather_A=row_of_a is not None, varlen_m=True):
+                        run = functools.partial(_Quack.gemm, a, weight, out, cu_seqlens_m=starts, A_idx=row_of_a,
+                                                config=config)  # fmt: skip
+                        times[named(config)] = seconds(run)
+                        equal = equal and torch.equal(out, default)
+                fastest = min(times, key=times.get)
+                if row_of_a is None:
+                    cutlass = seconds(grouped_mm, a, weight, offsets)
+                else:
+                    cutlass = seconds(gathered_first, grouped_mm, a, row_of_a, weight, offsets)
+                quack = seconds(functools.partial(gemm, a, weight, cu_seqlens_m=starts, A_idx=row_of_a, tuned=False))
+                rates = [f"{time * 1e6:6.0f} us {flops / time / 1e12:3.0f} TF/s"
+                         for time in (cutlass, quack, times[named(mine)], times[fastest])]  # fmt: skip
+                report(f"  {name:14s} {load:7s} {what:16s} " + " | ".join(rates) + f" ({fastest}; "
+                       f"{'equal' if equal else 'DIFFERENT'})")  # fmt: skip
+
+
 def gathered_first(gemm, tokens, token_of_row, weight, offsets) -> torch.Tensor:
     return gemm(tokens.index_select(0, token_of_row), weight, offsets)
 
@@ -213,23 +287,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--no-triton", action="store_true", help="leave out inductor's Triton template (slow to tune)")
+    parser.add_argument("--quack-configs", action="store_true", help="only the table of quack's tile configurations")
+    parser.add_argument("--shapes", nargs="+", choices=[shape[0] for shape in SHAPES], help="only these models")
     args = parser.parse_args()
+    if args.shapes:
+        SHAPES[:] = [shape for shape in SHAPES if shape[0] in args.shapes]
     if not torch.cuda.is_available():
         sys.exit("moe_kernels.py: needs a CUDA GPU")
-    lines = []
+    with open(args.out or os.devnull, "w") as out:
 
-    def report(line: str) -> None:
-        print(line, flush=True)
-        lines.append(line)
+        def report(line: str) -> None:  # line by line, so a run stopped by a time limit keeps what it measured
+            print(line, flush=True)
+            out.write(line + "\n")
+            out.flush()
 
-    report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    weighted_silu(report)
-    row_sums(report)
-    grouped_gemms(report, triton=not args.no_triton)
-    gathered_gemms(report)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write("\n".join(lines) + "\n")
+        report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        if args.quack_configs:
+            quack_configs(report)
+            return
+        weighted_silu(report)
+        row_sums(report)
+        grouped_gemms(report, triton=not args.no_triton)
+        gathered_gemms(report)
 
 
 if __name__ == "__main__":

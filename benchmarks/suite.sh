@@ -22,7 +22,8 @@
 # weighted-silu (the weighted SiLU's backward kernel: the MoE kernels alone, and the three Qwen3-30B-A3B and
 # GLM-4.5-Air runs against HF; BENCH_ONLY: moe-kernels and run names), gathered (the down projection's input
 # gradient gathering its rows in quack's GEMM: the MoE kernels, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs
-# against HF; BENCH_ONLY as for weighted-silu). Each
+# against HF; BENCH_ONLY as for weighted-silu), quack-tiles (quack's tile configurations: every SM90 one on the
+# MoE GEMMs, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs against HF; BENCH_ONLY as for weighted-silu). Each
 # run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -308,6 +309,20 @@ gathered)
         training.memory_budget_gib=79.5
     bench gathered-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
     bench gathered-mixtral --shape mixtral-8x7b "${qwen3[@]:2}"
+    ;;
+quack-tiles)
+    # quack's GEMM with the tile configurations pinned in shardtune/model/grouped_gemm.py, and auto taking quack at
+    # every expert width: every SM90 configuration on each GEMM of the fused block (moe_kernels.py
+    # --quack-configs), then on one H200 Qwen3-30B-A3B LoRA on attention, GLM-4.5-Air (20 layers) and Mixtral-8x7B,
+    # each against HF in the same run. Needs shardtune[quack].
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --quack-configs --out "$results/moe_kernels_quack_configs.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench tiles-qwen3-attn "${qwen3[@]}"
+    bench tiles-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
+    bench tiles-mixtral --shape mixtral-8x7b "${qwen3[@]:2}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all

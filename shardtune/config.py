@@ -52,8 +52,8 @@ class ModelConfig(_Section):
     grouped_gemm: Literal["auto", "quack", "torch"] = Field(
         "auto",
         description="the fused MoE block's grouped GEMM for frozen expert weights: quack (quack-kernels' varlen "
-        "GEMM, Hopper GPUs, pip install 'shardtune[quack]') or torch (torch._grouped_mm); auto: quack for experts "
-        "at most 1,024 wide where it runs (measured faster there), else torch",
+        "GEMM, Hopper GPUs, pip install 'shardtune[quack]') or torch (torch._grouped_mm); auto: quack where it "
+        "runs (measured faster), else torch",
     )
     liger_kernel: bool = Field(
         False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"

@@ -171,8 +171,7 @@ def use_fused_experts(
         log.info(
             "moe experts: the model's output_router_logits is off (training.moe_aux_loss_coef sets the balance loss)"
         )
-    width = max((parameter_adapters(block.experts)[0].down_proj.shape[-1] for block in blocks), default=0)
-    backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"), width)
+    backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
     for block in blocks:
         routing = SUPPORTED_BLOCKS[type(block.block).__name__](block.router)
         fused = FusedMoeBlock(block.block, routing, backend)

@@ -4,14 +4,15 @@ Three kernels compute it, each with the same result:
 
 - quack-kernels' varlen GEMM (CuTe DSL, ``pip install 'shardtune[quack]'``) for the frozen expert
   projections on Hopper GPUs, where it measures faster than ``torch._grouped_mm`` with bit for bit the same
-  output: on one H200 at Qwen3-30B-A3B's shapes (8,192 tokens, top-8 of 128 experts 768 wide) 5-17% less
-  device time per GEMM (``benchmarks/moe_kernels.py``) and 1.3% a training step. Where the rows are looked
-  up from the tokens (``gathered_grouped_mm``), its kernel gathers them itself;
+  output: on one H200, with the tile configurations measured for these GEMMs (``quack_unavailable``),
+  5-25% less device time per GEMM than CUTLASS at the shapes of Qwen3-30B-A3B and GLM-4.5-Air, 1-4% at
+  Mixtral-8x7B's (``benchmarks/moe_kernels.py --quack-configs``). Where the rows are looked up from the
+  tokens (``gathered_grouped_mm``), its kernel gathers them itself;
 - ``torch._grouped_mm`` (CUTLASS) for everything else it takes: bf16 on GPUs, and on CPUs fp32 eagerly
   or bf16 compiled;
 - a loop of one GEMM per expert for the dtypes neither takes.
 
-``model.grouped_gemm`` picks: ``auto`` (quack for fine-grained experts where it runs, else torch),
+``model.grouped_gemm`` picks: ``auto`` (quack where it runs, else torch),
 ``quack`` (required) or ``torch``. quack is used only for weights that take no gradient (the frozen
 experts of LoRA: their forward and their input gradient); trainable weights (LoRA factors, full
 fine-tuning) go through ``torch._grouped_mm``, whose weight gradient quack's path would need a second
@@ -30,9 +31,12 @@ log = logging.getLogger("shardtune")
 
 
 class _Quack:
-    """quack's GEMM entry point once imported, and whether it has failed at run time."""
+    """quack's GEMM once imported (its entry point that takes a tile configuration), the configurations the
+    fused block's GEMMs run with, and whether it has failed at run time."""
 
     gemm = None
+    config = None  # rows given
+    gathered_config = None  # rows gathered by the kernel (cluster_n must be 1 there)
     failure: str | None = None
 
 
@@ -46,23 +50,31 @@ def quack_unavailable(device: torch.device) -> str | None:
         return f"it is used on Hopper GPUs (compute capability 9.x), this one is {capability[0]}.{capability[1]}"
     if _Quack.gemm is None:
         try:
-            from quack.gemm_interface import gemm
+            from quack.gemm_config import GemmConfig
+            from quack.gemm_interface import gemm_tuned
         except Exception as error:  # not installed, or its CUDA runtime does not load
             why = f"{type(error).__name__}: {first_line(error)}"
             return f"quack-kernels does not import ({why}); pip install 'shardtune[quack]'"
-        _Quack.gemm = gemm
+        # The tile configurations, measured against every SM90 configuration quack has, on the gate/up and
+        # down projections' forward and input gradient at the shapes of Qwen3-30B-A3B, GLM-4.5-Air and
+        # Mixtral-8x7B, skewed and uniform loads (one H200, ``benchmarks/moe_kernels.py --quack-configs``).
+        # 192x128 tiles, pingpong, a 1x2 cluster: over each model's GEMMs 1-3% slower than the fastest
+        # configuration of each GEMM, and 2-9% faster than quack's default (128x192, a 2x1 cluster), which
+        # its untuned calls take (one GEMM's time spreads by up to 10% between runs). quack's autotuner would
+        # measure again for every new row count, and picks by an L2-cold timing. Gathering its rows, the kernel
+        # needs a cluster 1 wide in N; 128x256 cooperative was the fastest there on every GEMM.
+        common = dict(cluster_k=1, is_dynamic_persistent=False, swap_ab=False, device_capacity=9)
+        _Quack.config = GemmConfig(tile_m=192, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, **common)
+        _Quack.gathered_config = GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1, **common)
+        _Quack.gemm = gemm_tuned.fn  # the GEMM itself, without the autotuner in front
     return None
 
 
-# ``auto`` takes quack for experts at most this wide (their intermediate size), where it measured faster
-# (one H200, the h200-grouped-gemm suite): Qwen3-30B-A3B's 768-wide experts, 1.3% a step. At GLM-4.5-Air's
-# 1,408 its GEMMs take the time torch's take, and at Mixtral's 14,336 a step took 1.5% longer.
-AUTO_QUACK_MAX_WIDTH = 1024
-
-
-def resolve_grouped_gemm(requested: str, device: torch.device, expert_width: int) -> str:
-    """``model.grouped_gemm`` for this run, whose experts are ``expert_width`` wide: ``quack`` or ``torch``."""
-    if requested == "torch" or (requested == "auto" and expert_width > AUTO_QUACK_MAX_WIDTH):
+def resolve_grouped_gemm(requested: str, device: torch.device) -> str:
+    """``model.grouped_gemm`` for this run: ``quack`` or ``torch``. ``auto`` takes quack wherever it runs: with
+    its measured tile configurations it was faster than torch._grouped_mm on every GEMM of Qwen3-30B-A3B,
+    GLM-4.5-Air and Mixtral-8x7B (see quack_unavailable)."""
+    if requested == "torch":
         return "torch"
     reason = quack_unavailable(device)
     if reason is None:
@@ -96,7 +108,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, 
 def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if _Quack.failure is None:
         try:
-            return _Quack.gemm(rows, weight, cu_seqlens_m=_row_starts(offsets), tuned=False)
+            return _quack_gemm(rows, weight, offsets)
         except Exception as error:  # a kernel that does not build or launch on this machine
             _quack_failed(error)
     return torch._grouped_mm(rows, weight, offs=offsets)
@@ -146,7 +158,7 @@ def _quack_gathered_grouped_mm(
 ) -> torch.Tensor:
     if _Quack.failure is None:
         try:
-            return _Quack.gemm(tokens, weight, cu_seqlens_m=_row_starts(offsets), A_idx=token_of_row, tuned=False)
+            return _quack_gemm(tokens, weight, offsets, token_of_row)
         except Exception as error:
             _quack_failed(error)
     return torch._grouped_mm(tokens.index_select(0, token_of_row), weight, offs=offsets)
@@ -157,9 +169,17 @@ def _(tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, of
     return tokens.new_empty(token_of_row.shape[0], weight.shape[2])
 
 
-def _row_starts(offsets: torch.Tensor) -> torch.Tensor:
-    """quack's cu_seqlens_m, (experts + 1,) int32: each expert's first row, then the total."""
-    return torch.cat([offsets.new_zeros(1), offsets])
+def _quack_gemm(
+    a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, row_of_a: torch.Tensor | None = None
+) -> torch.Tensor:
+    """quack's varlen GEMM of the rows of ``a`` (``a[row_of_a]`` where given, gathered by the kernel) by
+    ``weight[e]`` for the rows of each expert e, with the tile configuration measured for it."""
+    out = a.new_empty(a.shape[0] if row_of_a is None else row_of_a.shape[0], weight.shape[2])
+    if out.numel():  # quack's tile scheduler divides by the row count
+        config = _Quack.config if row_of_a is None else _Quack.gathered_config
+        starts = torch.cat([offsets.new_zeros(1), offsets])  # cu_seqlens_m: each expert's first row, the total
+        _Quack.gemm(a, weight, out, cu_seqlens_m=starts, A_idx=row_of_a, config=config)
+    return out
 
 
 def _quack_failed(error: Exception) -> None:

@@ -149,7 +149,7 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
 
         check_liger_kernel(device, model_type)
     if config.model.grouped_gemm == "quack":  # asked for by name: it must run here (auto falls back)
-        resolve_grouped_gemm("quack", device, expert_width=0)
+        resolve_grouped_gemm("quack", device)
     found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
     return found + (", quack grouped GEMM" if config.model.grouped_gemm == "quack" else "")
 

@@ -591,10 +591,10 @@ def test_grouped_gemm_choice(moe_dirs, caplog):
     there is an error naming the key and what to do, and the log names the kernel in use."""
     assert ModelConfig(name_or_path="m").grouped_gemm == "auto"
     cpu = torch.device("cpu")
-    assert resolve_grouped_gemm("auto", cpu, 768) == "torch"
-    assert resolve_grouped_gemm("torch", cpu, 768) == "torch"
+    assert resolve_grouped_gemm("auto", cpu) == "torch"
+    assert resolve_grouped_gemm("torch", cpu) == "torch"
     with pytest.raises(ConfigError) as raised:
-        resolve_grouped_gemm("quack", cpu, 768)
+        resolve_grouped_gemm("quack", cpu)
     assert str(raised.value) == (
         "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch"
     )
@@ -614,14 +614,13 @@ def _quack_runs() -> bool:
 @pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]])
 def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     """On a Hopper GPU, quack's varlen GEMM computes the frozen experts' projections, forward and input
-    gradient (down's gathering its rows itself where the experts carry no LoRA), and the block's logits, loss and
-    every gradient are bit for bit those of torch._grouped_mm;
-    a quack kernel that fails at run time hands over to torch._grouped_mm with one warning, same results.
-    auto takes quack for fine-grained experts only (where it measured faster)."""
+    gradient (down's gathering its rows itself where the experts carry no LoRA) with the tile configurations
+    measured for them, and the block's logits, loss and every gradient are bit for bit those of
+    torch._grouped_mm; a quack kernel that fails at run time hands over to torch._grouped_mm with one warning,
+    same results. auto takes quack where it runs."""
     cuda = torch.device("cuda")
-    assert resolve_grouped_gemm("auto", cuda, 768) == "quack"
-    assert resolve_grouped_gemm("auto", cuda, 1408) == "torch"
-    assert resolve_grouped_gemm("quack", cuda, 14336) == "quack"
+    assert resolve_grouped_gemm("auto", cuda) == "quack"
+    assert resolve_grouped_gemm("torch", cuda) == "torch"
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(kernel_sized_qwen3_moe(), dtype=torch.bfloat16).cuda()
     base.config.use_cache = False
@@ -648,7 +647,11 @@ def test_quack_grouped_gemm_equals_torch_grouped_mm(targets, caplog):
     quack = grouped_gemm._Quack.gemm
 
     def counting(*args, **kwargs):
-        calls.append(kwargs.get("A_idx") is not None)  # whether quack gathered the rows itself
+        gathered = kwargs["A_idx"] is not None  # whether quack gathered the rows itself
+        calls.append(gathered)
+        tiles = (128, 256, False, 2, 1) if gathered else (192, 128, True, 1, 2)
+        config = kwargs["config"]
+        assert (config.tile_m, config.tile_n, config.pingpong, config.cluster_m, config.cluster_n) == tiles
         return quack(*args, **kwargs)
 
     def failing(*args, **kwargs):
