@@ -172,7 +172,7 @@ def uniform_routing(tokens: int, top_k: int, experts: int) -> tuple[torch.Tensor
 def quack_configs(report) -> None:
     """Every SM90 tile configuration quack has, on each GEMM of the fused block (the rows gathered by the
     kernel where they are the tokens'), against CUTLASS, quack's default configuration (its untuned calls) and
-    the one shardtune runs (``grouped_gemm.quack_unavailable``)."""
+    the one shardtune runs (``grouped_gemm._import_quack``)."""
     if quack_unavailable(torch.device("cuda")) is not None:
         report("quack configurations: quack-kernels is not available here")
         return

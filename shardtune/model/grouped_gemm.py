@@ -4,7 +4,7 @@ Three kernels compute it, each with the same result:
 
 - quack-kernels' varlen GEMM (CuTe DSL, ``pip install 'shardtune[quack]'``) for the frozen expert
   projections on Hopper GPUs, where it measures faster than ``torch._grouped_mm`` with bit for bit the same
-  output: on one H200, with the tile configurations measured for these GEMMs (``quack_unavailable``),
+  output: on one H200, with the tile configurations measured for these GEMMs (``_import_quack``),
   5-25% less device time per GEMM than CUTLASS at the shapes of Qwen3-30B-A3B and GLM-4.5-Air, 1-4% at
   Mixtral-8x7B's (``benchmarks/moe_kernels.py --quack-configs``). Where the rows are looked up from the
   tokens (``gathered_grouped_mm``), its kernel gathers them itself;
@@ -50,30 +50,36 @@ def quack_unavailable(device: torch.device) -> str | None:
         return f"it is used on Hopper GPUs (compute capability 9.x), this one is {capability[0]}.{capability[1]}"
     if _Quack.gemm is None:
         try:
-            from quack.gemm_config import GemmConfig
-            from quack.gemm_interface import gemm_tuned
-        except Exception as error:  # not installed, or its CUDA runtime does not load
+            _import_quack()
+        except Exception as error:  # not installed, its CUDA runtime does not load, or a release without these
             why = f"{type(error).__name__}: {first_line(error)}"
             return f"quack-kernels does not import ({why}); pip install 'shardtune[quack]'"
-        # The tile configurations, measured against every SM90 configuration quack has, on the gate/up and
-        # down projections' forward and input gradient at the shapes of Qwen3-30B-A3B, GLM-4.5-Air and
-        # Mixtral-8x7B, skewed and uniform loads (one H200, ``benchmarks/moe_kernels.py --quack-configs``).
-        # 192x128 tiles, pingpong, a 1x2 cluster: over each model's GEMMs 1-3% slower than the fastest
-        # configuration of each GEMM, and 2-9% faster than quack's default (128x192, a 2x1 cluster), which
-        # its untuned calls take (one GEMM's time spreads by up to 10% between runs). quack's autotuner would
-        # measure again for every new row count, and picks by an L2-cold timing. Gathering its rows, the kernel
-        # needs a cluster 1 wide in N; 128x256 cooperative was the fastest there on every GEMM.
-        common = dict(cluster_k=1, is_dynamic_persistent=False, swap_ab=False, device_capacity=9)
-        _Quack.config = GemmConfig(tile_m=192, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, **common)
-        _Quack.gathered_config = GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1, **common)
-        _Quack.gemm = gemm_tuned.fn  # the GEMM itself, without the autotuner in front
     return None
+
+
+def _import_quack() -> None:
+    """quack's GEMM and the tile configurations the fused block's GEMMs run with, into ``_Quack``."""
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_tuned
+
+    # The tile configurations, measured against every SM90 configuration quack has, on the gate/up and down
+    # projections' forward and input gradient at the shapes of Qwen3-30B-A3B, GLM-4.5-Air and Mixtral-8x7B,
+    # skewed and uniform loads (one H200, ``benchmarks/moe_kernels.py --quack-configs``). 192x128 tiles,
+    # pingpong, a 1x2 cluster: over each model's GEMMs 1-3% slower than the fastest configuration of each GEMM,
+    # and 2-9% faster than quack's default (128x192, a 2x1 cluster), which its untuned calls take (one GEMM's
+    # time spreads by up to 10% between runs). quack's autotuner would measure again for every new row count,
+    # and picks by an L2-cold timing. Gathering its rows, the kernel needs a cluster 1 wide in N; 128x256
+    # cooperative was the fastest there on every GEMM.
+    common = dict(cluster_k=1, is_dynamic_persistent=False, swap_ab=False, device_capacity=9)
+    _Quack.config = GemmConfig(tile_m=192, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2, **common)
+    _Quack.gathered_config = GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1, **common)
+    _Quack.gemm = gemm_tuned.fn  # the GEMM itself, without the autotuner in front
 
 
 def resolve_grouped_gemm(requested: str, device: torch.device) -> str:
     """``model.grouped_gemm`` for this run: ``quack`` or ``torch``. ``auto`` takes quack wherever it runs: with
     its measured tile configurations it was faster than torch._grouped_mm on every GEMM of Qwen3-30B-A3B,
-    GLM-4.5-Air and Mixtral-8x7B (see quack_unavailable)."""
+    GLM-4.5-Air and Mixtral-8x7B (see _import_quack)."""
     if requested == "torch":
         return "torch"
     reason = quack_unavailable(device)
