@@ -126,14 +126,19 @@ def grouped_gemms(report, triton: bool) -> None:
 
 
 def skewed_routing(tokens: int, top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token of each expert-sorted row (int32), cumulative row counts) of ``tokens`` tokens routed to ``top_k``
-    distinct experts each, drawn from long-tailed (Dirichlet(2)) expert shares, sorted as the fused block sorts."""
+    """``sorted_by_expert`` of ``tokens`` tokens routed to ``top_k`` distinct experts each, drawn from long-tailed
+    (Dirichlet(2)) expert shares."""
     generator = torch.Generator().manual_seed(0)
     shares = torch._sample_dirichlet(torch.full((experts,), 2.0), generator)
-    chosen = torch.multinomial(shares.expand(tokens, -1), top_k, generator=generator)
+    return sorted_by_expert(torch.multinomial(shares.expand(tokens, -1), top_k, generator=generator), experts)
+
+
+def sorted_by_expert(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token of each expert-sorted row (int32), cumulative row counts) for each token's chosen experts
+    (tokens, top_k), sorted as the fused block sorts."""
     expert_of_row, order = torch.sort(chosen.reshape(-1), stable=True)
     offsets = expert_of_row.bincount(minlength=experts).cumsum(0).to(device="cuda", dtype=torch.int32)
-    return (order // top_k).to(device="cuda", dtype=torch.int32), offsets
+    return (order // chosen.shape[1]).to(device="cuda", dtype=torch.int32), offsets
 
 
 def gathered_gemms(report) -> None:
@@ -163,10 +168,7 @@ def gathered_gemms(report) -> None:
 def uniform_routing(tokens: int, top_k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``skewed_routing``, each token's ``top_k`` experts drawn uniformly (a balanced load)."""
     generator = torch.Generator().manual_seed(1)
-    chosen = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices
-    expert_of_row, order = torch.sort(chosen.reshape(-1), stable=True)
-    offsets = expert_of_row.bincount(minlength=experts).cumsum(0).to(device="cuda", dtype=torch.int32)
-    return (order // top_k).to(device="cuda", dtype=torch.int32), offsets
+    return sorted_by_expert(torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices, experts)
 
 
 def quack_configs(report) -> None:

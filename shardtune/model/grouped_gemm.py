@@ -149,9 +149,10 @@ def gathered_grouped_mm(
     """``grouped_mm(tokens[token_of_row], weight, offsets)`` for a weight that takes no gradient. quack's kernel
     loads each row from ``tokens`` itself (its gather_A), so the gathered rows are never written; elsewhere they
     are gathered first. fused_moe uses it for the down projection's input gradient, whose rows are each
-    token's output gradient: at Qwen3-30B-A3B's shapes on one H200, 491 against 504 us with the gather
-    (``benchmarks/moe_kernels.py``), and 1% a training step. Gate/up's forward, the other GEMM whose rows are
-    the tokens, measured slower this way (911 against 849 us), so it keeps its gather. No autograd: the caller
+    token's output gradient: at Qwen3-30B-A3B's shapes on one H200, in quack's default tiles, 491 against 504 us
+    with the gather (``benchmarks/moe_kernels.py``), and 1% a training step. Gate/up's forward, the other GEMM
+    whose rows are the tokens, measured slower this way (911 against 849 us; in the tiles of ``_import_quack``
+    faster in one call and slower in another), so it keeps its gather. No autograd: the caller
     (fused_moe's ProjectionSummed) states the backward."""
     if backend == "quack" and tokens.is_cuda and _kernel_takes(tokens, weight):
         return torch.ops.shardtune.quack_gathered_grouped_mm(tokens, token_of_row, weight, offsets)
