@@ -1,6 +1,6 @@
 """The fused MoE block's kernels on the shapes of issue 20's models, one GPU:
 
-    python benchmarks/moe_kernels.py [--out FILE] [--no-triton] [--quack-configs] [--shapes NAME ...]
+    python benchmarks/moe_kernels.py [--out FILE] [--no-triton] [--quack-configs | --routing] [--shapes NAME ...]
 
 - grouped GEMMs: ``torch._grouped_mm`` (CUTLASS) on the experts' gate/up and down projections, forward and
   input gradient, against one dense GEMM of the same FLOPs, against inductor's autotuned Triton template
@@ -16,6 +16,9 @@
 - the weighted SiLU (``WeightedSiluMul``): its backward as inductor compiles the torch ops against
   shardtune's Triton kernel (``shardtune/model/weighted_silu_kernel.py``), and its forward compiled with
   static shapes against ``dynamic=True``, with the bytes each must move;
+- the router's bookkeeping, compiled: the top-k experts of softmax scores and the pairs in expert order (with its
+  inverse and offsets) as torch ops (``torch.topk``, a stable ``torch.sort``, a scatter, ``searchsorted``)
+  against shardtune's Triton kernels (``shardtune/model/routing_kernels.py``); ``--routing``: only this table;
 - ``--quack-configs`` (only this table): every SM90 tile configuration quack-kernels has, on each of those
   GEMMs at a skewed and a uniform load, against CUTLASS, quack's default configuration and the one shardtune
   pins (``shardtune/model/grouped_gemm.py``).
@@ -39,6 +42,7 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 
+from shardtune.model import fused_moe
 from shardtune.model.fused_moe import _sum_rows as sum_rows
 from shardtune.model.fused_moe import _weighted_silu_mul, weighted_silu_mul_backward_ops
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable
@@ -285,11 +289,41 @@ def weighted_silu(report) -> None:
         report(f"  {name:14s} {' | '.join(rates)}")
 
 
+def routing_bookkeeping(probabilities: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """The fused block's routing after the router's softmax (as Qwen3-MoE and Mixtral route)."""
+    chosen = fused_moe.top_k_experts(probabilities, top_k)
+    return (probabilities.gather(1, chosen), *fused_moe.expert_order(chosen.reshape(-1), probabilities.shape[1]))
+
+
+def routing(report) -> None:
+    report("routing, compiled (top-k of softmax scores, expert order, its inverse and offsets): torch ops | Triton "
+           "kernels (each equal to the torch ops run eagerly?)")  # fmt: skip
+    kernels = fused_moe.routing_kernels
+    for name, experts, _, _, rows in SHAPES:
+        top_k = rows // 8192
+        logits = torch.randn(8192, experts, device="cuda")
+        logits[:, : experts // 8] += 1.0  # a skewed load: an eighth of the experts take most pairs
+        probabilities = logits.softmax(dim=-1)
+        fused_moe.routing_kernels = None
+        expected = routing_bookkeeping(probabilities, top_k)
+        times, same = [], []
+        for module in (None, kernels):
+            fused_moe.routing_kernels = module
+            torch._dynamo.reset()
+            compiled = torch.compile(functools.partial(routing_bookkeeping, top_k=top_k), fullgraph=True)
+            same.append(all(torch.equal(a, b) for a, b in zip(compiled(probabilities), expected, strict=True)))
+            times.append(seconds(compiled, probabilities))
+        fused_moe.routing_kernels = kernels
+        cells = [f"{t * 1e6:6.1f} us ({'equal' if ok else 'DIFFERENT'})" for t, ok in zip(times, same, strict=True)]
+        report(f"  {name:14s} {' | '.join(cells)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--no-triton", action="store_true", help="leave out inductor's Triton template (slow to tune)")
     parser.add_argument("--quack-configs", action="store_true", help="only the table of quack's tile configurations")
+    parser.add_argument("--routing", action="store_true", help="only the table of the routing bookkeeping")
     parser.add_argument("--shapes", nargs="+", choices=[shape[0] for shape in SHAPES], help="only these models")
     args = parser.parse_args()
     if args.shapes:
@@ -306,6 +340,9 @@ def main() -> None:
         report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         if args.quack_configs:
             quack_configs(report)
+            return
+        routing(report)
+        if args.routing:
             return
         weighted_silu(report)
         row_sums(report)

@@ -60,14 +60,14 @@ class ExpertDispatch:
     local_experts: int
 
     def send(
-        self, rows: torch.Tensor, row_weights: torch.Tensor, expert_of_row: torch.Tensor
+        self, rows: torch.Tensor, row_weights: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """``rows`` sorted by (global) expert, their routing weights, ``expert_of_row`` their experts: (the
-        rows this rank's experts must compute, ordered by local expert; their routing weights; cumulative
-        row counts per local expert (int32), as the grouped GEMMs take them; the function that sends those
-        rows' outputs back, in ``rows``' order)."""
+        """``rows`` sorted by (global) expert, their routing weights, ``offsets`` their cumulative row counts per
+        (global) expert: (the rows this rank's experts must compute, ordered by local expert; their routing
+        weights; cumulative row counts per local expert (int32), as the grouped GEMMs take them; the function
+        that sends those rows' outputs back, in ``rows``' order)."""
         ep, local = self.ep_size, self.local_experts
-        counts = torch.bincount(expert_of_row, minlength=ep * local)  # experts of rank k: run k
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))  # experts of rank k: run k
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
         # The one host sync of a dispatch: all-to-all takes its split sizes as Python ints.

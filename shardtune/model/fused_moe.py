@@ -5,9 +5,9 @@ original's children under their names (router, experts, shared experts), so para
 adapters, checkpoints and exports are unchanged; only the computation differs:
 
 - the router runs in fp32 with its architecture's exact rule (:class:`Routing`);
-- the (token, choice) pairs are sorted by expert once, on the device: ``torch.sort`` of the flattened
-  expert ids and ``searchsorted`` for the per-expert offsets, so nothing waits for the host and every
-  shape is static (``torch.compile`` traces the block as one graph);
+- the (token, choice) pairs are sorted by expert once, on the device (``expert_order``: a counting sort in
+  two Triton kernels on GPUs, a stable ``torch.sort`` and ``searchsorted`` elsewhere), so nothing waits for
+  the host and every shape is static (``torch.compile`` traces the block as one graph);
 - gate/up and down projections are grouped GEMMs over the sorted rows (``model.grouped_gemm``: quack's
   varlen GEMM or ``torch._grouped_mm``, see ``grouped_gemm.py``), with LoRA on the routed experts computed as
   two more grouped low-rank products on the same rows from PEFT's own ``lora_A``/``lora_B`` (W + ΔW is
@@ -52,10 +52,11 @@ from shardtune.model.moe import (
     token_statistics,
 )
 
-try:  # Triton ships with CUDA builds of torch; without it WeightedSiluMul's backward runs as torch ops
+try:  # Triton ships with CUDA builds of torch; without it these run as torch ops
+    from shardtune.model import routing_kernels
     from shardtune.model.weighted_silu_kernel import runs_on, weighted_silu_mul_backward
 except ImportError:
-    weighted_silu_mul_backward = None
+    routing_kernels = weighted_silu_mul_backward = None
 
 log = logging.getLogger("shardtune")
 
@@ -336,7 +337,8 @@ def route(
             logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
         if routing.scoring == "softmax":
             probabilities = logits.softmax(dim=-1)
-            weights, chosen = probabilities.topk(routing.top_k, dim=-1)
+            chosen = top_k_experts(probabilities, routing.top_k)
+            weights = probabilities.gather(1, chosen)
             if routing.normalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights, chosen
@@ -348,11 +350,36 @@ def route(
             best_groups = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
             for_choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
-        chosen = for_choice.topk(routing.top_k, dim=-1, sorted=False).indices
+        chosen = top_k_experts(for_choice, routing.top_k, best_first=False)
         weights = scores.gather(1, chosen)
         if routing.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, weights * routing.scaling, chosen
+
+
+def top_k_experts(scores: torch.Tensor, top_k: int, best_first: bool = True) -> torch.Tensor:
+    """The columns of each row's ``top_k`` largest ``scores`` (tokens, experts): one Triton kernel where it runs
+    (best first, ``routing_kernels.top_k_experts``), else ``torch.topk``, sorted when ``best_first``."""
+    if routing_kernels is not None and runs_on(scores.device):
+        return routing_kernels.top_k_experts(scores, top_k)
+    return scores.topk(top_k, dim=-1, sorted=best_first).indices
+
+
+def expert_order(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs ``expert_ids`` (pairs,) in expert order, stably: (``order``, row p of the
+    expert-sorted layout is pair order[p]; ``inverse``, pair q's row; ``offsets`` int32, the rows of experts
+    0..e). On the device, with no host sync: two Triton kernels where they run (``routing_kernels.expert_order``),
+    else a stable sort."""
+    if routing_kernels is not None and runs_on(expert_ids.device):
+        return routing_kernels.expert_order(expert_ids, experts)
+    if experts <= torch.iinfo(torch.int16).max:
+        # A radix sort makes one pass per key byte: 2 over 16-bit keys where int64 ids take 8, for the same
+        # stable order (Qwen3-30B-A3B's 65,536 pairs on one H200: 47 against 93 us).
+        expert_ids = expert_ids.to(torch.int16)
+    expert_of_row, order = torch.sort(expert_ids, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    every_expert = torch.arange(experts, device=expert_ids.device, dtype=expert_ids.dtype)
+    return order, inverse, torch.searchsorted(expert_of_row, every_expert, right=True, out_int32=True)
 
 
 class Fp32Linear(torch.autograd.Function):
@@ -392,24 +419,11 @@ def routed_experts(
     dtype = _compute_dtype(gate_up)
     top_k = chosen.shape[1]
     experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
-    flat = chosen.reshape(-1)
-    if experts_total <= torch.iinfo(torch.int16).max:
-        # A radix sort makes one pass per key byte: 2 over 16-bit keys where int64 ids take 8, for the same
-        # stable order (Qwen3-30B-A3B's 65,536 pairs on one H200: 47 against 93 us).
-        flat = flat.to(torch.int16)
-    expert_of_row, order = torch.sort(flat, stable=True)  # row p of the sorted layout is pair order[p]
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    order, inverse, offsets = expert_order(chosen.reshape(-1), experts_total)  # offsets[e]: rows of experts 0..e
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     row_weights = Permute.apply(weights.reshape(-1), order, inverse)  # the fp32 routing weight of each row
-    if dispatch is None:
-        offsets = torch.searchsorted(
-            expert_of_row,
-            torch.arange(gate_up.shape[0], device=flat.device, dtype=flat.dtype),
-            right=True,
-            out_int32=True,
-        )  # offsets[e]: rows of experts 0..e
-    else:
-        rows, row_weights, offsets, receive_back = dispatch.send(rows, row_weights, expert_of_row)
+    if dispatch is not None:
+        rows, row_weights, offsets, receive_back = dispatch.send(rows, row_weights, offsets)
 
     # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what
     # the block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism)
