@@ -1,6 +1,6 @@
 """Where the device idles in a profiled step (``logging.profile_steps``' trace): the gaps between kernels, whether
 the host had launched the next kernel before the device ran dry, and what the host was doing at that launch;
-then one layer's forward and backward kernels in order.
+then one layer's forward and backward kernels in order, each with the idle time before it.
 
     python benchmarks/device_gaps.py RUN/profile/rank0.trace.json.gz
 """
@@ -74,9 +74,10 @@ def main(path: str) -> None:
         at = [i for i, kernel in enumerate(kernels) if marker in kernel["name"]]
         if len(at) > 12:
             first, last = (at[10] - 20, at[11]) if marker == "fprop" else (at[10], at[11])
-            print(f"\none layer's {what}: kernels {first}..{last}")
-            for kernel in kernels[first:last]:
-                print(f"{kernel['dur']:8.1f} us  {kernel['name'][:110]}")
+            print(f"\none layer's {what}: kernels {first}..{last} (device time, idle before it)")
+            for before, kernel in zip(kernels[first - 1 : last - 1], kernels[first:last], strict=True):
+                idle = kernel["ts"] - (before["ts"] + before["dur"])
+                print(f"{kernel['dur']:8.1f} us {max(idle, 0):6.1f} us  {kernel['name'][:110]}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@
   shardtune's Triton kernel (``shardtune/model/weighted_silu_kernel.py``), and its forward compiled with
   static shapes against ``dynamic=True``, with the bytes each must move;
 - the router's bookkeeping, compiled: the top-k experts of softmax scores and the pairs in expert order (with its
-  inverse and offsets) as torch ops (``torch.topk``, a stable ``torch.sort``, a scatter, ``searchsorted``)
+  inverse and bounds) as torch ops (``torch.topk``, a stable ``torch.sort``, a scatter, ``searchsorted``)
   against shardtune's Triton kernels (``shardtune/model/routing_kernels.py``); ``--routing``: only this table;
 - ``--quack-configs`` (only this table): every SM90 tile configuration quack-kernels has, on each of those
   GEMMs at a skewed and a uniform load, against CUTLASS, quack's default configuration and the one shardtune
@@ -77,20 +77,25 @@ def seconds(function, *args) -> float:
     return timed(function, *args)[0]
 
 
-def skewed_offsets(rows: int, experts: int) -> torch.Tensor:
-    """Cumulative row counts of a long-tailed load (Dirichlet(2) expert shares)."""
+def skewed_bounds(rows: int, experts: int) -> torch.Tensor:
+    """Each expert's rows bounds[e]:bounds[e + 1] (int32) of a long-tailed load (Dirichlet(2) expert shares)."""
     generator = torch.Generator().manual_seed(0)
     shares = torch._sample_dirichlet(torch.full((experts,), 2.0), generator)
     counts = torch.multinomial(shares, rows, replacement=True, generator=generator).bincount(minlength=experts)
-    return counts.cumsum(0).to(device="cuda", dtype=torch.int32)
+    return as_bounds(counts)
 
 
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(rows, weight, offs=offsets)
+def as_bounds(counts: torch.Tensor) -> torch.Tensor:
+    """Row counts per expert as the grouped GEMMs take them: 0, then the cumulative counts (int32, on the GPU)."""
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device="cuda", dtype=torch.int32)
 
 
-def quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return shardtune_grouped_mm(rows, weight, offsets, backend="quack")
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(rows, weight, offs=bounds[1:])
+
+
+def quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    return shardtune_grouped_mm(rows, weight, bounds, backend="quack")
 
 
 def grouped_gemms(report, triton: bool) -> None:
@@ -100,7 +105,7 @@ def grouped_gemms(report, triton: bool) -> None:
     columns += ["quack (bit for bit equal to CUTLASS?; host time to issue a call)"] * quack
     report("grouped GEMMs (bf16): " + " | ".join(columns))
     for name, experts, hidden, width, rows in SHAPES:
-        offsets = skewed_offsets(rows, experts)
+        bounds = skewed_bounds(rows, experts)
         gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
         down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
         cases = [
@@ -112,18 +117,18 @@ def grouped_gemms(report, triton: bool) -> None:
         for what, fan_in, weight in cases:
             inputs = torch.randn(rows, fan_in, device="cuda", dtype=torch.bfloat16)
             flops = 2 * rows * fan_in * weight.shape[-1]
-            times = [seconds(grouped_mm, inputs, weight, offsets), seconds(torch.mm, inputs, weight[0].contiguous())]
+            times = [seconds(grouped_mm, inputs, weight, bounds), seconds(torch.mm, inputs, weight[0].contiguous())]
             if triton:
                 torch._dynamo.reset()
                 with inductor_config.patch(max_autotune_gemm=True, max_autotune_gemm_backends="TRITON"):
                     tuned = torch.compile(grouped_mm, dynamic=False)
-                    tuned(inputs, weight, offsets)
-                times.append(seconds(tuned, inputs, weight, offsets))
+                    tuned(inputs, weight, bounds)
+                times.append(seconds(tuned, inputs, weight, bounds))
             equal = ""
             if quack:
-                device, host = timed(quack_grouped_mm, inputs, weight, offsets)
+                device, host = timed(quack_grouped_mm, inputs, weight, bounds)
                 times.append(device)
-                same = torch.equal(quack_grouped_mm(inputs, weight, offsets), grouped_mm(inputs, weight, offsets))
+                same = torch.equal(quack_grouped_mm(inputs, weight, bounds), grouped_mm(inputs, weight, bounds))
                 equal = f" ({'equal' if same else 'DIFFERENT'}; host {host * 1e6:.0f} us a call)"
             rates = [f"{time * 1e6:7.0f} us {flops / time / 1e12:4.0f} TFLOP/s" for time in times]
             report(f"  {name:14s} {what:10s} " + " | ".join(rates) + equal)
@@ -138,11 +143,11 @@ def skewed_routing(tokens: int, top_k: int, experts: int) -> tuple[torch.Tensor,
 
 
 def sorted_by_expert(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token of each expert-sorted row (int32), cumulative row counts) for each token's chosen experts
+    """(token of each expert-sorted row (int32), each expert's row bounds) for each token's chosen experts
     (tokens, top_k), sorted as the fused block sorts."""
     expert_of_row, order = torch.sort(chosen.reshape(-1), stable=True)
-    offsets = expert_of_row.bincount(minlength=experts).cumsum(0).to(device="cuda", dtype=torch.int32)
-    return (order // chosen.shape[1]).to(device="cuda", dtype=torch.int32), offsets
+    bounds = as_bounds(expert_of_row.bincount(minlength=experts))
+    return (order // chosen.shape[1]).to(device="cuda", dtype=torch.int32), bounds
 
 
 def gathered_gemms(report) -> None:
@@ -155,12 +160,12 @@ def gathered_gemms(report) -> None:
            "(bit for bit equal to gather + CUTLASS?)")  # fmt: skip
     for name, experts, hidden, width, rows in SHAPES:
         top_k = rows // 8192
-        token_of_row, offsets = skewed_routing(8192, top_k, experts)
+        token_of_row, bounds = skewed_routing(8192, top_k, experts)
         tokens = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
         gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
         down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16)  # down dX's operand
         for what, weight in (("gate/up", gate_up), ("down dX", down)):
-            operands = (tokens, token_of_row, weight, offsets)
+            operands = (tokens, token_of_row, weight, bounds)
             times = [seconds(gathered_first, gemm, *operands) for gemm in (grouped_mm, quack_grouped_mm)]
             times.append(seconds(gathered_grouped_mm, *operands, "quack"))
             same = torch.equal(gathered_grouped_mm(*operands, "quack"), gathered_first(grouped_mm, *operands))
@@ -201,8 +206,7 @@ def quack_configs(report) -> None:
         down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16)
         tokens = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
         for load, routing in (("skewed", skewed_routing), ("uniform", uniform_routing)):
-            token_of_row, offsets = routing(8192, top_k, experts)
-            starts = torch.cat([offsets.new_zeros(1), offsets])
+            token_of_row, bounds = routing(8192, top_k, experts)
             cases = [
                 ("gate/up", torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16), gate_up.mT, None),
                 ("down", torch.randn(rows, width, device="cuda", dtype=torch.bfloat16), down.mT, None),
@@ -213,31 +217,31 @@ def quack_configs(report) -> None:
             for what, a, weight, row_of_a in cases:
                 flops = 2 * rows * a.shape[1] * weight.shape[-1]
                 out = torch.empty(rows, weight.shape[-1], device="cuda", dtype=torch.bfloat16)
-                default = gemm(a, weight, cu_seqlens_m=starts, A_idx=row_of_a, tuned=False)
+                default = gemm(a, weight, cu_seqlens_m=bounds, A_idx=row_of_a, tuned=False)
                 if load == "skewed":  # quack's autotuner compiles every configuration, in parallel
-                    gemm(a, weight, cu_seqlens_m=starts, A_idx=row_of_a, tuned=True)
+                    gemm(a, weight, cu_seqlens_m=bounds, A_idx=row_of_a, tuned=True)
                 mine = _Quack.config if row_of_a is None else _Quack.gathered_config
                 times, equal = {}, True
                 for config in candidates:
                     if config_supports(config, gather_A=row_of_a is not None, varlen_m=True):
-                        run = functools.partial(_Quack.gemm, a, weight, out, cu_seqlens_m=starts, A_idx=row_of_a,
+                        run = functools.partial(_Quack.gemm, a, weight, out, cu_seqlens_m=bounds, A_idx=row_of_a,
                                                 config=config)  # fmt: skip
                         times[named(config)] = seconds(run)
                         equal = equal and torch.equal(out, default)
                 fastest = min(times, key=times.get)
                 if row_of_a is None:
-                    cutlass = seconds(grouped_mm, a, weight, offsets)
+                    cutlass = seconds(grouped_mm, a, weight, bounds)
                 else:
-                    cutlass = seconds(gathered_first, grouped_mm, a, row_of_a, weight, offsets)
-                quack = seconds(functools.partial(gemm, a, weight, cu_seqlens_m=starts, A_idx=row_of_a, tuned=False))
+                    cutlass = seconds(gathered_first, grouped_mm, a, row_of_a, weight, bounds)
+                quack = seconds(functools.partial(gemm, a, weight, cu_seqlens_m=bounds, A_idx=row_of_a, tuned=False))
                 rates = [f"{time * 1e6:6.0f} us {flops / time / 1e12:3.0f} TF/s"
                          for time in (cutlass, quack, times[named(mine)], times[fastest])]  # fmt: skip
                 report(f"  {name:14s} {load:7s} {what:16s} " + " | ".join(rates) + f" ({fastest}; "
                        f"{'equal' if equal else 'DIFFERENT'})")  # fmt: skip
 
 
-def gathered_first(gemm, tokens, token_of_row, weight, offsets) -> torch.Tensor:
-    return gemm(tokens.index_select(0, token_of_row), weight, offsets)
+def gathered_first(gemm, tokens, token_of_row, weight, bounds) -> torch.Tensor:
+    return gemm(tokens.index_select(0, token_of_row), weight, bounds)
 
 
 def summed_by_reduction(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -296,7 +300,7 @@ def routing_bookkeeping(probabilities: torch.Tensor, top_k: int) -> tuple[torch.
 
 
 def routing(report) -> None:
-    report("routing, compiled (top-k of softmax scores, expert order, its inverse and offsets): torch ops | Triton "
+    report("routing, compiled (top-k of softmax scores, expert order, its inverse and bounds): torch ops | Triton "
            "kernels (each equal to the torch ops run eagerly?)")  # fmt: skip
     kernels = fused_moe.routing_kernels
     for name, experts, _, _, rows in SHAPES:
@@ -306,15 +310,20 @@ def routing(report) -> None:
         probabilities = logits.softmax(dim=-1)
         fused_moe.routing_kernels = None
         expected = routing_bookkeeping(probabilities, top_k)
-        times, same = [], []
+        cells = []
         for module in (None, kernels):
             fused_moe.routing_kernels = module
             torch._dynamo.reset()
             compiled = torch.compile(functools.partial(routing_bookkeeping, top_k=top_k), fullgraph=True)
-            same.append(all(torch.equal(a, b) for a, b in zip(compiled(probabilities), expected, strict=True)))
-            times.append(seconds(compiled, probabilities))
+            outputs = compiled(probabilities)
+            if all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True)):
+                same = "equal"
+            elif torch.equal(outputs[0], expected[0]) and torch.equal(outputs[3], expected[3]):
+                same = "equal but for the order of equal scores"  # the same weights and loads, tied experts swapped
+            else:
+                same = "DIFFERENT"
+            cells.append(f"{seconds(compiled, probabilities) * 1e6:6.1f} us ({same})")
         fused_moe.routing_kernels = kernels
-        cells = [f"{t * 1e6:6.1f} us ({'equal' if ok else 'DIFFERENT'})" for t, ok in zip(times, same, strict=True)]
         report(f"  {name:14s} {' | '.join(cells)}")
 
 

@@ -23,8 +23,9 @@
 # GLM-4.5-Air runs against HF; BENCH_ONLY: moe-kernels and run names), gathered (the down projection's input
 # gradient gathering its rows in quack's GEMM: the MoE kernels, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs
 # against HF; BENCH_ONLY as for weighted-silu), quack-tiles (quack's tile configurations: every SM90 one on the
-# MoE GEMMs, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs against HF; BENCH_ONLY as for weighted-silu). Each
-# run's bench.json (and profile report, where one is taken) is copied to
+# MoE GEMMs, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs against HF; BENCH_ONLY as for weighted-silu),
+# routing-kernels (the router's top-k and the expert order as Triton kernels: the routing bookkeeping alone, and the
+# Qwen3-30B-A3B and GLM-4.5-Air runs against HF; BENCH_ONLY as for weighted-silu). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -323,6 +324,18 @@ quack-tiles)
     bench tiles-qwen3-attn "${qwen3[@]}"
     bench tiles-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
     bench tiles-mixtral --shape mixtral-8x7b "${qwen3[@]:2}"
+    ;;
+routing-kernels)
+    # The router's top-k and the (token, choice) pairs' expert order as Triton kernels
+    # (shardtune/model/routing_kernels.py): the routing bookkeeping alone (moe_kernels.py --routing), then on one
+    # H200 Qwen3-30B-A3B LoRA on attention and GLM-4.5-Air (20 layers), each against HF in the same run.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --routing --out "$results/moe_kernels_routing.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench routing-qwen3-attn "${qwen3[@]}"
+    bench routing-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}"
     ;;
 moe-loss)
     # The chunked loss (training.loss_chunk_tokens: auto, the default) on one GPU: the loss alone against all

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.checkpoint.names import without_wrappers
@@ -60,14 +61,14 @@ class ExpertDispatch:
     local_experts: int
 
     def send(
-        self, rows: torch.Tensor, row_weights: torch.Tensor, offsets: torch.Tensor
+        self, rows: torch.Tensor, row_weights: torch.Tensor, bounds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """``rows`` sorted by (global) expert, their routing weights, ``offsets`` their cumulative row counts per
-        (global) expert: (the rows this rank's experts must compute, ordered by local expert; their routing
-        weights; cumulative row counts per local expert (int32), as the grouped GEMMs take them; the function
+        """``rows`` sorted by (global) expert, their routing weights, ``bounds`` the rows of each (global) expert e,
+        bounds[e]:bounds[e + 1]: (the rows this rank's experts must compute, ordered by local expert; their
+        routing weights; their bounds per local expert (int32), as the grouped GEMMs take them; the function
         that sends those rows' outputs back, in ``rows``' order)."""
         ep, local = self.ep_size, self.local_experts
-        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))  # experts of rank k: run k
+        counts = torch.diff(bounds.long())  # rows per expert; the experts of rank k are run k
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
         # The one host sync of a dispatch: all-to-all takes its split sizes as Python ints.
@@ -82,13 +83,13 @@ class ExpertDispatch:
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         by_expert = Permute.apply(received, order, inverse)
         weights_by_expert = Permute.apply(received_weights, order, inverse)
-        offsets = received_counts.view(ep, local).sum(0).cumsum(0).to(torch.int32)
+        bounds = F.pad(received_counts.view(ep, local).sum(0).cumsum(0), (1, 0)).to(torch.int32)
 
         def receive_back(outputs: torch.Tensor) -> torch.Tensor:
             by_source = Permute.apply(outputs, inverse, order)
             return AllToAll.apply(by_source, send_splits, receive_splits, self.group)
 
-        return by_expert, weights_by_expert, offsets, receive_back
+        return by_expert, weights_by_expert, bounds, receive_back
 
 
 def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:

@@ -49,6 +49,7 @@ from shardtune.model.moe import (
     RoutingRecorder,
     find_moe_blocks,
     routing_probabilities,
+    sum_real,
     token_statistics,
 )
 
@@ -244,31 +245,45 @@ def report_routing(
 ) -> torch.Tensor:
     """Hand one training forward's routing to the current RoutingRecorder; returns ``weights`` (a copy).
 
-    Without a graph break: the per-token statistics are computed in the graph, and an opaque op hands
-    them over when it runs (``shardtune::report_routing``). That op decides at run time what a traced
-    graph cannot: whether a recording is on, which tokens are real (its mask), and whether this is
-    activation checkpointing's recomputation inside backward (which records nothing, compiled or eager).
+    Without a graph break: the per-token statistics are computed and summed over the real tokens in the graph
+    (which tokens are real, an opaque op reads from the recorder when it runs: ``shardtune::real_tokens``), and
+    an opaque op hands the sums over when it runs (``shardtune::report_routing``). That op decides at run time
+    what a traced graph cannot: whether a recording is on, and whether this is activation checkpointing's
+    recomputation inside backward (which records nothing, compiled or eager).
     The routing weights pass through it so that it runs in the forward, in order, and, with
     ``trains_balance``, so that its backward can give the router probabilities the load-balancing loss's
     gradient (Megatron-LM attaches its auxiliary loss to the activations the same way): the loss pools
     every layer, so that gradient is known only once the forward is over, when the recorder sets it.
     """
     probabilities = routing_probabilities(logits, scoring)
-    statistics = token_statistics(probabilities, chosen)
-    return torch.ops.shardtune.report_routing(weights, statistics, probabilities if trains_balance else None)
+    sums = sum_real(token_statistics(probabilities, chosen), torch.ops.shardtune.real_tokens(weights.detach()))
+    return torch.ops.shardtune.report_routing(weights, sums, probabilities if trains_balance else None)
+
+
+@torch.library.custom_op("shardtune::real_tokens", mutates_args=())
+def _real_tokens(like: torch.Tensor) -> torch.Tensor:
+    """Which tokens of ``like`` (tokens, ...) are real, as 0/1 in its dtype: the recording's mask where the
+    forward is recorded, every token otherwise (its statistics are not reported)."""
+    recorder = RoutingRecorder.current
+    if recorder is None or not recorder.records_now():
+        return like.new_ones(like.shape[0])
+    return recorder.real_tokens(like)
+
+
+@_real_tokens.register_fake
+def _(like):
+    return like.new_empty(like.shape[0])
 
 
 @torch.library.custom_op("shardtune::report_routing", mutates_args=())
-def _report_routing(
-    weights: torch.Tensor, statistics: torch.Tensor, probabilities: torch.Tensor | None
-) -> torch.Tensor:
+def _report_routing(weights: torch.Tensor, sums: torch.Tensor, probabilities: torch.Tensor | None) -> torch.Tensor:
     if RoutingRecorder.current is not None:
-        RoutingRecorder.current.report(statistics)
+        RoutingRecorder.current.report(sums)
     return weights.clone()
 
 
 @_report_routing.register_fake
-def _(weights, statistics, probabilities):
+def _(weights, sums, probabilities):
     return torch.empty_like(weights)
 
 
@@ -367,9 +382,9 @@ def top_k_experts(scores: torch.Tensor, top_k: int, best_first: bool = True) -> 
 
 def expert_order(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, choice) pairs ``expert_ids`` (pairs,) in expert order, stably: (``order``, row p of the
-    expert-sorted layout is pair order[p]; ``inverse``, pair q's row; ``offsets`` int32, the rows of experts
-    0..e). On the device, with no host sync: two Triton kernels where they run (``routing_kernels.expert_order``),
-    else a stable sort."""
+    expert-sorted layout is pair order[p]; ``inverse``, pair q's row; ``bounds`` (experts + 1,) int32, expert e's
+    rows are bounds[e]:bounds[e + 1], as the grouped GEMMs take them). On the device, with no host sync: two Triton
+    kernels where they run (``routing_kernels.expert_order``), else a stable sort."""
     if routing_kernels is not None and runs_on(expert_ids.device):
         return routing_kernels.expert_order(expert_ids, experts)
     if experts <= torch.iinfo(torch.int16).max:
@@ -378,8 +393,8 @@ def expert_order(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, 
         expert_ids = expert_ids.to(torch.int16)
     expert_of_row, order = torch.sort(expert_ids, stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    every_expert = torch.arange(experts, device=expert_ids.device, dtype=expert_ids.dtype)
-    return order, inverse, torch.searchsorted(expert_of_row, every_expert, right=True, out_int32=True)
+    below_each = torch.arange(-1, experts, device=expert_ids.device, dtype=expert_ids.dtype)  # bounds[e + 1]: ids <= e
+    return order, inverse, torch.searchsorted(expert_of_row, below_each, right=True, out_int32=True)
 
 
 class Fp32Linear(torch.autograd.Function):
@@ -419,24 +434,24 @@ def routed_experts(
     dtype = _compute_dtype(gate_up)
     top_k = chosen.shape[1]
     experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
-    order, inverse, offsets = expert_order(chosen.reshape(-1), experts_total)  # offsets[e]: rows of experts 0..e
+    order, inverse, bounds = expert_order(chosen.reshape(-1), experts_total)  # expert e: rows bounds[e]:bounds[e+1]
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     row_weights = Permute.apply(weights.reshape(-1), order, inverse)  # the fp32 routing weight of each row
     if dispatch is not None:
-        rows, row_weights, offsets, receive_back = dispatch.send(rows, row_weights, offsets)
+        rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
 
     # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what
     # the block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism)
     # cannot be gathered here, so those are kept.
     def regathered(a: torch.Tensor) -> torch.Tensor:
-        return LowRankOfRebuiltRows.apply(rows, a, offsets, "gathered", tokens, order, top_k)
+        return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _silu_precision(projected) == torch.float32
-        return LowRankOfRebuiltRows.apply(hidden, a, offsets, "activated", projected, row_weights, fp32)
+        return LowRankOfRebuiltRows.apply(hidden, a, bounds, "activated", projected, row_weights, fp32)
 
     low_rank = regathered if dispatch is None else None
-    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), offsets, dtype, backend, low_rank)
+    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), bounds, dtype, backend, low_rank)
     hidden = WeightedSiluMul.apply(projected, row_weights)
     down_adapters = adapters.get("down_proj", [])
     if dispatch is None and not down_adapters and not down.requires_grad:
@@ -444,8 +459,8 @@ def routed_experts(
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
         weight = down.to(dtype).transpose(-2, -1)
-        return ProjectionSummed.apply(hidden, weight, offsets, token_of_row, inverse, top_k, backend)
-    outputs = _projection(hidden, down, down_adapters, offsets, dtype, backend, reactivated)
+        return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, backend)
+    outputs = _projection(hidden, down, down_adapters, bounds, dtype, backend, reactivated)
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
     return SumRows.apply(outputs, order, inverse, top_k)
@@ -455,7 +470,7 @@ def _projection(
     rows: torch.Tensor,
     weight: torch.Tensor,
     adapters: list[tuple],
-    offsets: torch.Tensor,
+    bounds: torch.Tensor,
     dtype: torch.dtype,
     backend: str,
     low_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -469,7 +484,7 @@ def _projection(
     get_delta_weight: ΔW_e = B_e @ A_e * scaling). A shared adapter is the same for every expert.
     """
     num_experts = weight.shape[0]
-    result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), offsets, backend)
+    result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), bounds, backend)
     for lora_a, lora_b, scaling, rank, shared in adapters:
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
             a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
@@ -478,8 +493,8 @@ def _projection(
             result = result + F.linear(low * scaling, b)
             continue
         a, b = expert_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
-        low = (grouped_mm(rows, a, offsets) if low_rank is None else low_rank(a)) * scaling  # (pairs, r)
-        result = result + grouped_mm(low, b, offsets)
+        low = (grouped_mm(rows, a, bounds) if low_rank is None else low_rank(a)) * scaling  # (pairs, r)
+        result = result + grouped_mm(low, b, bounds)
     return result
 
 
@@ -590,15 +605,15 @@ class ProjectionSummed(torch.autograd.Function):
     gradient gathered (SumRows' backward) inside the input gradient's GEMM where its kernel can."""
 
     @staticmethod
-    def forward(ctx, rows, weight, offsets, token_of_row, inverse, top_k: int, backend: str) -> torch.Tensor:
-        ctx.save_for_backward(weight, offsets, token_of_row)
+    def forward(ctx, rows, weight, bounds, token_of_row, inverse, top_k: int, backend: str) -> torch.Tensor:
+        ctx.save_for_backward(weight, bounds, token_of_row)
         ctx.backend = backend
-        return _sum_rows(grouped_mm(rows, weight, offsets, backend), inverse, top_k)
+        return _sum_rows(grouped_mm(rows, weight, bounds, backend), inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        weight, offsets, token_of_row = ctx.saved_tensors
-        grad_rows = gathered_grouped_mm(grad.contiguous(), token_of_row, weight.transpose(-2, -1), offsets, ctx.backend)
+        weight, bounds, token_of_row = ctx.saved_tensors
+        grad_rows = gathered_grouped_mm(grad.contiguous(), token_of_row, weight.transpose(-2, -1), bounds, ctx.backend)
         return grad_rows, None, None, None, None, None, None
 
 
@@ -631,21 +646,21 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, a, offsets, how, *sources):
-        ctx.save_for_backward(a, offsets, *(source for source in sources if isinstance(source, torch.Tensor)))
+    def forward(ctx, rows, a, bounds, how, *sources):
+        ctx.save_for_backward(a, bounds, *(source for source in sources if isinstance(source, torch.Tensor)))
         ctx.how, ctx.constant = how, sources[-1]
-        return grouped_mm(rows, a, offsets) if a.dim() == 3 else rows @ a
+        return grouped_mm(rows, a, bounds) if a.dim() == 3 else rows @ a
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        a, offsets, first, second = ctx.saved_tensors
+        a, bounds, first, second = ctx.saved_tensors
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            grad_rows = grouped_mm(grad, a.transpose(-2, -1), offsets) if a.dim() == 3 else grad @ a.t()
+            grad_rows = grouped_mm(grad, a.transpose(-2, -1), bounds) if a.dim() == 3 else grad @ a.t()
         if ctx.how == "gathered":
-            grad_a = torch.ops.shardtune.regathered_weight_grad(first, second, grad, offsets, a, ctx.constant)
+            grad_a = torch.ops.shardtune.regathered_weight_grad(first, second, grad, bounds, a, ctx.constant)
         else:
-            grad_a = torch.ops.shardtune.reactivated_weight_grad(first, second, grad, offsets, a, ctx.constant)
+            grad_a = torch.ops.shardtune.reactivated_weight_grad(first, second, grad, bounds, a, ctx.constant)
         return grad_rows, grad_a, None, None, *([None] * 3)
 
 
@@ -653,10 +668,10 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
 # the partitioner moved the gather into the forward graph and kept its output, the very rows to drop.
 @torch.library.custom_op("shardtune::regathered_weight_grad", mutates_args=())
 def regathered_weight_grad(
-    tokens: torch.Tensor, order: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, top_k: int
+    tokens: torch.Tensor, order: torch.Tensor, grad: torch.Tensor, bounds: torch.Tensor, a: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """``rows_e^T @ grad_e`` for each expert e, the rows gathered from ``tokens`` again."""
-    return _low_rank_weight_grad(_gather_rows(tokens, order, top_k).to(a.dtype), a, offsets, grad)
+    return _low_rank_weight_grad(_gather_rows(tokens, order, top_k).to(a.dtype), a, bounds, grad)
 
 
 @torch.library.custom_op("shardtune::reactivated_weight_grad", mutates_args=())
@@ -664,7 +679,7 @@ def reactivated_weight_grad(
     gate_up: torch.Tensor,
     row_weights: torch.Tensor,
     grad: torch.Tensor,
-    offsets: torch.Tensor,
+    bounds: torch.Tensor,
     a: torch.Tensor,
     fp32: bool,
 ) -> torch.Tensor:
@@ -675,17 +690,17 @@ def reactivated_weight_grad(
         if fp32
         else _weighted_silu_mul(gate_up, row_weights, gate_up.dtype)
     )
-    return _low_rank_weight_grad(rows.to(a.dtype), a, offsets, grad)
+    return _low_rank_weight_grad(rows.to(a.dtype), a, bounds, grad)
 
 
 def _low_rank_weight_grad(
-    rows: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+    rows: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor, grad: torch.Tensor
 ) -> torch.Tensor:
     """The gradient of ``a`` in ``LowRankOfRebuiltRows``: ``rows_e^T @ grad_e`` for each expert e, or
     ``rows^T @ grad`` for an adapter shared by all experts."""
     if a.dim() == 2:
         return rows.t() @ grad
-    return grouped_mm_weight_grad(rows, a, offsets, grad).contiguous()
+    return grouped_mm_weight_grad(rows, a, bounds, grad).contiguous()
 
 
 @functools.cache
@@ -699,12 +714,12 @@ def _compiled_weighted_silu_mul() -> Callable:
 
 
 @regathered_weight_grad.register_fake
-def _(tokens, order, grad, offsets, a, top_k):
+def _(tokens, order, grad, bounds, a, top_k):
     return a.new_empty(a.shape)
 
 
 @reactivated_weight_grad.register_fake
-def _(gate_up, row_weights, grad, offsets, a, fp32):
+def _(gate_up, row_weights, grad, bounds, a, fp32):
     return a.new_empty(a.shape)
 
 

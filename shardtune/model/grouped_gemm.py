@@ -100,40 +100,41 @@ def describe(backend: str) -> str:
     return fallback
 
 
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """(rows, K) @ weight[e] (K, N) for the rows of each expert e (``offsets``: cumulative row counts)."""
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """(rows, K) @ weight[e] (K, N) for the rows of each expert e, rows bounds[e]:bounds[e + 1] (``bounds``: int32,
+    0 and then the cumulative row counts, as quack's varlen GEMM takes them; torch._grouped_mm takes bounds[1:])."""
     if _kernel_takes(rows, weight):
         if backend == "quack" and not weight.requires_grad and rows.is_cuda:
-            return torch.ops.shardtune.quack_grouped_mm(rows, weight, offsets)
-        return torch._grouped_mm(rows, weight, offs=offsets)
-    return torch.ops.shardtune.grouped_mm_loop(rows, weight, offsets)
+            return torch.ops.shardtune.quack_grouped_mm(rows, weight, bounds)
+        return torch._grouped_mm(rows, weight, offs=bounds[1:])
+    return torch.ops.shardtune.grouped_mm_loop(rows, weight, bounds)
 
 
 # An opaque op: quack launches its own compiled kernels, which torch.compile neither traces nor needs to.
 @torch.library.custom_op("shardtune::quack_grouped_mm", mutates_args=(), device_types="cuda")
-def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _quack_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     if _Quack.failure is None:
         try:
-            return _quack_gemm(rows, weight, offsets)
+            return _quack_gemm(rows, weight, bounds)
         except Exception as error:  # a kernel that does not build or launch on this machine
             _quack_failed(error)
-    return torch._grouped_mm(rows, weight, offs=offsets)
+    return torch._grouped_mm(rows, weight, offs=bounds[1:])
 
 
 @_quack_grouped_mm.register_fake
-def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], weight.shape[2])
 
 
 def _quack_setup(ctx, inputs, output) -> None:
-    _, weight, offsets = inputs
-    ctx.save_for_backward(weight, offsets)
+    _, weight, bounds = inputs
+    ctx.save_for_backward(weight, bounds)
 
 
 def _quack_backward(ctx, grad: torch.Tensor):
     """The input gradient, grad @ weight[e]^T per expert; the weight takes none (see grouped_mm)."""
-    weight, offsets = ctx.saved_tensors
-    return torch.ops.shardtune.quack_grouped_mm(grad.contiguous(), weight.transpose(-2, -1), offsets), None, None
+    weight, bounds = ctx.saved_tensors
+    return torch.ops.shardtune.quack_grouped_mm(grad.contiguous(), weight.transpose(-2, -1), bounds), None, None
 
 
 _quack_grouped_mm.register_autograd(_quack_backward, setup_context=_quack_setup)
@@ -143,10 +144,10 @@ def gathered_grouped_mm(
     tokens: torch.Tensor,
     token_of_row: torch.Tensor,
     weight: torch.Tensor,
-    offsets: torch.Tensor,
+    bounds: torch.Tensor,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """``grouped_mm(tokens[token_of_row], weight, offsets)`` for a weight that takes no gradient. quack's kernel
+    """``grouped_mm(tokens[token_of_row], weight, bounds)`` for a weight that takes no gradient. quack's kernel
     loads each row from ``tokens`` itself (its gather_A), so the gathered rows are never written; elsewhere they
     are gathered first. fused_moe uses it for the down projection's input gradient, whose rows are each
     token's output gradient: at Qwen3-30B-A3B's shapes on one H200, in quack's default tiles, 491 against 504 us
@@ -155,37 +156,36 @@ def gathered_grouped_mm(
     faster in one call and slower in another), so it keeps its gather. No autograd: the caller
     (fused_moe's ProjectionSummed) states the backward."""
     if backend == "quack" and tokens.is_cuda and _kernel_takes(tokens, weight):
-        return torch.ops.shardtune.quack_gathered_grouped_mm(tokens, token_of_row, weight, offsets)
-    return grouped_mm(tokens.index_select(0, token_of_row), weight, offsets, backend)
+        return torch.ops.shardtune.quack_gathered_grouped_mm(tokens, token_of_row, weight, bounds)
+    return grouped_mm(tokens.index_select(0, token_of_row), weight, bounds, backend)
 
 
 @torch.library.custom_op("shardtune::quack_gathered_grouped_mm", mutates_args=(), device_types="cuda")
 def _quack_gathered_grouped_mm(
-    tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+    tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor
 ) -> torch.Tensor:
     if _Quack.failure is None:
         try:
-            return _quack_gemm(tokens, weight, offsets, token_of_row)
+            return _quack_gemm(tokens, weight, bounds, token_of_row)
         except Exception as error:
             _quack_failed(error)
-    return torch._grouped_mm(tokens.index_select(0, token_of_row), weight, offs=offsets)
+    return torch._grouped_mm(tokens.index_select(0, token_of_row), weight, offs=bounds[1:])
 
 
 @_quack_gathered_grouped_mm.register_fake
-def _(tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _(tokens: torch.Tensor, token_of_row: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return tokens.new_empty(token_of_row.shape[0], weight.shape[2])
 
 
 def _quack_gemm(
-    a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, row_of_a: torch.Tensor | None = None
+    a: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, row_of_a: torch.Tensor | None = None
 ) -> torch.Tensor:
     """quack's varlen GEMM of the rows of ``a`` (``a[row_of_a]`` where given, gathered by the kernel) by
     ``weight[e]`` for the rows of each expert e, with the tile configuration measured for it."""
     out = a.new_empty(a.shape[0] if row_of_a is None else row_of_a.shape[0], weight.shape[2])
     if out.numel():  # quack's tile scheduler divides by the row count
         config = _Quack.config if row_of_a is None else _Quack.gathered_config
-        starts = torch.cat([offsets.new_zeros(1), offsets])  # cu_seqlens_m: each expert's first row, the total
-        _Quack.gemm(a, weight, out, cu_seqlens_m=starts, A_idx=row_of_a, config=config)
+        _Quack.gemm(a, weight, out, cu_seqlens_m=bounds, A_idx=row_of_a, config=config)
     return out
 
 
@@ -200,14 +200,14 @@ def _quack_failed(error: Exception) -> None:
 
 
 def grouped_mm_weight_grad(
-    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+    rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, grad: torch.Tensor
 ) -> torch.Tensor:
-    """The gradient of ``weight`` in ``grouped_mm(rows, weight, offsets)`` for the output gradient ``grad``
+    """The gradient of ``weight`` in ``grouped_mm(rows, weight, bounds)`` for the output gradient ``grad``
     (``rows_e^T @ grad_e`` for each expert e), for a backward that has ``rows`` again without autograd having
     kept them."""
     if _kernel_takes(rows, weight):
-        return torch._grouped_mm(rows.transpose(0, 1), grad, offs=offsets)
-    return torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())[1]
+        return torch._grouped_mm(rows.transpose(0, 1), grad, offs=bounds[1:])
+    return torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, bounds, grad.contiguous())[1]
 
 
 # torch._grouped_mm on GPUs: Hopper only up to torch 2.8, compute capability 8.0 and newer since 2.9.
@@ -232,12 +232,12 @@ def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("shardtune::grouped_mm_loop", mutates_args=())
-def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """One GEMM per expert: the fallback for dtypes the grouped kernel does not take. An opaque op, so
     that torch.compile keeps it whole (its loop bounds come from the host)."""
     output = rows.new_zeros(rows.shape[0], weight.shape[2])
     start = 0
-    for expert, end in enumerate(offsets.tolist()):  # the one host sync of the fallback
+    for expert, end in enumerate(bounds[1:].tolist()):  # the one host sync of the fallback
         if end > start:
             torch.mm(rows[start:end], weight[expert], out=output[start:end])
         start = end
@@ -245,18 +245,18 @@ def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
 
 
 @_grouped_mm_loop.register_fake
-def _(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _(rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], weight.shape[2])
 
 
 @torch.library.custom_op("shardtune::grouped_mm_loop_backward", mutates_args=())
 def _grouped_mm_loop_backward(
-    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+    rows: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad_rows = torch.zeros_like(rows)
     grad_weight = weight.new_zeros(weight.shape)
     start = 0
-    for expert, end in enumerate(offsets.tolist()):
+    for expert, end in enumerate(bounds[1:].tolist()):
         if end > start:
             torch.mm(grad[start:end], weight[expert].T, out=grad_rows[start:end])
             torch.mm(rows[start:end].T, grad[start:end], out=grad_weight[expert])
@@ -265,18 +265,18 @@ def _grouped_mm_loop_backward(
 
 
 @_grouped_mm_loop_backward.register_fake
-def _(rows, weight, offsets, grad):
+def _(rows, weight, bounds, grad):
     return torch.empty_like(rows), weight.new_empty(weight.shape)
 
 
 def _loop_setup(ctx, inputs, output) -> None:
-    rows, weight, offsets = inputs
-    ctx.save_for_backward(rows, weight, offsets)
+    rows, weight, bounds = inputs
+    ctx.save_for_backward(rows, weight, bounds)
 
 
 def _loop_backward(ctx, grad):
-    rows, weight, offsets = ctx.saved_tensors
-    grad_rows, grad_weight = torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, offsets, grad.contiguous())
+    rows, weight, bounds = ctx.saved_tensors
+    grad_rows, grad_weight = torch.ops.shardtune.grouped_mm_loop_backward(rows, weight, bounds, grad.contiguous())
     return grad_rows, grad_weight, None
 
 

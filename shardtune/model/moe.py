@@ -120,8 +120,8 @@ def token_statistics(probabilities: torch.Tensor, chosen: torch.Tensor) -> torch
 
 
 def sum_real(values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """(tokens, n) values summed over the real tokens (``real``: (tokens,) bool; None: every token) by a
-    mask product: no host sync, unlike selecting the real rows."""
+    """(tokens, n) values summed over the real tokens (``real``: (tokens,), bool or 0/1 in the values' dtype;
+    None: every token) by a mask product: no host sync, unlike selecting the real rows."""
     return values.sum(dim=0) if real is None else (values * real.unsqueeze(-1)).sum(dim=0)
 
 
@@ -224,14 +224,28 @@ class RoutingRecorder:
                 self.records.append(RoutingRecord.of(block, sums, sum_real(probabilities, self._real)))
             self._routed = []
 
-    def report(self, statistics: torch.Tensor) -> None:
-        """A self-routing block's ``token_statistics`` of a forward. Blocks report in the order they run,
-        which is the order of the layers."""
-        if not self._active or torch._C._current_graph_task_id() != -1:
-            return  # not a training forward, or checkpointing's recomputation during backward
+    def records_now(self) -> bool:
+        """Whether a forward running now is recorded: not outside ``recording()`` (evaluation), nor
+        checkpointing's recomputation during backward."""
+        return self._active and torch._C._current_graph_task_id() == -1
+
+    def report(self, sums: torch.Tensor) -> None:
+        """A self-routing block's ``token_statistics`` of a forward, summed over the real tokens
+        (``real_tokens``). Blocks report in the order they run, which is the order of the layers."""
+        if not self.records_now():
+            return
         block = self._reporting[self._reported % len(self._reporting)]
         self._reported += 1
-        self.records.append(RoutingRecord.of(block, sum_real(statistics, self._real)))
+        self.records.append(RoutingRecord.of(block, sums))
+
+    def real_tokens(self, like: torch.Tensor) -> torch.Tensor:
+        """Which tokens of the forward recorded are real, as 0/1 in the dtype of ``like``, a (tokens, ...)
+        tensor of it."""
+        tokens = like.shape[0]
+        real = like.new_ones(tokens) if self._real is None else self._real.to(like.dtype)
+        if real.shape[0] != tokens:
+            raise ValueError(f"{tokens} tokens in a forward or backward of a recording of {real.shape[0]}")
+        return real
 
     def balance_objective(self, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(the load-balancing loss of the forward just recorded, weight x it as a term of the objective).
@@ -254,10 +268,7 @@ class RoutingRecorder:
         tokens, experts = like.shape[0], self.blocks[0].num_experts
         if self._balance_gradient is None:
             return like.new_zeros(tokens), like.new_zeros(experts)
-        real = like.new_ones(tokens) if self._real is None else self._real.to(like.dtype)
-        if real.shape[0] != tokens:
-            raise ValueError(f"a backward of {tokens} tokens after a recording of {real.shape[0]}")
-        return real, self._balance_gradient.to(like.dtype)
+        return self.real_tokens(like), self._balance_gradient.to(like.dtype)
 
 
 def load_balancing_loss(records: list[RoutingRecord]) -> torch.Tensor:

@@ -10,9 +10,9 @@ one kernel and the order two, with the same results:
 - :func:`top_k_experts`: the indices of each row's ``k`` largest scores, largest first and, among equal
   scores, the lower index first (NaN counts as the largest, as in ``torch.topk``);
 - :func:`expert_order`: a counting sort. One kernel counts each chunk's pairs per expert; the second, one
-  program per (chunk, expert), places that chunk's pairs of that expert after every pair of a lower expert
-  and every earlier chunk's pair of the same expert, in pair order, so the order is ``torch.sort``'s stable
-  one.
+  program per chunk and group of experts, places that chunk's pairs of each of those experts after every pair
+  of a lower expert and every earlier chunk's pair of the same expert, in pair order, so the order is
+  ``torch.sort``'s stable one.
 
 Both are ``torch.library.triton_op``s, so a compiled graph calls the kernels itself. Importing this module
 needs Triton; ``fused_moe`` uses the kernels on CUDA tensors (``weighted_silu_kernel.runs_on``) and torch ops
@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-# Pairs a program of expert_order handles. 4,096 keeps Qwen3-30B-A3B's 65,536 pairs at 16 chunks x 128
-# experts = 2,048 programs, each one masked pass over its chunk.
+# Pairs a program of expert_order handles, and the experts it places them for (each a masked pass over the chunk,
+# which it loads once). Qwen3-30B-A3B's 65,536 pairs of 128 experts: 16 chunks x 16 groups = 256 programs.
 CHUNK = 4096
+EXPERT_GROUP = 8
 # Rows of the (chunks, experts) count table a program of expert_order reads at once.
 COUNT_ROWS = 16
 # Rows (tokens) a program of top_k_experts handles.
@@ -83,50 +84,57 @@ def _chunk_counts_kernel(ids_ptr, counts_ptr, pairs, experts_p2: tl.constexpr, c
 
 @triton.jit
 def _place_kernel(
-    ids_ptr, counts_ptr, order_ptr, inverse_ptr, offsets_ptr, pairs, chunks,
-    experts_p2: tl.constexpr, chunk: tl.constexpr, count_rows: tl.constexpr,
+    ids_ptr, counts_ptr, order_ptr, inverse_ptr, bounds_ptr, pairs, chunks, experts,
+    experts_p2: tl.constexpr, chunk: tl.constexpr, count_rows: tl.constexpr, group: tl.constexpr,
 ):  # fmt: skip
-    """Program (c, e): chunk c's pairs of expert e, to the rows after every pair of experts < e and every
-    pair of expert e in chunks < c, in pair order; program (0, e) also writes e's cumulative offset."""
+    """Program (c, g): chunk c's pairs of each expert e of the g-th group of ``group`` experts, to the rows after
+    every pair of experts < e and every pair of expert e in chunks < c, in pair order; programs (0, g) also write
+    the bounds after their experts' rows, program (0, 0) the first bound, 0."""
     c = tl.program_id(0)
-    e = tl.program_id(1)
+    first = tl.program_id(1) * group
     column = tl.arange(0, experts_p2)
-    before = 0  # pairs of lower experts, in every chunk
-    earlier = 0  # pairs of expert e in chunks before c
-    total = 0  # pairs of expert e
+    total = tl.zeros([experts_p2], dtype=tl.int32)  # pairs of each expert
+    earlier = tl.zeros([experts_p2], dtype=tl.int32)  # pairs of each expert in chunks before c
     for start in range(0, chunks, count_rows):
         row = start + tl.arange(0, count_rows)
-        table = counts_ptr + row[:, None] * experts_p2 + column[None, :]
-        counts = tl.load(table, mask=(row < chunks)[:, None], other=0)
-        before += tl.sum(tl.sum(tl.where(column[None, :] < e, counts, 0), axis=1), axis=0)
-        mine = tl.where(column[None, :] == e, counts, 0)
-        earlier += tl.sum(tl.sum(tl.where(row[:, None] < c, mine, 0), axis=1), axis=0)
-        total += tl.sum(tl.sum(mine, axis=1), axis=0)
+        counts = tl.load(
+            counts_ptr + row[:, None] * experts_p2 + column[None, :], mask=(row < chunks)[:, None], other=0
+        )
+        total += tl.sum(counts, axis=0)
+        earlier += tl.sum(tl.where(row[:, None] < c, counts, 0), axis=0)
+    ends = tl.cumsum(total, axis=0)  # the bound after each expert's rows
+    base = ends - total + earlier  # each expert's first row for chunk c
     if c == 0:
-        tl.store(offsets_ptr + e, before + total)
+        mine = (column >= first) & (column < first + group) & (column < experts)
+        tl.store(bounds_ptr + 1 + column, ends, mask=mine)
+        if first == 0:
+            tl.store(bounds_ptr, 0)
     pair = c.to(tl.int64) * chunk + tl.arange(0, chunk)
     ids = tl.load(ids_ptr + pair, mask=pair < pairs, other=-1)
-    is_e = ids == e
-    destination = (before + earlier + tl.cumsum(is_e.to(tl.int32), axis=0) - 1).to(tl.int64)
-    tl.store(order_ptr + destination, pair, mask=is_e)
-    tl.store(inverse_ptr + pair, destination, mask=is_e)
+    for member in tl.static_range(group):
+        e = first + member
+        is_e = ids == e
+        row_of_first = tl.sum(tl.where(column == e, base, 0), axis=0)
+        destination = (row_of_first + tl.cumsum(is_e.to(tl.int32), axis=0) - 1).to(tl.int64)
+        tl.store(order_ptr + destination, pair, mask=is_e)
+        tl.store(inverse_ptr + pair, destination, mask=is_e)
 
 
 @triton_op("shardtune::expert_order", mutates_args=())
 def expert_order(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs ``expert_ids`` (pairs,) (each in [0, experts)) in expert order: (``order`` int64, row p of the
     expert-sorted layout is pair order[p], as ``torch.sort(expert_ids, stable=True)`` orders them;
-    ``inverse`` int64, pair q's row; ``offsets`` (experts,) int32, the rows of experts 0..e)."""
+    ``inverse`` int64, pair q's row; ``bounds`` (experts + 1,) int32, expert e's rows are bounds[e]:bounds[e + 1])."""
     pairs = expert_ids.numel()
     order = torch.empty(pairs, device=expert_ids.device, dtype=torch.int64)
     inverse = torch.empty_like(order)
-    offsets = torch.empty(experts, device=expert_ids.device, dtype=torch.int32)
-    chunks = torch.sym_max(triton.cdiv(pairs, CHUNK), 1)  # one chunk of padding writes zero offsets
+    bounds = torch.empty(experts + 1, device=expert_ids.device, dtype=torch.int32)
+    chunks = torch.sym_max(triton.cdiv(pairs, CHUNK), 1)  # one chunk of padding writes zero bounds
     experts_p2 = triton.next_power_of_2(experts)
     counts = torch.empty(chunks, experts_p2, device=expert_ids.device, dtype=torch.int32)
     ids = expert_ids.contiguous()
     wrap_triton(_chunk_counts_kernel)[(chunks,)](ids, counts, pairs, experts_p2, CHUNK)
-    wrap_triton(_place_kernel)[(chunks, experts)](
-        ids, counts, order, inverse, offsets, pairs, chunks, experts_p2, CHUNK, COUNT_ROWS
+    wrap_triton(_place_kernel)[(chunks, triton.cdiv(experts, EXPERT_GROUP))](
+        ids, counts, order, inverse, bounds, pairs, chunks, experts, experts_p2, CHUNK, COUNT_ROWS, EXPERT_GROUP
     )
-    return order, inverse, offsets
+    return order, inverse, bounds

@@ -560,10 +560,10 @@ def test_frozen_down_projection_takes_the_token_gradients_for_its_input_gradient
 
     calls = []
 
-    def recording(tokens, token_of_row, weight, offsets, backend="torch"):
+    def recording(tokens, token_of_row, weight, bounds, backend="torch"):
         calls.append((tokens.detach().clone(), token_of_row.clone()))
-        result = gathered_grouped_mm(tokens, token_of_row, weight, offsets, backend)
-        assert torch.equal(result, grouped_gemm.grouped_mm(tokens[token_of_row.long()], weight, offsets)), "operands"
+        result = gathered_grouped_mm(tokens, token_of_row, weight, bounds, backend)
+        assert torch.equal(result, grouped_gemm.grouped_mm(tokens[token_of_row.long()], weight, bounds)), "operands"
         return result
 
     monkeypatch.setattr(fused_moe, "gathered_grouped_mm", recording)
@@ -736,7 +736,7 @@ def test_lora_on_routed_experts_keeps_no_rows_of_its_own_for_backward(moe_dirs, 
         + 2 * tokens * config.num_experts * fp32  # the router's logits and probabilities
         + 64 * pairs  # indices, weights and the two low-rank products per pair
         + tokens * fp32  # a per-token column
-        + 64  # the expert offsets
+        + 64  # the experts' row bounds
         # the LoRA factors: laid out per expert (rank 4 padded to 8), or a shared adapter's one copy
         + (1 if shared else config.num_experts) * 8 * (2 * hidden + 3 * width) * bf16
         + config.num_experts * hidden * fp32  # the router's fp32 weight (compiled)

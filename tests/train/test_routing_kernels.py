@@ -18,7 +18,7 @@ CHECK = Path(__file__).with_name("routing_kernels_interpreted.py")
 
 
 def test_the_kernels_equal_the_torch_ops_and_serve_every_fused_architecture():
-    """Interpreted on CPU: the expert order is torch.sort's stable one (with its inverse and offsets) for
+    """Interpreted on CPU: the expert order is torch.sort's stable one (with its inverse and bounds) for
     partial and many chunks, empty experts and one expert taking every pair; the top-k is torch.topk's, the lower
     index first among ties and NaN first; each fused architecture's loss and gradients through the kernels
     are those through the torch ops, and every MoE layer calls both kernels."""
@@ -34,7 +34,7 @@ def test_the_kernels_equal_the_torch_ops_and_serve_every_fused_architecture():
 @pytest.mark.parametrize("experts, top_k, tokens", [(128, 8, 8192), (8, 2, 4096), (160, 8, 3000)])
 def test_on_a_gpu_the_kernels_equal_the_torch_ops_compiled_and_eager(experts, top_k, tokens):
     """On a GPU, eager and compiled, at Qwen3-30B-A3B's, Mixtral's and an odd shape: the top-k of softmax scores
-    is torch.topk's, and the expert order of a skewed load torch.sort's, with its inverse and offsets."""
+    is torch.topk's, and the expert order of a skewed load torch.sort's, with its inverse and each expert's bounds."""
     from shardtune.model.routing_kernels import expert_order, top_k_experts
 
     generator = torch.Generator("cuda").manual_seed(0)
@@ -51,9 +51,9 @@ def test_on_a_gpu_the_kernels_equal_the_torch_ops_compiled_and_eager(experts, to
     expected_inverse = torch.empty_like(expected_order).scatter_(
         0, expected_order, torch.arange(expected_order.numel(), device="cuda")
     )
-    every_expert = torch.arange(experts, device="cuda")
-    expected_offsets = torch.searchsorted(expected_ids, every_expert, right=True, out_int32=True)
-    expected = (expected_chosen, expected_order, expected_inverse, expected_offsets)
+    counts = torch.bincount(expected_ids, minlength=experts)
+    expected_bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    expected = (expected_chosen, expected_order, expected_inverse, expected_bounds)
     for run in (route, torch.compile(route, fullgraph=True)):
         for got, want in zip(run(scores), expected, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want)
