@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from shardtune.checkpoint.export import saved_run_config
+from shardtune.checkpoint.layout import is_checkpoint
 from shardtune.config import looks_local
 from shardtune.data.formats import render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
@@ -69,6 +70,11 @@ def _check_model_dir(model_dir: Path) -> None:
     if not model_dir.is_dir():
         raise InputError(f"{model_dir}: no such directory (name a final/ directory or an export)")
     if not (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
+        if is_checkpoint(model_dir):
+            raise InputError(
+                f"{model_dir}: a training checkpoint, not a model: export it first (shardtune export {model_dir} "
+                "--out DIR) and name DIR, or name the run's final/"
+            )
         raise InputError(f"{model_dir}: neither a PEFT adapter (adapter_config.json) nor a model (config.json)")
 
 

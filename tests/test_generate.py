@@ -166,8 +166,18 @@ def test_generate_bad_input_is_one_line_with_exit_status_2(tmp_path: Path, capsy
     shutil.copytree(final, moved)
     settings = json.loads((moved / "adapter_config.json").read_text())
     (moved / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": "models/gone"}))
+    checkpoint = tmp_path / "run" / "checkpoint-3"  # what a run saves at step 3, lite
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "trainer.json").write_text("{}")
+    (checkpoint / "config.yaml").write_text("")
+    (checkpoint / "manifest.json").write_text(json.dumps({"step": 3, "mode": "lite", "world_size": 1, "files": {}}))
     cases = [
         ([str(tmp_path / "nothing")], "no such directory"),
+        (
+            [str(checkpoint)],
+            f"{checkpoint}: a training checkpoint, not a model: export it first (shardtune export {checkpoint} "
+            "--out DIR) and name DIR, or name the run's final/",
+        ),
         ([str(tmp_path)], "neither a PEFT adapter (adapter_config.json) nor a model (config.json)"),
         ([str(final), "--base", str(tmp_path / "no-base")], "--base: "),
         ([str(moved)], "base_model_name_or_path of"),
