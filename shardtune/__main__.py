@@ -1,6 +1,6 @@
 import sys
 
-from shardtune.cli import main
+from shardtune.entry import main
 from shardtune.launch.local import exit_worker, running_as_worker
 
 status = main()

@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command line; its bad input and faults end as their lines. Ctrl-C: ``shardtune.entry.main``,
+    which runs this."""
     parser = build_parser()
     # Overrides may come after options (``train cfg.yaml --nproc 2 lora.r=8``): argparse leaves such
     # trailing positionals unparsed, so they are collected here.
@@ -293,9 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank raises the same fault with the same words (they agree on it first): one says it.
         say_once([f"shardtune: error: {line}" for line in exc.lines], every_rank_says_it=True)
         return exc.exit_code
-    except KeyboardInterrupt:
-        say_once([f"shardtune: SIGINT: stopped ({args.command})"], every_rank_says_it=True)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -146,6 +146,49 @@ def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tm
     assert len(checkpoints) == 1 and f"saved {checkpoints[0]};" in lines[0]
 
 
+# Installed through PYTHONPATH as the process's sitecustomize: the first import of torch waits, as it does for
+# seconds on a cold disk, and says when it started waiting.
+STALLED_TORCH_IMPORT = """
+import os, sys, time
+
+
+class StallTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            open(os.environ["SHARDTUNE_TEST_STALLED"], "w").close()
+            time.sleep(120)
+        return None
+
+
+sys.meta_path.insert(0, StallTorch())
+"""
+
+
+@pytest.mark.parametrize("command", ["export", "plan", "train"])
+def test_ctrl_c_while_a_command_imports_torch_is_one_line_and_exit_130(tmp_path, command):
+    """The first seconds of every command import torch and transformers, before any command runs."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALLED_TORCH_IMPORT)
+    stalled = tmp_path / "stalled"
+    arguments = {
+        "export": [str(tmp_path / "checkpoint-1"), "--out", str(tmp_path / "export")],
+        "plan": ["examples/quickstart.yaml"],
+        "train": ["examples/quickstart.yaml", f"training.output_dir={tmp_path / 'run'}"],
+    }[command]
+    path = os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shardtune", command, *arguments], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": path, "SHARDTUNE_TEST_STALLED": str(stalled)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    wait_for(stalled.exists, process, timeout=60)
+    stdout, stderr = ctrl_c(process)
+    assert process.returncode == EXIT_INTERRUPTED, stderr[-4000:]
+    assert (stdout, stderr) == ("", f"shardtune: SIGINT: stopped ({command})\n")
+    assert not (tmp_path / "export").exists() and not (tmp_path / "run").exists()
+
+
 def test_the_resume_command_is_the_starting_command_with_the_checkpoint(monkeypatch):
     monkeypatch.setenv(
         "SHARDTUNE_COMMAND", "shardtune train 'my config.yaml' --nproc 2 training.resume_from_checkpoint=auto lora.r=8"
