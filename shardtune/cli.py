@@ -22,7 +22,7 @@ from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
-from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, InputError, RunFault
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.local import say_once
 from shardtune.launch.slurm import add_slurm_parser
@@ -91,7 +91,7 @@ def _train_here(config: Config) -> int:
 
     from shardtune.distributed.env import DistributedEnv
     from shardtune.run_dir import prepare_output_dir
-    from shardtune.train.loop import NothingToTrain, run_training
+    from shardtune.train.loop import NothingToTrain, a_peer_ran_out_of_memory, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
 
@@ -134,9 +134,12 @@ def _train_here(config: Config) -> int:
         log.info("%s", done)  # rank 0 alone logs at this level
         return 0
     except (KeyboardInterrupt, Exception) as error:
-        # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it.
+        # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it;
+        # likewise after a peer ran out of memory, which said so itself.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
-            raise
+            if isinstance(error, RunFault) or not a_peer_ran_out_of_memory(env):
+                raise
+            return EXIT_OUT_OF_MEMORY
         say_once([INTERRUPTED_LINE], every_rank_says_it=True)
         return EXIT_INTERRUPTED
     finally:
@@ -292,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         say_once([f"shardtune: error: {line}" for line in exc.lines])
         return exc.exit_code
     except RunFault as exc:
-        # Every rank raises the same fault with the same words (they agree on it first): one says it.
-        say_once([f"shardtune: error: {line}" for line in exc.lines], every_rank_says_it=True)
+        # Most faults every rank raises with the same words (they agree on it first): one says it.
+        say_once([f"shardtune: error: {line}" for line in exc.lines], every_rank_says_it=exc.every_rank_raises_it)
         return exc.exit_code
 
 

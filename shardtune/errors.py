@@ -14,6 +14,8 @@ EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 # A checkpoint could not be written (a full disk, a read-only or vanished directory).
 EXIT_SAVE_FAILED = 4
+# A rank ran out of device memory (its allocator could not allocate); the same step would again.
+EXIT_OUT_OF_MEMORY = 5
 # Stopped by Ctrl-C (SIGINT), as a shell reports a process that SIGINT ended: 128 + 2.
 EXIT_INTERRUPTED = 130
 
@@ -46,6 +48,8 @@ class RunFault(ReportedError):
     """A fault the run met (not bad input); each line says what happened and what to do. Every rank
     raises it together, so the launcher does not restart: the same fault would stop the next attempt."""
 
+    every_rank_raises_it = True  # the ranks agreed on the words: global rank 0 says them
+
 
 class NonFiniteError(RunFault):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
@@ -65,3 +69,11 @@ def first_line(error: BaseException) -> str:
     or its type's name when it has none: what a one-line error quotes of its cause."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+class OutOfMemory(RunFault):
+    """A rank ran out of device memory. It may be the only one: it says so itself (the first rank of a launch
+    to meet it), and the launcher stops the others without a restart, which would run out again."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+    every_rank_raises_it = False

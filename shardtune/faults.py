@@ -22,6 +22,8 @@ step (``forward_backward``, ``optimizer``, ...), and ``eval.batch`` (after each 
   gradient computed from it are NaN.
 - ``inf_grad``: one gradient of this rank becomes +inf after backward (and after the gradient
   all-reduce, so only this rank sees it).
+- ``oom``: the embedding layer of this step's next forward pass raises ``torch.OutOfMemoryError`` with the
+  CUDA caching allocator's words, as a forward that cannot allocate does (on a CPU no allocator raises it).
 
 ``rank`` (global rank), ``step`` and ``attempt`` (the launcher's restart count) narrow where a fault
 fires; left out, it fires everywhere. A fault other than ``slow`` fires at most once per process and step.
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 FAULT_VARIABLE = "SHARDTUNE_FAULT"
-ACTIONS = ("kill", "hang", "slow", "write_error", "nan_loss", "inf_grad")
+ACTIONS = ("kill", "hang", "slow", "write_error", "nan_loss", "inf_grad", "oom")
 OPTIONS = ("rank", "step", "attempt", "seconds")
 
 
@@ -92,17 +94,24 @@ class FaultInjector:
         self.fired: set[tuple[Fault, int | None]] = set()
         self.step: int | None = None  # the step of the last point passed
         self.poison_step: int | None = None  # nan_loss: the step whose forward passes are poisoned
+        self.out_of_memory_step: int | None = None  # oom: the step whose next forward runs out of memory
         self.parameters: list[torch.nn.Parameter] = []
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Give ``nan_loss`` and ``inf_grad`` the model to act on (only when one is configured)."""
-        if not any(fault.action in ("nan_loss", "inf_grad") for fault in self.faults):
+        """Give ``nan_loss``, ``inf_grad`` and ``oom`` the model to act on (only when one is configured)."""
+        if not any(fault.action in ("nan_loss", "inf_grad", "oom") for fault in self.faults):
             return
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         embeddings = _input_embeddings(model)
         embeddings.register_forward_hook(self._poison_embeddings)
 
     def _poison_embeddings(self, module: torch.nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor:
+        if self.out_of_memory_step is not None and self.out_of_memory_step == self.step:
+            self.out_of_memory_step = None
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+                "1.06 GiB is free. Including non-PyTorch memory, this process has 78.10 GiB memory in use."
+            )
         if self.poison_step is not None and self.poison_step == self.step:
             return output * float("nan")
         return output
@@ -131,6 +140,8 @@ class FaultInjector:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
             elif fault.action == "nan_loss":
                 self.poison_step = step
+            elif fault.action == "oom":
+                self.out_of_memory_step = step
             elif fault.action == "inf_grad":
                 with torch.no_grad():
                     target = next(p for p in self.parameters if p.grad is not None)

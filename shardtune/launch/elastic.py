@@ -30,15 +30,23 @@ import time
 from dataclasses import dataclass
 
 from shardtune.config import NetworkConfig
-from shardtune.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_SAVE_FAILED, InputError
+from shardtune.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_SAVE_FAILED,
+    InputError,
+)
 from shardtune.launch.local import REPORTED_ERRORS_VARIABLE
 from shardtune.launch.network import apply_network_environment
 from shardtune.train.preemption import COMMAND_VARIABLE, PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
 log = logging.getLogger("shardtune")
 
-# Statuses with which every worker stops alike, after global rank 0 said why in one line.
-SELF_REPORTED = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED)
+# Statuses with which a worker stops after saying why in one line, once per launch (every worker alike, or
+# the workers out of memory), and which a restart would meet again.
+SELF_REPORTED = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_OUT_OF_MEMORY, EXIT_INTERRUPTED)
 
 __all__ = [
     "PREEMPTED_EXIT_CODE", "NodeSpec", "add_node_arguments", "endpoint_addresses", "is_this_host", "launch_node",
@@ -200,8 +208,8 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
             status = _run_attempt(spec, nproc, attempt, store, worker_command)
             if status == PREEMPTED_EXIT_CODE:
                 _ignore_further_signals()
-            # Bad input, a run stopped for non-finite losses, a checkpoint that cannot be written fail
-            # again on restart: every rank found it, so every node stops here alike. Ctrl-C is final too.
+            # Bad input, a run stopped for non-finite losses, a checkpoint that cannot be written, a rank out
+            # of memory fail again on restart, so every node stops here. Ctrl-C is final too.
             final = (0, PREEMPTED_EXIT_CODE, *SELF_REPORTED)
             if status in final or status >= 128 or attempt == spec.max_restarts:
                 return status

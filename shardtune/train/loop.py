@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,7 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.doctor.report import size
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, OutOfMemory, first_line
 from shardtune.faults import install_faults
 from shardtune.metrics.flops import peak_flops, routed_expert_trainable, run_token_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
@@ -60,6 +62,7 @@ from shardtune.plan.memory import micro_batch_tokens
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
+from shardtune.train.heartbeat import Heartbeat
 from shardtune.train.loss import (
     SoftmaxGradient,
     compiled_softmax_gradient,
@@ -195,10 +198,48 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
     """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
     # However the run ends (done, an error, a preemption), what watches it stops with it.
     with contextlib.ExitStack() as on_exit:
-        return _train(config, env, argv, on_exit)
+        run = types.SimpleNamespace(heartbeat=None)  # where the run is, once its steps begin
+        try:
+            return _train(config, env, argv, on_exit, run)
+        except torch.OutOfMemoryError as error:
+            line = out_of_memory_line(error, env, run.heartbeat)
+            # Before this process leaves (and its peers' collectives with it fail): they look here then.
+            env.store().set(OUT_OF_MEMORY_KEY, line)
+            raise OutOfMemory(line) from None
 
 
-def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contextlib.ExitStack) -> TrainingResult:
+# The rendezvous store's key under which a rank that ran out of memory leaves its line for the others.
+OUT_OF_MEMORY_KEY = "shardtune/out_of_memory"
+
+
+def a_peer_ran_out_of_memory(env: DistributedEnv) -> bool:
+    """Whether another rank of this run ran out of memory (and said so): then an error of this rank, a
+    collective that failed as that rank left, is part of its stop, not a fault of its own."""
+    try:
+        return env.store().check([OUT_OF_MEMORY_KEY])
+    except Exception:  # the store went with the launcher, or never was: nothing to go on
+        return False
+
+
+def out_of_memory_line(error: torch.OutOfMemoryError, env: DistributedEnv, heartbeat: Heartbeat | None) -> str:
+    """What ran out of memory where, what the allocator said (its first sentences: the size asked for and
+    what was free), and what to change."""
+    said = re.match(r".*?(?:is free\.|$)", first_line(error)).group(0)
+    where = (
+        "while loading the model"
+        if heartbeat is None
+        else f"in step {heartbeat.step} ({heartbeat.phase.replace('_', ' ')})"
+    )
+    return (
+        f"rank {env.rank}: out of memory {where}: {said} Lower training.per_device_train_batch_size or "
+        "data.max_length, set training.gradient_checkpointing: auto (the default) or true, or shard the model "
+        "over more GPUs (parallel.strategy: fsdp); shardtune plan CONFIG estimates the peak"
+    )
+
+
+def _train(
+    config: Config, env: DistributedEnv, argv: list[str], on_exit: contextlib.ExitStack, run: types.SimpleNamespace
+) -> TrainingResult:
     training = config.training
     output_dir = Path(training.output_dir)
     # Every rank checks the same inputs the same way, before any collective: all stop with one error.
@@ -276,6 +317,7 @@ def _train(config: Config, env: DistributedEnv, argv: list[str], on_exit: contex
         output_dir, env.rank, env.world_size, config.hang_timeout_s, training.heartbeat_interval_s
     )
     on_exit.callback(watchdog.close)
+    run.heartbeat = heartbeat
 
     def run_eval(step: int) -> None:
         if len(data.eval) == 0:
