@@ -35,6 +35,19 @@ def train(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5
     }
 
 
+class RunsOnDemand:
+    """A module's training runs, keyed, each trained the first time a test asks for it: a matrix whose
+    cases CI runs only in part (see pyproject's markers) trains only the runs of the cases selected."""
+
+    def __init__(self, recipes: dict):
+        self.recipes, self.done = recipes, {}
+
+    def __getitem__(self, key) -> dict:
+        if key not in self.done:
+            self.done[key] = self.recipes[key]()
+        return self.done[key]
+
+
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import train
+from cli_runs import RunsOnDemand, train
 from conftest import REPO
 from safetensors.torch import load_file
 
@@ -29,46 +30,57 @@ def runs(tmp_path_factory):
         "training.gradient_checkpointing=true",
         "training.activation_offloading=true",
     ]
-    return {
-        ("lora", "single"): train(tmp_path, "lora-1", 1, one),
-        ("lora", "ddp"): train(tmp_path, "lora-ddp", 2, "parallel.strategy=ddp"),
-        ("lora", "fsdp"): train(tmp_path, "lora-fsdp", 2, "parallel.strategy=fsdp"),
+    full = "lora.enabled=false"
+    ac = "training.gradient_checkpointing=true"
+
+    def run(name: str, nproc: int, *overrides: str):
+        return lambda: train(tmp_path, name, nproc, *overrides)
+
+    return RunsOnDemand({
+        ("lora", "single"): run("lora-1", 1, one),
+        ("lora", "ddp"): run("lora-ddp", 2, "parallel.strategy=ddp"),
+        ("lora", "fsdp"): run("lora-fsdp", 2, "parallel.strategy=fsdp"),
         # The seed's crash: DDP + LoRA + gradient checkpointing.
-        ("lora", "ddp+ac"): train(
-            tmp_path, "lora-ddp-ac", 2, "parallel.strategy=ddp", "training.gradient_checkpointing=true"
-        ),
-        ("lora", "fsdp+ac"): train(
-            tmp_path, "lora-fsdp-ac", 2, "parallel.strategy=fsdp", "training.gradient_checkpointing=true"
-        ),
+        ("lora", "ddp+ac"): run("lora-ddp-ac", 2, "parallel.strategy=ddp", ac),
+        ("lora", "fsdp+ac"): run("lora-fsdp-ac", 2, "parallel.strategy=fsdp", ac),
         # The chunked loss, inside the forward that DDP and FSDP wrap (and in evaluation).
-        ("lora", "ddp+chunk"): train(tmp_path, "lora-ddp-chunk", 2, "parallel.strategy=ddp", chunk),
-        ("lora", "fsdp+chunk"): train(tmp_path, "lora-fsdp-chunk", 2, "parallel.strategy=fsdp", chunk),
-        ("full", "ddp+chunk"): train(
-            tmp_path, "full-ddp-chunk", 2, "parallel.strategy=ddp", "lora.enabled=false", chunk
+        ("lora", "ddp+chunk"): run("lora-ddp-chunk", 2, "parallel.strategy=ddp", chunk),
+        ("lora", "fsdp+chunk"): run("lora-fsdp-chunk", 2, "parallel.strategy=fsdp", chunk),
+        ("full", "ddp+chunk"): run("full-ddp-chunk", 2, "parallel.strategy=ddp", full, chunk),
+        ("full", "fsdp+chunk"): run("full-fsdp-chunk", 2, "parallel.strategy=fsdp", full, chunk),
+        ("lora", "fsdp+long"): run("lora-fsdp-long", 2, "parallel.strategy=fsdp", *long, "logging.profile_steps=[2,3]"),
+        ("full", "ddp+long"): run("full-ddp-long", 2, "parallel.strategy=ddp", full, *long),
+        ("full", "single"): run("full-1", 1, one, full),
+        ("full", "ddp+ac"): run("full-ddp-ac", 2, "parallel.strategy=ddp", full, ac),
+        ("full", "ddp"): run("full-ddp", 2, "parallel.strategy=ddp", full),
+        ("full", "fsdp"): run("full-fsdp", 2, "parallel.strategy=fsdp", full),
+        ("full", "fsdp+ac"): run(
+            "full-fsdp-ac", 2, "parallel.strategy=fsdp", full, ac, "training.gradient_checkpointing_every=2"
         ),
-        ("full", "fsdp+chunk"): train(
-            tmp_path, "full-fsdp-chunk", 2, "parallel.strategy=fsdp", "lora.enabled=false", chunk
-        ),
-        ("lora", "fsdp+long"): train(
-            tmp_path, "lora-fsdp-long", 2, "parallel.strategy=fsdp", *long, "logging.profile_steps=[2,3]"
-        ),
-        ("full", "ddp+long"): train(tmp_path, "full-ddp-long", 2, "parallel.strategy=ddp", "lora.enabled=false", *long),
-        ("full", "single"): train(tmp_path, "full-1", 1, one, "lora.enabled=false"),
-        ("full", "ddp+ac"): train(
-            tmp_path, "full-ddp-ac", 2, "parallel.strategy=ddp", "lora.enabled=false",
-            "training.gradient_checkpointing=true",
-        ),
-        ("full", "ddp"): train(tmp_path, "full-ddp", 2, "parallel.strategy=ddp", "lora.enabled=false"),
-        ("full", "fsdp"): train(tmp_path, "full-fsdp", 2, "parallel.strategy=fsdp", "lora.enabled=false"),
-        ("full", "fsdp+ac"): train(
-            tmp_path, "full-fsdp-ac", 2, "parallel.strategy=fsdp", "lora.enabled=false",
-            "training.gradient_checkpointing=true", "training.gradient_checkpointing_every=2",
-        ),
-    }  # fmt: skip
+    })  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "ddp+ac", "fsdp+ac", "ddp+chunk", "fsdp+chunk", "long"])
+STRATEGIES = ["ddp", "fsdp", "ddp+ac", "fsdp+ac", "ddp+chunk", "fsdp+chunk", "long"]
+# The cases CI runs (each setting at least once, with LoRA or full fine-tuning); the whole matrix:
+# python -m pytest -m data_parallel
+IN_CI = {
+    ("lora", "ddp"), ("lora", "fsdp"), ("lora", "ddp+ac"), ("lora", "fsdp+chunk"), ("lora", "long"),
+    ("full", "ddp"), ("full", "fsdp"), ("full", "fsdp+ac"), ("full", "ddp+chunk"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "strategy"),
+    [
+        pytest.param(
+            kind,
+            strategy,
+            marks=[pytest.mark.data_parallel, *([pytest.mark.representative] if (kind, strategy) in IN_CI else [])],
+        )
+        for kind in ("lora", "full")
+        for strategy in STRATEGIES
+    ],
+)
 def test_two_workers_match_one(runs, kind, strategy):
     if strategy == "long":
         strategy = "fsdp+long" if kind == "lora" else "ddp+long"
@@ -134,6 +146,9 @@ def test_profiled_steps_leave_a_report_and_a_trace_per_rank(runs):
     for rank in (0, 1):
         report = (profile / f"rank{rank}.txt").read_text()
         assert report.startswith("steps 2..3: ") and "ms per step" in report and "by host time:" in report
+        # Python's garbage collections in the profiled steps: none, or how many of which generation and how long.
+        assert re.fullmatch(r"python gc: (no collection|(generation \d: \d+ \([\d.]+ ms, longest [\d.]+ ms\)(, )?)+)",
+                            report.splitlines()[1])  # fmt: skip
         assert "aten::mm" in report
         assert (profile / f"rank{rank}.trace.json.gz").stat().st_size > 1000
 

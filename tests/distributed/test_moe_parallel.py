@@ -5,7 +5,7 @@ and GLM-4.5 (Glm4Moe), with DDP and FSDP2 (experts sharded as units of their own
 from __future__ import annotations
 
 import pytest
-from cli_runs import jsonl, train
+from cli_runs import RunsOnDemand, jsonl, train
 from tiny_models import MOE_ARCHITECTURES, write_tiny_model
 
 STEPS = 3
@@ -14,21 +14,24 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("moe-dp")
-    results = {}
+    recipes = {}
 
     def run(arch: str, name: str, nproc: int, *overrides: str) -> None:
-        model = write_tiny_model(tmp_path / "models" / arch, arch)
-        common = [f"model.name_or_path={model}", "model.init=random", "lora.target_modules=null"]
-        results[(arch, name)] = train(
-            tmp_path,
-            f"{arch}-{name}",
-            nproc,
-            *common,
-            "training.moe_aux_loss_coef=0.01",
-            *overrides,
-            *(["training.gradient_accumulation_steps=2"] if nproc == 1 else []),
-            steps=STEPS,
-        )
+        def train_it() -> dict:
+            model = write_tiny_model(tmp_path / "models" / arch, arch)
+            common = [f"model.name_or_path={model}", "model.init=random", "lora.target_modules=null"]
+            return train(
+                tmp_path,
+                f"{arch}-{name}",
+                nproc,
+                *common,
+                "training.moe_aux_loss_coef=0.01",
+                *overrides,
+                *(["training.gradient_accumulation_steps=2"] if nproc == 1 else []),
+                steps=STEPS,
+            )
+
+        recipes[(arch, name)] = train_it
 
     for arch in MOE_ARCHITECTURES:
         run(arch, "single", 1)
@@ -59,7 +62,7 @@ def runs(tmp_path_factory):
         *full,
         "training.gradient_checkpointing_granularity=attention",
     )
-    return results
+    return RunsOnDemand(recipes)
 
 
 CASES = [(arch, strategy) for arch in MOE_ARCHITECTURES for strategy in ("ddp", "fsdp")] + [
@@ -67,13 +70,29 @@ CASES = [(arch, strategy) for arch in MOE_ARCHITECTURES for strategy in ("ddp", 
     ("glm4_moe", "full-fsdp"),
     ("glm4_moe", "full-ddp"),
 ]
+# The cases CI runs (each architecture, DDP and FSDP each at least once); the whole matrix:
+# python -m pytest -m data_parallel
+IN_CI = {
+    ("qwen3_moe", "fsdp"),
+    ("mixtral", "ddp"),
+    ("glm4_moe", "fsdp"),
+    ("qwen3_moe", "experts-fsdp"),
+    ("glm4_moe", "full-fsdp"),
+    ("glm4_moe", "full-ddp"),
+}
 
 
 def single_of(strategy: str) -> str:
     return strategy.rsplit("-", 1)[0] + "-single" if "-" in strategy else "single"
 
 
-@pytest.mark.parametrize(("arch", "strategy"), CASES)
+@pytest.mark.parametrize(
+    ("arch", "strategy"),
+    [
+        pytest.param(*case, marks=[pytest.mark.data_parallel, *([pytest.mark.representative] if case in IN_CI else [])])
+        for case in CASES
+    ],
+)
 def test_two_workers_train_and_route_like_one(runs, arch, strategy):
     reference, run = runs[(arch, single_of(strategy))], runs[(arch, strategy)]
     assert len(reference["losses"]) == STEPS
