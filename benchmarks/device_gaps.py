@@ -31,7 +31,13 @@ def main(path: str) -> None:
     with gzip.open(path) as trace:
         events = json.load(trace)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    # Kernels launched through the runtime (cudaLaunchKernel: aten, cuBLAS, cuDNN) or the driver (cuLaunchKernel:
+    # Triton's and CuTe DSL's kernels).
+    launches = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+    }
     ops = sorted(
         (e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e), key=lambda e: e["ts"]
     )
@@ -70,14 +76,79 @@ def main(path: str) -> None:
     print("\nidle by host ops at the next launch (4 levels):")
     for key, total in by_stack.most_common(25):
         print(f"{total / 1e3:8.2f} ms {count[key]:5d}  {key[:250]}")
+    host_late_windows(gaps_windows(kernels, launches), ops)
     for marker, what in (("fprop", "forward"), ("bprop", "backward")):
         at = [i for i, kernel in enumerate(kernels) if marker in kernel["name"]]
         if len(at) > 12:
             first, last = (at[10] - 20, at[11]) if marker == "fprop" else (at[10], at[11])
-            print(f"\none layer's {what}: kernels {first}..{last} (device time, idle before it)")
+            print(f"\none layer's {what}: kernels {first}..{last}")
+            print("  device us, idle before it us, host us since the previous launch, kernel, host ops at its launch")
+            previous_launch = None
             for before, kernel in zip(kernels[first - 1 : last - 1], kernels[first:last], strict=True):
                 idle = kernel["ts"] - (before["ts"] + before["dur"])
-                print(f"{kernel['dur']:8.1f} us {max(idle, 0):6.1f} us  {kernel['name'][:110]}")
+                launch = launches.get(kernel["args"].get("correlation"))
+                host = "" if launch is None or previous_launch is None else f"{launch['ts'] - previous_launch:6.1f}"
+                previous_launch = launch["ts"] if launch else None
+                stack = enclosing_ops(ops, starts, launch["ts"], launch.get("tid")) if launch else "?"
+                inner = " > ".join(stack.split(" > ")[-2:])
+                print(f"{kernel['dur']:8.1f} {max(idle, 0):6.1f} {host:>6}  {kernel['name'][:60]:60}  {inner[:90]}")
+
+
+def gaps_windows(kernels: list[dict], launches: dict) -> list[tuple[float, float, object]]:
+    """(from, to, host thread) of each stretch where the device sat idle waiting for the host: from the end of
+    the kernels before to the launch of the next (which came after that end)."""
+    windows, end = [], kernels[0]["ts"] + kernels[0]["dur"]
+    for kernel in kernels[1:]:
+        launch = launches.get(kernel["args"].get("correlation"))
+        if launch is not None and launch["ts"] > end + 3:
+            windows.append((end, launch["ts"], launch.get("tid")))
+        end = max(end, kernel["ts"] + kernel["dur"])
+    return windows
+
+
+def host_late_windows(windows: list[tuple[float, float, object]], ops: list[dict]) -> None:
+    """What the host did while the device waited for it: each host operator's own time (less the operators
+    inside it) within those stretches, summed by name."""
+    by_thread = collections.defaultdict(list)
+    for op in ops:  # ops are sorted by start
+        by_thread[op.get("tid")].append(op)
+    thread_starts = {tid: [op["ts"] for op in thread] for tid, thread in by_thread.items()}
+    own = collections.Counter()
+    total = 0.0
+    for low, high, tid in windows:
+        total += high - low
+        thread, index = by_thread[tid], bisect.bisect_left(thread_starts.get(tid, []), high)
+        inside = [op for op in thread[max(0, index - 4000) : index] if op["ts"] + op["dur"] > low]
+        outermost = [
+            op
+            for op in inside
+            if not any(
+                o is not op
+                and o["ts"] <= op["ts"]
+                and op["ts"] + op["dur"] <= o["ts"] + o["dur"]
+                and o["dur"] > op["dur"]
+                for o in inside
+            )
+        ]
+        own["(in no operator: Python between operators)"] += (high - low) - sum(
+            min(high, op["ts"] + op["dur"]) - max(low, op["ts"]) for op in outermost
+        )
+        covered = collections.Counter()
+        for op in inside:
+            covered[id(op)] = min(high, op["ts"] + op["dur"]) - max(low, op["ts"])
+        for op in inside:  # an operator's own time: its time in the window less its children's
+            children = sum(
+                covered[id(other)]
+                for other in inside
+                if other is not op
+                and op["ts"] <= other["ts"]
+                and other["ts"] + other["dur"] <= op["ts"] + op["dur"]
+                and other["dur"] < op["dur"]
+            )
+            own[op["name"][:90]] += max(covered[id(op)] - children, 0.0)
+    print(f"\nthe host while the device waited for it ({len(windows)} stretches, {total / 1e3:.1f} ms), own time:")
+    for name, spent in own.most_common(30):
+        print(f"{spent / 1e3:8.2f} ms  {name}")
 
 
 if __name__ == "__main__":

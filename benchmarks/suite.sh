@@ -25,7 +25,8 @@
 # against HF; BENCH_ONLY as for weighted-silu), quack-tiles (quack's tile configurations: every SM90 one on the
 # MoE GEMMs, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs against HF; BENCH_ONLY as for weighted-silu),
 # routing-kernels (the router's top-k and the expert order as Triton kernels: the routing bookkeeping alone, and the
-# Qwen3-30B-A3B and GLM-4.5-Air runs against HF; BENCH_ONLY as for weighted-silu). Each run's bench.json (and profile report, where one is taken) is copied to
+# Qwen3-30B-A3B and GLM-4.5-Air runs against HF; BENCH_ONLY as for weighted-silu), host-overhead (whether the Qwen3-30B-A3B
+# step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -387,6 +388,27 @@ h200-moe-profile)
         --warmup 4 'logging.profile_steps=[3,4]' "${extra[@]}" &&
         python3 -m shardtune.bench.profile_share "$work/moe-qwen3-attn-profile/shardtune/profile/rank0.trace.json.gz" |
         tee "$results/moe-qwen3-attn-profile.gemm.txt"
+    ;;
+host-overhead)
+    # Issue 20: whether the Qwen3-30B-A3B LoRA-on-attention step waits on the host, on an 80 GB GPU: 32 layers
+    # without checkpointing (the regime of the full model on one H200). A profile of two warm-up steps read by
+    # device_gaps.py, then inductor settings that cut host or elementwise time, each against the default in
+    # the same call: the C++ wrapper (launches from C++), combo kernels (independent kernels launched as
+    # one), coordinate-descent tuning of the Triton kernels' block sizes. BENCH_ONLY: run names.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    layers=(--shape qwen3-30b-a3b --layers 32 --seq 4096 --batch 2 --steps 8 --warmup 3
+        training.gradient_checkpointing=false "${extra[@]}")
+    bench host-profile "${layers[@]}" 'logging.profile_steps=[2,3]' &&
+        python3 "$(dirname "$0")/device_gaps.py" "$work/host-profile/shardtune/profile/rank0.trace.json.gz" \
+            >"$results/host-profile.gaps.txt"
+    mkdir -p "$work/combo"
+    printf 'import torch._inductor.config\ntorch._inductor.config.combo_kernels = True\n' \
+        >"$work/combo/sitecustomize.py"
+    bench host-default "${layers[@]}"
+    TORCHINDUCTOR_CPP_WRAPPER=1 bench host-cpp-wrapper "${layers[@]}"
+    PYTHONPATH="$work/combo${PYTHONPATH:+:$PYTHONPATH}" bench host-combo-kernels "${layers[@]}"
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 bench host-coordinate-descent "${layers[@]}"
+    bench host-default-again "${layers[@]}"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

@@ -7,6 +7,7 @@ the step waits on the host) and ``rank<r>.trace.json.gz`` (a Chrome/Perfetto tra
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ class StepProfiler:
         self.device = device
         self.profiler: profile | None = None
         self.started = 0.0
+        self.collections = CollectionTimes()
 
     def step_begins(self, step: int) -> None:
         if step != self.first:
@@ -36,6 +38,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.profiler = profile(activities=activities, record_shapes=False)
         self.profiler.__enter__()
+        self.collections.start()
         self.started = time.perf_counter()
 
     def step_ends(self, step: int) -> None:
@@ -44,11 +47,13 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self.started
+        self.collections.stop()
         self.profiler.__exit__(None, None, None)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         events = self.profiler.key_averages()
         steps = self.last - self.first + 1
         lines = [f"steps {self.first}..{self.last}: {wall:.3f} s wall, {wall / steps * 1e3:.1f} ms per step"]
+        lines.append(self.collections.describe())
         if self.device.type == "cuda":
             # Kernels only: an operator's device time is that of the kernels it launched (counted once).
             device_us = sum(
@@ -62,3 +67,34 @@ class StepProfiler:
         self.profiler.export_chrome_trace(str(self.output_dir / f"rank{self.rank}.trace.json.gz"))
         self.profiler = None
         log.info("profile of steps %d..%d: %s", self.first, self.last, report)
+
+
+class CollectionTimes:
+    """Python's garbage collections between ``start()`` and ``stop()``: how many, of which generation, and the
+    host time they took (a collection inside a step's launches is device idle time; see ``python_gc``)."""
+
+    def __init__(self):
+        self.times: dict[int, list[float]] = {}
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.times.setdefault(info["generation"], []).append(time.perf_counter() - self._began)
+
+    def start(self) -> None:
+        self.times = {}
+        gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def describe(self) -> str:
+        if not self.times:
+            return "python gc: no collection"
+        parts = [
+            f"generation {generation}: {len(times)} ({sum(times) * 1e3:.1f} ms, longest {max(times) * 1e3:.2f} ms)"
+            for generation, times in sorted(self.times.items())
+        ]
+        return "python gc: " + ", ".join(parts)
