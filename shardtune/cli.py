@@ -90,8 +90,9 @@ def _train_here(config: Config) -> int:
     from pathlib import Path
 
     from shardtune.distributed.env import DistributedEnv
+    from shardtune.out_of_memory import a_peer_ran_out_of_memory
     from shardtune.run_dir import prepare_output_dir
-    from shardtune.train.loop import NothingToTrain, a_peer_ran_out_of_memory, run_training
+    from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
 
@@ -183,8 +184,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_here(request: EvalRequest) -> int:
+    import torch
+
     from shardtune.distributed.env import DistributedEnv
     from shardtune.evaluate import run_eval
+    from shardtune.out_of_memory import EVAL_ADVICE, a_peer_ran_out_of_memory, stop_out_of_memory
 
     env = DistributedEnv.from_environment(
         request.config.parallel.timeout_s, request.config.parallel.expert_parallel_size
@@ -192,6 +196,13 @@ def _eval_here(request: EvalRequest) -> int:
     setup_logging(env.is_main)
     try:
         run_eval(request, env)
+    except torch.OutOfMemoryError as error:
+        raise stop_out_of_memory(error, env, "in evaluation", EVAL_ADVICE) from None
+    except Exception as error:
+        # A peer that ran out of memory said so itself; this rank's collective failed as it left.
+        if isinstance(error, RunFault) or not a_peer_ran_out_of_memory(env):
+            raise
+        return EXIT_OUT_OF_MEMORY
     finally:
         env.close()
     return 0

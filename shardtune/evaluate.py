@@ -219,6 +219,7 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     import transformers
 
     from shardtune.distributed.parallelize import parallelize, plan_parallelism
+    from shardtune.faults import fault_point, install_faults
     from shardtune.model.load import Precision, load_tokenizer
     from shardtune.train.loop import build_run_model, evaluate_run_model, prepare_run_data
     from shardtune.train.preflight import check_model
@@ -253,7 +254,10 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     plan = plan_parallelism(model, config, env)
     log.info("%s", plan.describe(env.world_size))
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
-    measured = evaluate_run_model(model, examples, config, env, precision, tokenizer.pad_token_id)
+    install_faults(env.rank).attach(model)
+    measured = evaluate_run_model(
+        model, examples, config, env, precision, tokenizer.pad_token_id, on_batch=lambda: fault_point("eval.batch")
+    )
     result = {
         "checkpoint": str(weights.path),
         "kind": weights.kind,

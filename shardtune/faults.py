@@ -22,7 +22,7 @@ step (``forward_backward``, ``optimizer``, ...), and ``eval.batch`` (after each 
   gradient computed from it are NaN.
 - ``inf_grad``: one gradient of this rank becomes +inf after backward (and after the gradient
   all-reduce, so only this rank sees it).
-- ``oom``: the embedding layer of this step's next forward pass raises ``torch.OutOfMemoryError`` with the
+- ``oom``: the embedding layer of the next forward pass raises ``torch.OutOfMemoryError`` with the
   CUDA caching allocator's words, as a forward that cannot allocate does (on a CPU no allocator raises it).
 
 ``rank`` (global rank), ``step`` and ``attempt`` (the launcher's restart count) narrow where a fault
@@ -94,7 +94,7 @@ class FaultInjector:
         self.fired: set[tuple[Fault, int | None]] = set()
         self.step: int | None = None  # the step of the last point passed
         self.poison_step: int | None = None  # nan_loss: the step whose forward passes are poisoned
-        self.out_of_memory_step: int | None = None  # oom: the step whose next forward runs out of memory
+        self.runs_out_of_memory = False  # oom: the next forward pass runs out of memory
         self.parameters: list[torch.nn.Parameter] = []
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -106,8 +106,8 @@ class FaultInjector:
         embeddings.register_forward_hook(self._poison_embeddings)
 
     def _poison_embeddings(self, module: torch.nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor:
-        if self.out_of_memory_step is not None and self.out_of_memory_step == self.step:
-            self.out_of_memory_step = None
+        if self.runs_out_of_memory:
+            self.runs_out_of_memory = False
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
                 "1.06 GiB is free. Including non-PyTorch memory, this process has 78.10 GiB memory in use."
@@ -141,7 +141,7 @@ class FaultInjector:
             elif fault.action == "nan_loss":
                 self.poison_step = step
             elif fault.action == "oom":
-                self.out_of_memory_step = step
+                self.runs_out_of_memory = True
             elif fault.action == "inf_grad":
                 with torch.no_grad():
                     target = next(p for p in self.parameters if p.grad is not None)

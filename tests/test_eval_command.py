@@ -15,13 +15,20 @@ import pytest
 from cli_runs import jsonl, train
 from conftest import REPO, TINY_DATA, make_config, write_jsonl
 
+from shardtune.errors import EXIT_OUT_OF_MEMORY
+from shardtune.out_of_memory import EVAL_ADVICE
+
 # The eval rows are a file of their own, so that ``--data FILE`` can name exactly the run's eval data.
 EVAL_ROWS = 6
 
 
-def shardtune_eval(run: dict, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    """``shardtune eval`` with the run's config (the quickstart and the run's overrides), from the repo."""
+def shardtune_eval(run: dict, *args: str, nproc: int = 1, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``shardtune eval`` with the run's config (the quickstart and the run's overrides), from the repo;
+    ``fault``: SHARDTUNE_FAULT."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("SHARDTUNE_FAULT", None)
+    if fault:
+        env["SHARDTUNE_FAULT"] = fault
     return subprocess.run(
         [
             sys.executable, "-m", "shardtune", "eval", "examples/quickstart.yaml", "--nproc", str(nproc),
@@ -99,6 +106,23 @@ def test_eval_on_two_processes_equals_the_single_process_runs_eval(lora_run: dic
         assert (result["world_size"], result["strategy"]) == (2, strategy)
         assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][step], abs=1e-5), (strategy, source)
         assert completed.stdout.count("eval ") == 1, "the result line is printed once, by rank 0"
+
+
+def test_eval_out_of_memory_on_one_rank_is_one_line_with_exit_status_5(lora_run: dict, tmp_path: Path):
+    target = tmp_path / "eval.json"
+    # Rank 1 (3 batches of one example) runs out of memory in its second batch's forward.
+    completed = shardtune_eval(
+        lora_run, "--checkpoint", str(lora_run["out"] / "final"), "--out", str(target), nproc=2,
+        fault="eval.batch:oom:rank=1",
+    )  # fmt: skip
+    assert completed.returncode == EXIT_OUT_OF_MEMORY, completed.stderr[-3000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert errors == [
+        "shardtune: error: rank 1: out of memory in evaluation: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+        f"has a total capacity of 79.18 GiB of which 1.06 GiB is free. {EVAL_ADVICE}"
+    ]
+    assert "Traceback" not in completed.stderr and "[rank0]" not in completed.stderr, completed.stderr[-3000:]
+    assert not target.exists()
 
 
 def test_eval_of_a_full_fine_tuning_checkpoint_and_final(tmp_path: Path):

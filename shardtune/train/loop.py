@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 import time
 import types
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.doctor.report import size
-from shardtune.errors import ConfigError, OutOfMemory, first_line
+from shardtune.errors import ConfigError
 from shardtune.faults import install_faults
 from shardtune.metrics.flops import peak_flops, routed_expert_trainable, run_token_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
@@ -58,11 +57,11 @@ from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
+from shardtune.out_of_memory import TRAINING_ADVICE, stop_out_of_memory
 from shardtune.plan.memory import micro_batch_tokens
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
-from shardtune.train.heartbeat import Heartbeat
 from shardtune.train.loss import (
     SoftmaxGradient,
     compiled_softmax_gradient,
@@ -202,39 +201,13 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         try:
             return _train(config, env, argv, on_exit, run)
         except torch.OutOfMemoryError as error:
-            line = out_of_memory_line(error, env, run.heartbeat)
-            # Before this process leaves (and its peers' collectives with it fail): they look here then.
-            env.store().set(OUT_OF_MEMORY_KEY, line)
-            raise OutOfMemory(line) from None
-
-
-# The rendezvous store's key under which a rank that ran out of memory leaves its line for the others.
-OUT_OF_MEMORY_KEY = "shardtune/out_of_memory"
-
-
-def a_peer_ran_out_of_memory(env: DistributedEnv) -> bool:
-    """Whether another rank of this run ran out of memory (and said so): then an error of this rank, a
-    collective that failed as that rank left, is part of its stop, not a fault of its own."""
-    try:
-        return env.store().check([OUT_OF_MEMORY_KEY])
-    except Exception:  # the store went with the launcher, or never was: nothing to go on
-        return False
-
-
-def out_of_memory_line(error: torch.OutOfMemoryError, env: DistributedEnv, heartbeat: Heartbeat | None) -> str:
-    """What ran out of memory where, what the allocator said (its first sentences: the size asked for and
-    what was free), and what to change."""
-    said = re.match(r".*?(?:is free\.|$)", first_line(error)).group(0)
-    where = (
-        "while loading the model"
-        if heartbeat is None
-        else f"in step {heartbeat.step} ({heartbeat.phase.replace('_', ' ')})"
-    )
-    return (
-        f"rank {env.rank}: out of memory {where}: {said} Lower training.per_device_train_batch_size or "
-        "data.max_length, set training.gradient_checkpointing: auto (the default) or true, or shard the model "
-        "over more GPUs (parallel.strategy: fsdp); shardtune plan CONFIG estimates the peak"
-    )
+            heartbeat = run.heartbeat
+            where = (
+                "while loading the model"
+                if heartbeat is None
+                else f"in step {heartbeat.step} ({heartbeat.phase.replace('_', ' ')})"
+            )
+            raise stop_out_of_memory(error, env, where, TRAINING_ADVICE) from None
 
 
 def _train(

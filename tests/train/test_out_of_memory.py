@@ -7,14 +7,12 @@ with the CUDA caching allocator's words (``shardtune/faults.py``)."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from faulty_runs import assert_intact, run
 
 from shardtune.errors import EXIT_OUT_OF_MEMORY
-from shardtune.train.loop import out_of_memory_line
+from shardtune.out_of_memory import out_of_memory_line
 
 ADVICE = (
     "Lower training.per_device_train_batch_size or data.max_length, set training.gradient_checkpointing: auto (the "
@@ -60,18 +58,16 @@ def test_out_of_memory_in_one_process_is_one_line_with_exit_5(tmp_path):
 
 
 def test_the_line_quotes_what_the_allocator_said_up_to_what_was_free():
-    env = types.SimpleNamespace(rank=3)
     torch_said = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 42.12 MiB "
         "is free. Including non-PyTorch memory, this process has 79.13 GiB memory in use. Of the allocated memory "
         "77.75 GiB is allocated by PyTorch.\nSee documentation for Memory Management"
     )
-    heartbeat = types.SimpleNamespace(step=7, phase="eval")
-    assert out_of_memory_line(torch_said, env, heartbeat) == (
+    assert out_of_memory_line(torch_said, 3, "in step 7 (eval)", ADVICE) == (
         "rank 3: out of memory in step 7 (eval): CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total "
         f"capacity of 79.18 GiB of which 42.12 MiB is free. {ADVICE}"
     )
-    # Before the steps begin (the model moving to the device); a message without "is free" is quoted whole.
-    assert out_of_memory_line(torch.OutOfMemoryError("HIP out of memory."), env, None) == (
-        f"rank 3: out of memory while loading the model: HIP out of memory. {ADVICE}"
+    # A message without "is free" is quoted whole (its first line).
+    assert out_of_memory_line(torch.OutOfMemoryError("HIP out of memory.\nmore"), 3, "in evaluation", "Advice.") == (
+        "rank 3: out of memory in evaluation: HIP out of memory. Advice."
     )

@@ -1,0 +1,52 @@
+"""A rank out of device memory (``torch.OutOfMemoryError``) in ``train`` or ``eval``: the one line it stops with,
+and how its peers learn of it.
+
+The rank may be the only one to run out while the others wait in a collective with it. Before it leaves, it
+puts its line in the rendezvous store; a peer whose collective then fails finds it there and stops quietly with
+the same status (``a_peer_ran_out_of_memory``), so the run ends with that one line and no traceback.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from shardtune.distributed.env import DistributedEnv
+from shardtune.errors import OutOfMemory, first_line
+
+# The rendezvous store's key under which a rank that ran out of memory leaves its line for the others.
+OUT_OF_MEMORY_KEY = "shardtune/out_of_memory"
+
+TRAINING_ADVICE = (
+    "Lower training.per_device_train_batch_size or data.max_length, set training.gradient_checkpointing: auto (the "
+    "default) or true, or shard the model over more GPUs (parallel.strategy: fsdp); shardtune plan CONFIG estimates "
+    "the peak"
+)
+EVAL_ADVICE = (
+    "Lower training.per_device_eval_batch_size or data.max_length, or shard the model over more GPUs "
+    "(parallel.strategy: fsdp)"
+)
+
+
+def out_of_memory_line(error: torch.OutOfMemoryError, rank: int, where: str, advice: str) -> str:
+    """What ran out of memory where, what the allocator said (its first sentences: the size asked for and what
+    was free), and what to change."""
+    said = re.match(r".*?(?:is free\.|$)", first_line(error)).group(0)
+    return f"rank {rank}: out of memory {where}: {said} {advice}"
+
+
+def stop_out_of_memory(error: torch.OutOfMemoryError, env: DistributedEnv, where: str, advice: str) -> OutOfMemory:
+    """The error to raise for ``error``, once its line is in the store for the peers (see the module)."""
+    line = out_of_memory_line(error, env.rank, where, advice)
+    env.store().set(OUT_OF_MEMORY_KEY, line)
+    return OutOfMemory(line)
+
+
+def a_peer_ran_out_of_memory(env: DistributedEnv) -> bool:
+    """Whether another rank of this run ran out of memory (and said so): then an error of this rank, a
+    collective that failed as that rank left, is part of its stop, not a fault of its own."""
+    try:
+        return env.store().check([OUT_OF_MEMORY_KEY])
+    except Exception:  # the store went with the launcher, or never was: nothing to go on
+        return False
