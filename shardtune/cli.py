@@ -184,11 +184,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_here(request: EvalRequest) -> int:
-    import torch
-
     from shardtune.distributed.env import DistributedEnv
     from shardtune.evaluate import run_eval
-    from shardtune.out_of_memory import EVAL_ADVICE, a_peer_ran_out_of_memory, stop_out_of_memory
+    from shardtune.out_of_memory import EVAL_ADVICE, a_peer_ran_out_of_memory, is_out_of_memory, stop_out_of_memory
 
     env = DistributedEnv.from_environment(
         request.config.parallel.timeout_s, request.config.parallel.expert_parallel_size
@@ -196,9 +194,9 @@ def _eval_here(request: EvalRequest) -> int:
     setup_logging(env.is_main)
     try:
         run_eval(request, env)
-    except torch.OutOfMemoryError as error:
-        raise stop_out_of_memory(error, env, "in evaluation", EVAL_ADVICE) from None
     except Exception as error:
+        if is_out_of_memory(error):
+            raise stop_out_of_memory(error, env, "in evaluation", EVAL_ADVICE) from None
         # A peer that ran out of memory said so itself; this rank's collective failed as it left.
         if isinstance(error, RunFault) or not a_peer_ran_out_of_memory(env):
             raise

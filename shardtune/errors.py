@@ -64,16 +64,16 @@ class CheckpointSaveError(RunFault):
     exit_code = EXIT_SAVE_FAILED
 
 
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (a library's message may go on for a traceback's length),
-    or its type's name when it has none: what a one-line error quotes of its cause."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 class OutOfMemory(RunFault):
     """A rank ran out of device memory. It may be the only one: it says so itself (the first rank of a launch
     to meet it), and the launcher stops the others without a restart, which would run out again."""
 
     exit_code = EXIT_OUT_OF_MEMORY
     every_rank_raises_it = False
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (a library's message may go on for a traceback's length),
+    or its type's name when it has none: what a one-line error quotes of its cause."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

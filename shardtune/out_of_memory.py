@@ -1,4 +1,4 @@
-"""A rank out of device memory (``torch.OutOfMemoryError``) in ``train`` or ``eval``: the one line it stops with,
+"""A rank out of device memory (``is_out_of_memory``) in ``train`` or ``eval``: the one line it stops with,
 and how its peers learn of it.
 
 The rank may be the only one to run out while the others wait in a collective with it. Before it leaves, it
@@ -29,14 +29,28 @@ EVAL_ADVICE = (
 )
 
 
-def out_of_memory_line(error: torch.OutOfMemoryError, rank: int, where: str, advice: str) -> str:
+# Besides the caching allocator's torch.OutOfMemoryError, libraries that allocate for themselves fail with a
+# status of their own when the device is full: cuBLAS creating its handle (seen on an H100 in the first step of
+# a model that did not fit: "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+# cuDNN, or a plain cudaMalloc.
+ALLOCATION_FAILURES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says that the device had no memory left for an allocation."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(failure in str(error) for failure in ALLOCATION_FAILURES)
+
+
+def out_of_memory_line(error: RuntimeError, rank: int, where: str, advice: str) -> str:
     """What ran out of memory where, what the allocator said (its first sentences: the size asked for and what
     was free), and what to change."""
     said = re.match(r".*?(?:is free\.|$)", first_line(error)).group(0)
     return f"rank {rank}: out of memory {where}: {said} {advice}"
 
 
-def stop_out_of_memory(error: torch.OutOfMemoryError, env: DistributedEnv, where: str, advice: str) -> OutOfMemory:
+def stop_out_of_memory(error: RuntimeError, env: DistributedEnv, where: str, advice: str) -> OutOfMemory:
     """The error to raise for ``error``, once its line is in the store for the peers (see the module)."""
     line = out_of_memory_line(error, env.rank, where, advice)
     env.store().set(OUT_OF_MEMORY_KEY, line)

@@ -57,7 +57,7 @@ from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
-from shardtune.out_of_memory import TRAINING_ADVICE, stop_out_of_memory
+from shardtune.out_of_memory import EVAL_ADVICE, TRAINING_ADVICE, is_out_of_memory, stop_out_of_memory
 from shardtune.plan.memory import micro_batch_tokens
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
@@ -200,14 +200,15 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         run = types.SimpleNamespace(heartbeat=None)  # where the run is, once its steps begin
         try:
             return _train(config, env, argv, on_exit, run)
-        except torch.OutOfMemoryError as error:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(error):
+                raise
             heartbeat = run.heartbeat
-            where = (
-                "while loading the model"
-                if heartbeat is None
-                else f"in step {heartbeat.step} ({heartbeat.phase.replace('_', ' ')})"
-            )
-            raise stop_out_of_memory(error, env, where, TRAINING_ADVICE) from None
+            if heartbeat is None:
+                raise stop_out_of_memory(error, env, "while loading the model", TRAINING_ADVICE) from None
+            where = f"in step {heartbeat.step} ({heartbeat.phase.replace('_', ' ')})"
+            advice = EVAL_ADVICE if heartbeat.phase.startswith("eval") else TRAINING_ADVICE
+            raise stop_out_of_memory(error, env, where, advice) from None
 
 
 def _train(

@@ -12,7 +12,7 @@ import torch
 from faulty_runs import assert_intact, run
 
 from shardtune.errors import EXIT_OUT_OF_MEMORY
-from shardtune.out_of_memory import out_of_memory_line
+from shardtune.out_of_memory import is_out_of_memory, out_of_memory_line
 
 ADVICE = (
     "Lower training.per_device_train_batch_size or data.max_length, set training.gradient_checkpointing: auto (the "
@@ -70,4 +70,18 @@ def test_the_line_quotes_what_the_allocator_said_up_to_what_was_free():
     # A message without "is free" is quoted whole (its first line).
     assert out_of_memory_line(torch.OutOfMemoryError("HIP out of memory.\nmore"), 3, "in evaluation", "Advice.") == (
         "rank 3: out of memory in evaluation: HIP out of memory. Advice."
+    )
+
+
+def test_allocation_failures_of_cublas_cudnn_and_cuda_count_as_out_of_memory():
+    # What a real H100 raised in the first step of a model that did not fit, before the caching allocator did.
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert is_out_of_memory(cublas) and is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later"))
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_out_of_memory(ValueError("CUBLAS_STATUS_ALLOC_FAILED"))
+    assert out_of_memory_line(cublas, 0, "in step 1 (forward backward)", "Advice.") == (
+        "rank 0: out of memory in step 1 (forward backward): CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+        "`cublasCreate(handle)` Advice."
     )
