@@ -90,7 +90,7 @@ def _train_here(config: Config) -> int:
     from pathlib import Path
 
     from shardtune.distributed.env import DistributedEnv
-    from shardtune.out_of_memory import a_peer_ran_out_of_memory
+    from shardtune.out_of_memory import failed_as_a_peer_ran_out_of_memory
     from shardtune.run_dir import prepare_output_dir
     from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
@@ -138,7 +138,7 @@ def _train_here(config: Config) -> int:
         # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it;
         # likewise after a peer ran out of memory, which said so itself.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
-            if isinstance(error, RunFault) or not a_peer_ran_out_of_memory(env):
+            if not failed_as_a_peer_ran_out_of_memory(error, env):
                 raise
             return EXIT_OUT_OF_MEMORY
         say_once([INTERRUPTED_LINE], every_rank_says_it=True)
@@ -186,7 +186,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval_here(request: EvalRequest) -> int:
     from shardtune.distributed.env import DistributedEnv
     from shardtune.evaluate import run_eval
-    from shardtune.out_of_memory import EVAL_ADVICE, a_peer_ran_out_of_memory, is_out_of_memory, stop_out_of_memory
+    from shardtune.out_of_memory import (
+        EVAL_ADVICE,
+        failed_as_a_peer_ran_out_of_memory,
+        is_out_of_memory,
+        stop_out_of_memory,
+    )
 
     env = DistributedEnv.from_environment(
         request.config.parallel.timeout_s, request.config.parallel.expert_parallel_size
@@ -198,7 +203,7 @@ def _eval_here(request: EvalRequest) -> int:
         if is_out_of_memory(error):
             raise stop_out_of_memory(error, env, "in evaluation", EVAL_ADVICE) from None
         # A peer that ran out of memory said so itself; this rank's collective failed as it left.
-        if isinstance(error, RunFault) or not a_peer_ran_out_of_memory(env):
+        if not failed_as_a_peer_ran_out_of_memory(error, env):
             raise
         return EXIT_OUT_OF_MEMORY
     finally:

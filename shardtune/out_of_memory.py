@@ -3,7 +3,7 @@ and how its peers learn of it.
 
 The rank may be the only one to run out while the others wait in a collective with it. Before it leaves, it
 puts its line in the rendezvous store; a peer whose collective then fails finds it there and stops quietly with
-the same status (``a_peer_ran_out_of_memory``), so the run ends with that one line and no traceback.
+the same status (``failed_as_a_peer_ran_out_of_memory``), so the run ends with that one line and no traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import torch
 
 from shardtune.distributed.env import DistributedEnv
-from shardtune.errors import OutOfMemory, first_line
+from shardtune.errors import OutOfMemory, RunFault, first_line
 
 # The rendezvous store's key under which a rank that ran out of memory leaves its line for the others.
 OUT_OF_MEMORY_KEY = "shardtune/out_of_memory"
@@ -57,9 +57,11 @@ def stop_out_of_memory(error: RuntimeError, env: DistributedEnv, where: str, adv
     return OutOfMemory(line)
 
 
-def a_peer_ran_out_of_memory(env: DistributedEnv) -> bool:
-    """Whether another rank of this run ran out of memory (and said so): then an error of this rank, a
-    collective that failed as that rank left, is part of its stop, not a fault of its own."""
+def failed_as_a_peer_ran_out_of_memory(error: Exception, env: DistributedEnv) -> bool:
+    """Whether ``error`` of this rank is part of another rank's out-of-memory stop (that rank said so): a
+    collective that failed as it left. A fault this rank reports itself (``RunFault``) never is."""
+    if isinstance(error, RunFault):
+        return False
     try:
         return env.store().check([OUT_OF_MEMORY_KEY])
     except Exception:  # the store went with the launcher, or never was: nothing to go on

@@ -71,7 +71,7 @@ class StepProfiler:
 
 class CollectionTimes:
     """Python's garbage collections between ``start()`` and ``stop()``: how many, of which generation, and the
-    host time they took (a collection inside a step's launches is device idle time; see ``python_gc``)."""
+    host time they took (a collection inside a step's launches can leave the device idle)."""
 
     def __init__(self):
         self.times: dict[int, list[float]] = {}
