@@ -19,6 +19,9 @@
 - the router's bookkeeping, compiled: the top-k experts of softmax scores and the pairs in expert order (with its
   inverse and bounds) as torch ops (``torch.topk``, a stable ``torch.sort``, a scatter, ``searchsorted``)
   against shardtune's Triton kernels (``shardtune/model/routing_kernels.py``); ``--routing``: only this table;
+- ``--float8`` (only this table): the grouped GEMMs in bf16 against float8 e4m3 with rowwise scales
+  (``model.float8_experts``), with and without fast accumulation, the time to quantize their rows, and each
+  one's error against the fp32 product; the attention projections' dense GEMMs the same way;
 - ``--quack-configs`` (only this table): every SM90 tile configuration quack-kernels has, on each of those
   GEMMs at a skewed and a uniform load, against CUTLASS, quack's default configuration and the one shardtune
   pins (``shardtune/model/grouped_gemm.py``).
@@ -43,6 +46,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from shardtune.model import fused_moe
+from shardtune.model.float8 import rowwise_float8
 from shardtune.model.fused_moe import _sum_rows as sum_rows
 from shardtune.model.fused_moe import _weighted_silu_mul, weighted_silu_mul_backward_ops
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable
@@ -327,12 +331,67 @@ def routing(report) -> None:
         report(f"  {name:14s} {' | '.join(cells)}")
 
 
+def float8_gemms(report) -> None:
+    """The experts' GEMMs in bf16 (CUTLASS) against float8 e4m3 with rowwise scales (torch._scaled_grouped_mm, as
+    ``model.float8_experts`` runs them: the weight quantized once, as a frozen one is; the rows each call,
+    compiled), and each one's error against the fp32 product; then the attention projections' dense GEMMs the
+    same way (torch._scaled_mm)."""
+    quantize = torch.compile(rowwise_float8, dynamic=False)
+    report("float8 GEMMs: bf16 CUTLASS | float8 | float8 fast accumulation | quantizing the rows "
+           "(relative error against fp32: bf16 / float8 fast accumulation)")  # fmt: skip
+
+    def scaled(rows, row_scales, values, scales, bounds, fast):
+        return torch._scaled_grouped_mm(rows, values.transpose(-2, -1), row_scales, scales, offs=bounds[1:],
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)  # fmt: skip
+
+    def scaled_dense(rows, row_scales, values, scales, fast):
+        return torch._scaled_mm(rows, values.t(), row_scales[:, None], scales[None, :], out_dtype=torch.bfloat16,
+                                use_fast_accum=fast)  # fmt: skip
+
+    def error(result, reference):
+        return ((result.float() - reference).norm() / reference.norm()).item()
+
+    def line(name, flops, times, quantizing, errors=""):
+        rates = [f"{seconds * 1e6:6.0f} us {flops / seconds / 1e12:5.0f} TFLOP/s" for seconds in times]
+        report(f"  {name:25s} " + " | ".join(rates) + f" | {quantizing * 1e6:5.0f} us{errors}")
+
+    for name, experts, hidden, width, rows in SHAPES:
+        bounds = skewed_bounds(rows, experts)
+        gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16) * 0.02
+        # Each weight as transformers stores it, (E, N outputs, K summed over); the input gradients' are W^T.
+        cases = [("gate/up", gate_up), ("down", down), ("gate/up dX", gate_up.transpose(-2, -1).contiguous()),
+                 ("down dX", down.transpose(-2, -1).contiguous())]  # fmt: skip
+        for what, weight in cases:
+            inputs = torch.randn(rows, weight.shape[-1], device="cuda", dtype=torch.bfloat16)
+            flops = 2 * rows * weight.shape[-1] * weight.shape[-2]
+            values, scales = rowwise_float8(weight)
+            row_values, row_scales = quantize(inputs)
+            operands = (row_values, row_scales, values, scales, bounds)
+            times = [seconds(grouped_mm, inputs, weight.transpose(-2, -1), bounds)]
+            times += [seconds(scaled, *operands, fast) for fast in (False, True)]
+            reference = torch._grouped_mm(inputs.float(), weight.float().transpose(-2, -1), offs=bounds[1:])
+            bf16_error = error(grouped_mm(inputs, weight.transpose(-2, -1), bounds), reference)
+            float8_error = error(scaled(*operands, True), reference)
+            line(f"{name} {what}", flops, times, seconds(quantize, inputs), f" ({bf16_error:.1e} / {float8_error:.1e})")
+    projections = [("qwen3 q_proj", 2048, 4096), ("qwen3 o_proj", 4096, 2048), ("glm-air q_proj", 4096, 12288),
+                   ("glm-air o_proj", 12288, 4096)]  # fmt: skip
+    for name, hidden, outputs in projections:
+        inputs = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(outputs, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        operands = (*quantize(inputs), *rowwise_float8(weight))
+        times = [seconds(torch.mm, inputs, weight.t())]
+        times += [seconds(scaled_dense, *operands, fast) for fast in (False, True)]
+        line(name, 2 * 8192 * hidden * outputs, times, seconds(quantize, inputs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--no-triton", action="store_true", help="leave out inductor's Triton template (slow to tune)")
     parser.add_argument("--quack-configs", action="store_true", help="only the table of quack's tile configurations")
     parser.add_argument("--routing", action="store_true", help="only the table of the routing bookkeeping")
+    parser.add_argument("--float8", action="store_true", help="only the table of bf16 against float8 GEMMs")
     parser.add_argument("--shapes", nargs="+", choices=[shape[0] for shape in SHAPES], help="only these models")
     args = parser.parse_args()
     if args.shapes:
@@ -349,6 +408,9 @@ def main() -> None:
         report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         if args.quack_configs:
             quack_configs(report)
+            return
+        if args.float8:
+            float8_gemms(report)
             return
         routing(report)
         if args.routing:

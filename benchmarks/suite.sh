@@ -26,7 +26,9 @@
 # MoE GEMMs, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs against HF; BENCH_ONLY as for weighted-silu),
 # routing-kernels (the router's top-k and the expert order as Triton kernels: the routing bookkeeping alone, and the
 # Qwen3-30B-A3B and GLM-4.5-Air runs against HF; BENCH_ONLY as for weighted-silu), host-overhead (whether the Qwen3-30B-A3B
-# step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU). Each run's bench.json (and profile report, where one is taken) is copied to
+# step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU), float8-experts
+# (model.float8_experts: the GEMMs alone, the Qwen3-30B-A3B step against bf16's on an 80 GB GPU, and the
+# Qwen3-30B-A3B and GLM-4.5-Air runs against HF on one H200; BENCH_ONLY: moe-kernels and run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -409,6 +411,28 @@ host-overhead)
     PYTHONPATH="$work/combo${PYTHONPATH:+:$PYTHONPATH}" bench host-combo-kernels "${layers[@]}"
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 bench host-coordinate-descent "${layers[@]}"
     bench host-default-again "${layers[@]}"
+    ;;
+float8-experts)
+    # model.float8_experts (shardtune/model/float8.py): the experts' GEMMs in bf16 against float8 with rowwise
+    # scales (moe_kernels.py --float8), then the Qwen3-30B-A3B LoRA-on-attention step with and without it,
+    # alternating, 32 layers without checkpointing on an 80 GB GPU; then on one H200 Qwen3-30B-A3B (LoRA on
+    # attention; on attention and the routed experts under HF's peak) and GLM-4.5-Air (20 layers) in float8,
+    # each against HF in the same run.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --float8 --out "$results/moe_kernels_float8.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    layers=(--shape qwen3-30b-a3b --layers 32 --seq 4096 --batch 2 --steps 8 --warmup 3
+        training.gradient_checkpointing=false "${extra[@]}")
+    for round in 1 2; do
+        bench "f8-ab-bf16-$round" "${layers[@]}"
+        bench "f8-ab-float8-$round" "${layers[@]}" model.float8_experts=true
+    done
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
+    bench f8-qwen3-attn "${qwen3[@]}" model.float8_experts=true
+    bench f8-qwen3-experts "${qwen3[@]}" model.float8_experts=true 'lora.moe_targets=[attention,routed_experts]' \
+        training.memory_budget_gib=79.5
+    bench f8-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}" model.float8_experts=true
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

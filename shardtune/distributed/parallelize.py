@@ -38,7 +38,7 @@ from shardtune.distributed.expert_parallel import (
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
-from shardtune.model.fused_moe import FusedMoeBlock
+from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
 from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
 from shardtune.plan.memory import Checkpointing, describe_checkpointing, estimate_memory, usable_memory
@@ -119,6 +119,12 @@ def parallelize(
     (with ``compiler``, by default a new one), then DDP or FSDP2, then weights from rank 0 onto every rank's
     device."""
     training = config.training
+    if config.model.float8_experts and plan.strategy == "fsdp":
+        raise ConfigError(
+            f"model.float8_experts: needs the experts whole on every rank, and this run shards them with FSDP "
+            f"({plan.describe(env.world_size)}); set parallel.strategy: ddp if the model fits each GPU, or "
+            "model.float8_experts: false"
+        )
     # Found once: wrappers added below (checkpointing, compile) sit around these same modules.
     layers = decoder_layers(model)
     if training.mlp_chunk_tokens:
@@ -160,14 +166,19 @@ def parallelize(
         # Gradients are averaged over ranks (the loss is scaled for it) in the all-reduce buckets
         # themselves, with no copy in or out.
         _broadcast_buffers(model, None, env)
-        return DistributedDataParallel(
+        model = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             init_sync=True,
             broadcast_buffers=False,
             gradient_as_bucket_view=True,
         )
-    return model.to(env.device)
+    else:
+        model = model.to(env.device)
+    if config.model.float8_experts:
+        # Every rank has rank 0's weights by now and quantizes them alike.
+        use_float8_experts(model, env.device)
+    return model
 
 
 def _materialize_replica(model: torch.nn.Module, env: DistributedEnv, materialized: bool) -> None:

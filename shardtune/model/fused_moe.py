@@ -37,6 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
+from shardtune.model.float8 import (
+    FLOAT8,
+    Float8Product,
+    float8_grouped_mm,
+    float8_unavailable,
+    quantize_expert_weight,
+    rowwise_float8,
+)
 from shardtune.model.grouped_gemm import (
     describe,
     gathered_grouped_mm,
@@ -189,6 +197,49 @@ def use_fused_experts(
     return find_moe_blocks(model, layers)
 
 
+def use_float8_experts(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.float8_experts``: quantize the frozen routed experts of every fused MoE block of ``model`` (on
+    ``device``, where they are now) to float8 (``float8.py``). Each weight's parameter keeps its name and shape
+    and holds the forward's e4m3 values, with the scales and the input gradient's copy as buffers beside it
+    (``_float8_weight``), so the bf16 weight's memory is freed. Only the adapter is ever saved from such a
+    model: the checkpoints and ``final/`` of LoRA hold trainable parameters only."""
+    reason = float8_unavailable(device)
+    if reason is not None:
+        raise ConfigError(f"model.float8_experts: {reason}; set it to false")
+    blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
+    if not blocks:
+        raise ConfigError(
+            "model.float8_experts: this model has no fused MoE blocks (model.experts_implementation: fused runs "
+            "the routed experts' GEMMs it quantizes); set it to false"
+        )
+    for block in blocks:
+        experts = parameter_adapters(block.experts)[0]
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name)
+            if weight.requires_grad:
+                raise ConfigError(
+                    "model.float8_experts: the routed experts train in this run; float8 is for frozen ones "
+                    "(lora.enabled: true, the experts' weights frozen); set it to false"
+                )
+            values, scales, values_t, scales_t = quantize_expert_weight(weight.detach())
+            experts.register_parameter(name, torch.nn.Parameter(values, requires_grad=False))
+            experts.register_buffer(f"{name}_scale", scales, persistent=False)
+            experts.register_buffer(f"{name}_t", values_t, persistent=False)
+            experts.register_buffer(f"{name}_t_scale", scales_t, persistent=False)
+    how = "torch._scaled_grouped_mm, fast accumulation" if device.type == "cuda" else "emulated in fp32 on the CPU"
+    log.info(
+        "moe experts: frozen routed experts of %d MoE layers in float8 e4m3, rowwise scales (%s)", len(blocks), how
+    )
+
+
+def _float8_weight(experts: torch.nn.Module, name: str) -> tuple[torch.Tensor, ...] | None:
+    """The float8 forms of expert weight ``name`` that ``use_float8_experts`` made: (values, scales) of W_e and
+    of W_e^T, as ``Float8Product`` takes them; None for a weight in its own dtype."""
+    if not hasattr(experts, f"{name}_scale"):
+        return None
+    return tuple(getattr(experts, name + suffix) for suffix in ("", "_scale", "_t", "_t_scale"))
+
+
 def _parent_of(model: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if any(child is target for child in module.children()):
@@ -333,11 +384,13 @@ def parameter_adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[s
     return module, adapters
 
 
-def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+def _compute_dtype(weight: torch.Tensor, tokens: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's, else the weight's (the tokens' for float8 weights, whose
+    rows are quantized from the tokens' dtype)."""
     device = weight.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
-    return weight.dtype
+    return tokens.dtype if weight.dtype == FLOAT8 else weight.dtype
 
 
 def route(
@@ -431,7 +484,7 @@ def routed_experts(
     backend = experts.grouped_gemm
     experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
-    dtype = _compute_dtype(gate_up)
+    dtype = _compute_dtype(gate_up, tokens)
     top_k = chosen.shape[1]
     experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
     order, inverse, bounds = expert_order(chosen.reshape(-1), experts_total)  # expert e: rows bounds[e]:bounds[e+1]
@@ -451,16 +504,21 @@ def routed_experts(
         return LowRankOfRebuiltRows.apply(hidden, a, bounds, "activated", projected, row_weights, fp32)
 
     low_rank = regathered if dispatch is None else None
-    projected = _projection(rows, gate_up, adapters.get("gate_up_proj", []), bounds, dtype, backend, low_rank)
+    gate_up_float8, down_float8 = _float8_weight(experts, "gate_up_proj"), _float8_weight(experts, "down_proj")
+    projected = _projection(
+        rows, gate_up, adapters.get("gate_up_proj", []), bounds, dtype, backend, low_rank, gate_up_float8
+    )
     hidden = WeightedSiluMul.apply(projected, row_weights)
     down_adapters = adapters.get("down_proj", [])
     if dispatch is None and not down_adapters and not down.requires_grad:
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
+        if down_float8 is not None:
+            return Float8ProjectionSummed.apply(hidden, *down_float8, bounds, token_of_row, inverse, top_k)
         weight = down.to(dtype).transpose(-2, -1)
         return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, backend)
-    outputs = _projection(hidden, down, down_adapters, bounds, dtype, backend, reactivated)
+    outputs = _projection(hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8)
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
     return SumRows.apply(outputs, order, inverse, top_k)
@@ -474,17 +532,22 @@ def _projection(
     dtype: torch.dtype,
     backend: str,
     low_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    float8: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight), plus each LoRA
-    adapter's rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared
-    adapter, without keeping ``rows`` for backward).
+    """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight; in float8 where
+    ``float8``, W's quantized forms, is given), plus each LoRA adapter's rows @ A_e^T @ B_e^T * scaling
+    (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared adapter, without keeping ``rows`` for
+    backward).
 
     ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
     rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
     get_delta_weight: ΔW_e = B_e @ A_e * scaling). A shared adapter is the same for every expert.
     """
     num_experts = weight.shape[0]
-    result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), bounds, backend)
+    if float8 is not None:
+        result = Float8Product.apply(rows, *float8, bounds)
+    else:
+        result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), bounds, backend)
     for lora_a, lora_b, scaling, rank, shared in adapters:
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
             a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
@@ -615,6 +678,25 @@ class ProjectionSummed(torch.autograd.Function):
         weight, bounds, token_of_row = ctx.saved_tensors
         grad_rows = gathered_grouped_mm(grad.contiguous(), token_of_row, weight.transpose(-2, -1), bounds, ctx.backend)
         return grad_rows, None, None, None, None, None, None
+
+
+class Float8ProjectionSummed(torch.autograd.Function):
+    """``ProjectionSummed`` for a weight in float8 (``_float8_weight``). Backward quantizes each token's gradient
+    once and gathers the e4m3 rows with their scales (a gathered row's rowwise scale is its token's): the
+    quantization runs over the tokens, not the top_k times more rows, and the rows move in half the bytes."""
+
+    @staticmethod
+    def forward(ctx, rows, values, scales, values_t, scales_t, bounds, token_of_row, inverse, top_k: int):
+        ctx.save_for_backward(values_t, scales_t, bounds, token_of_row)
+        product = float8_grouped_mm(*rowwise_float8(rows), values, scales, bounds, rows.dtype)
+        return _sum_rows(product, inverse, top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        values_t, scales_t, bounds, token_of_row = ctx.saved_tensors
+        grad_values, grad_scales = rowwise_float8(grad)
+        rows, row_scales = grad_values.index_select(0, token_of_row), grad_scales.index_select(0, token_of_row)
+        return float8_grouped_mm(rows, row_scales, values_t, scales_t, bounds, grad.dtype), *([None] * 8)
 
 
 class Permute(torch.autograd.Function):

@@ -150,7 +150,14 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
         check_liger_kernel(device, model_type)
     if config.model.grouped_gemm == "quack":  # asked for by name: it must run here (auto falls back)
         resolve_grouped_gemm("quack", device)
+    if config.model.float8_experts:
+        from shardtune.model.float8 import float8_unavailable
+
+        reason = float8_unavailable(device)
+        if reason is not None:
+            raise ConfigError(f"model.float8_experts: {reason}; set it to false")
     found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
+    found += ", float8 experts" if config.model.float8_experts else ""
     return found + (", quack grouped GEMM" if config.model.grouped_gemm == "quack" else "")
 
 

@@ -1,0 +1,123 @@
+"""The frozen routed experts' GEMMs in float8 (``model.float8_experts``): e4m3 values with one fp32 scale per row.
+
+LoRA leaves the routed experts' weights frozen, so each is quantized once, when training starts, in the two
+layouts its GEMMs need (a tensor-core float8 GEMM takes both operands laid out along the summed dimension):
+
+- for the forward, W_e (out, in) scaled per output row;
+- for the input gradient, W_e^T (in, out) scaled per input column,
+
+two bytes per weight in all, what the bf16 weight took, which they replace. The rows (tokens, and the
+gradients in backward) are quantized as they come, one scale per row, and ``torch._scaled_grouped_mm``
+multiplies with fast accumulation. This is the rowwise recipe of torchao's float8 training, with the weights'
+quantization done once because they do not change.
+
+Why: on one H100 at Qwen3-30B-A3B's shapes, the four grouped GEMMs of an expert layer take 1,570 us against
+2,312 in bf16 (1.5x; GLM-4.5-Air 1.6x, Mixtral-8x7B 1.6x), each output 3.7e-2 from the fp32 product where bf16's
+is 1.7e-3 (``benchmarks/moe_kernels.py --float8``). Without fast accumulation the float8 kernels are slower than
+bf16's. The results change by that much, so this is an option, off by default.
+
+On a CPU, which has no float8 GEMM, the same quantized values are multiplied in fp32 (``emulated``): tests run
+the quantization GPUs run, at the same precision up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
+
+
+def rowwise_float8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale of each row): ``tensor`` ~= values * scale[..., None], each row scaled so that
+    its largest magnitude is e4m3's largest. A row of zeros has scale ~0 and zero values."""
+    amax = tensor.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-30)
+    values = (tensor.float() * (FLOAT8_MAX / amax)).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8)
+    return values, (amax / FLOAT8_MAX).squeeze(-1)
+
+
+def quantize_expert_weight(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """transformers' (E, out, in) expert weight as (values, scales) for the forward, W_e scaled per output row,
+    and (values, scales) for the input gradient, W_e^T scaled per input column; one expert at a time, so the
+    fp32 temporaries stay one expert's size."""
+    experts, fan_out, fan_in = weight.shape
+    values = torch.empty(experts, fan_out, fan_in, dtype=FLOAT8, device=weight.device)
+    values_t = torch.empty(experts, fan_in, fan_out, dtype=FLOAT8, device=weight.device)
+    scales = torch.empty(experts, fan_out, dtype=torch.float32, device=weight.device)
+    scales_t = torch.empty(experts, fan_in, dtype=torch.float32, device=weight.device)
+    for expert in range(experts):
+        values[expert], scales[expert] = rowwise_float8(weight[expert])
+        values_t[expert], scales_t[expert] = rowwise_float8(weight[expert].t())
+    return values, scales, values_t, scales_t
+
+
+def float8_grouped_mm(
+    rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bounds: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """(rows * row_scales) @ (values[e] * scales[e])^T for the rows of each expert e, rows bounds[e]:bounds[e + 1];
+    ``values`` (E, N, K) e4m3, ``scales`` (E, N). Written in ``out_dtype``."""
+    if rows.is_cuda:
+        return torch._scaled_grouped_mm(
+            rows, values.transpose(-2, -1), row_scales, scales, offs=bounds[1:], out_dtype=out_dtype,
+            use_fast_accum=True,
+        )  # fmt: skip
+    return torch.ops.shardtune.float8_grouped_mm_emulated(rows, row_scales, values, scales, bounds).to(out_dtype)
+
+
+@torch.library.custom_op("shardtune::float8_grouped_mm_emulated", mutates_args=())
+def _emulated(
+    rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bounds: torch.Tensor
+) -> torch.Tensor:
+    """The float8 product in fp32 from the dequantized operands, one GEMM per expert. An opaque op: its loop
+    bounds come from the host."""
+    dequantized = rows.float() * row_scales.unsqueeze(-1)
+    output = dequantized.new_zeros(rows.shape[0], values.shape[1])
+    start = 0
+    for expert, end in enumerate(bounds[1:].tolist()):
+        if end > start:
+            weight = values[expert].float() * scales[expert].unsqueeze(-1)
+            torch.mm(dequantized[start:end], weight.t(), out=output[start:end])
+        start = end
+    return output
+
+
+@_emulated.register_fake
+def _(rows, row_scales, values, scales, bounds):
+    return rows.new_empty(rows.shape[0], values.shape[1], dtype=torch.float32)
+
+
+def float8_unavailable(device: torch.device) -> str | None:
+    """Why float8 expert GEMMs cannot run on ``device``, or None. On a GPU, a small product is tried: the kernel
+    runs on some compute capabilities only (Hopper's; not Ampere's or Ada's)."""
+    if device.type != "cuda":
+        return None  # emulated
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    rows = torch.zeros(16, 16, dtype=FLOAT8, device=device)
+    values = torch.zeros(2, 16, 16, dtype=FLOAT8, device=device)
+    bounds = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
+    try:
+        float8_grouped_mm(rows, rows.new_ones(16, dtype=torch.float32), values,
+                          values.new_ones(2, 16, dtype=torch.float32), bounds, torch.bfloat16)  # fmt: skip
+        torch.cuda.synchronize(device)
+    except RuntimeError as error:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"this GPU (compute capability {major}.{minor}) has no float8 grouped GEMM in torch: {error}"
+    return None
+
+
+class Float8Product(torch.autograd.Function):
+    """``rows @ W_e^T`` for each row's expert e, W frozen and quantized (``quantize_expert_weight``); the rows
+    quantized here, the output gradient in backward. Gives the rows' gradient only."""
+
+    @staticmethod
+    def forward(ctx, rows, values, scales, values_t, scales_t, bounds):
+        ctx.save_for_backward(values_t, scales_t, bounds)
+        return float8_grouped_mm(*rowwise_float8(rows), values, scales, bounds, rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        values_t, scales_t, bounds = ctx.saved_tensors
+        grad_rows = float8_grouped_mm(*rowwise_float8(grad), values_t, scales_t, bounds, grad.dtype)
+        return grad_rows, None, None, None, None, None
