@@ -26,8 +26,8 @@
 # MoE GEMMs, and the Qwen3-30B-A3B, GLM-4.5-Air and Mixtral runs against HF; BENCH_ONLY as for weighted-silu),
 # routing-kernels (the router's top-k and the expert order as Triton kernels: the routing bookkeeping alone, and the
 # Qwen3-30B-A3B and GLM-4.5-Air runs against HF; BENCH_ONLY as for weighted-silu), host-overhead (whether the Qwen3-30B-A3B
-# step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU), float8-experts
-# (model.float8_experts: the GEMMs alone, the Qwen3-30B-A3B step against bf16's on an 80 GB GPU, and the
+# step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU), float8
+# (model.float8_experts and float8_linear: the GEMMs alone, steps against bf16's on an 80 GB GPU, and the
 # Qwen3-30B-A3B and GLM-4.5-Air runs against HF on one H200; BENCH_ONLY: moe-kernels and run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
@@ -412,27 +412,35 @@ host-overhead)
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 bench host-coordinate-descent "${layers[@]}"
     bench host-default-again "${layers[@]}"
     ;;
-float8-experts)
-    # model.float8_experts (shardtune/model/float8.py): the experts' GEMMs in bf16 against float8 with rowwise
-    # scales (moe_kernels.py --float8), then the Qwen3-30B-A3B LoRA-on-attention step with and without it,
-    # alternating, 32 layers without checkpointing on an 80 GB GPU; then on one H200 Qwen3-30B-A3B (LoRA on
-    # attention; on attention and the routed experts under HF's peak) and GLM-4.5-Air (20 layers) in float8,
-    # each against HF in the same run.
+float8)
+    # model.float8_experts and model.float8_linear (shardtune/model/float8.py): the GEMMs in bf16 against float8
+    # with rowwise scales (moe_kernels.py --float8); on an 80 GB GPU, each against bf16 in the same call (BENCH_ONLY
+    # splits them over calls): Qwen3-30B-A3B LoRA on attention (32 layers, no checkpointing) in bf16, float8
+    # experts, and float8 experts and linear layers, twice; GLM-4.5-Air (10 layers, no checkpointing) and
+    # Llama-3-8B LoRA in bf16 and in float8; then on one H200 Qwen3-30B-A3B (LoRA on attention; on attention and
+    # the routed experts under HF's peak) and GLM-4.5-Air (20 layers) in float8, each against HF in the same run.
     if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
         python3 "$(dirname "$0")/moe_kernels.py" --float8 --out "$results/moe_kernels_float8.txt"
     fi
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
-    layers=(--shape qwen3-30b-a3b --layers 32 --seq 4096 --batch 2 --steps 8 --warmup 3
-        training.gradient_checkpointing=false "${extra[@]}")
+    all=(model.float8_experts=true model.float8_linear=true)
+    common=(--seq 4096 --batch 2 --steps 8 --warmup 3 "${extra[@]}")
+    layers=(--shape qwen3-30b-a3b --layers 32 "${common[@]}" training.gradient_checkpointing=false)
     for round in 1 2; do
         bench "f8-ab-bf16-$round" "${layers[@]}"
-        bench "f8-ab-float8-$round" "${layers[@]}" model.float8_experts=true
+        bench "f8-ab-experts-$round" "${layers[@]}" model.float8_experts=true
+        bench "f8-ab-all-$round" "${layers[@]}" "${all[@]}"
     done
+    glm=(--shape glm-4.5-air --layers 10 "${common[@]}" training.gradient_checkpointing=false)
+    bench f8-glm-10l-bf16 "${glm[@]}"
+    bench f8-glm-10l-all "${glm[@]}" "${all[@]}"
+    bench f8-llama8b-bf16 --shape llama3-8b "${common[@]}"
+    bench f8-llama8b-linear --shape llama3-8b "${common[@]}" model.float8_linear=true
     qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 3 --warmup 3 --baseline hf "${extra[@]}")
-    bench f8-qwen3-attn "${qwen3[@]}" model.float8_experts=true
-    bench f8-qwen3-experts "${qwen3[@]}" model.float8_experts=true 'lora.moe_targets=[attention,routed_experts]' \
+    bench f8-qwen3-attn "${qwen3[@]}" "${all[@]}"
+    bench f8-qwen3-experts "${qwen3[@]}" "${all[@]}" 'lora.moe_targets=[attention,routed_experts]' \
         training.memory_budget_gib=79.5
-    bench f8-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}" model.float8_experts=true
+    bench f8-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}" "${all[@]}"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

@@ -64,6 +64,11 @@ class ModelConfig(_Section):
         "rowwise scales (Hopper GPUs; emulated on CPUs), faster at float8's precision: each expert product "
         "about 4e-2 from fp32 where bf16's is 2e-3 (shardtune/model/float8.py)",
     )
+    float8_linear: bool = Field(
+        False,
+        description="LoRA: the decoder layers' frozen linear layers (the adapted projections' base layers, and "
+        "those LoRA leaves alone; routers excepted) in float8 e4m3 with rowwise scales, as float8_experts",
+    )
 
     @model_validator(mode="after")
     def _check_init_routing(self) -> ModelConfig:
@@ -411,14 +416,16 @@ class Config(_Section):
                 "training.merge_final: needs lora.enabled: true; a full fine-tune's final/ is already the whole model"
             )
         expert_parallel = self.parallel.expert_parallel_size
-        if self.model.float8_experts:
-            # The quantized experts replace the bf16 weights on each rank: they are frozen, and whole.
+        for key in ("float8_experts", "float8_linear"):
+            if not getattr(self.model, key):
+                continue
+            # The quantized weights replace the bf16 ones on each rank: they are frozen, and whole.
             if not self.lora.enabled:
-                raise ValueError("model.float8_experts: quantizes frozen experts; needs lora.enabled: true")
+                raise ValueError(f"model.{key}: quantizes frozen weights; needs lora.enabled: true")
             if self.parallel.strategy == "fsdp" or expert_parallel > 1:
                 raise ValueError(
-                    "model.float8_experts: needs the experts whole on every rank (one GPU, or parallel.strategy: "
-                    "ddp); FSDP and expert parallelism split them"
+                    f"model.{key}: needs the weights whole on every rank (one GPU, or parallel.strategy: ddp); "
+                    "FSDP and expert parallelism split them"
                 )
         if expert_parallel > 1 and self.model.experts_implementation not in ("auto", "fused"):
             raise ValueError(

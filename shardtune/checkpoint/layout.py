@@ -21,7 +21,7 @@ RESUME_FIXED_SECTIONS = ("model", "lora", "data")
 RESUME_FREE_KEYS = frozenset(
     {
         "model.dtype", "model.attn_implementation", "model.experts_implementation", "model.grouped_gemm",
-        "model.liger_kernel", "model.float8_experts",
+        "model.liger_kernel", "model.float8_experts", "model.float8_linear",
         "lora.lora_dropout",
         "data.cache_dir", "data.prepare_timeout_s", "data.eval_path", "data.on_bad_row", "data.pad_to",
     }

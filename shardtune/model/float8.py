@@ -121,3 +121,77 @@ class Float8Product(torch.autograd.Function):
         values_t, scales_t, bounds = ctx.saved_tensors
         grad_rows = float8_grouped_mm(*rowwise_float8(grad), values_t, scales_t, bounds, grad.dtype)
         return grad_rows, None, None, None, None, None
+
+
+def float8_mm(rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """(rows * row_scales) @ (values * scales)^T, ``values`` (N, K) e4m3 and ``scales`` (N,); ``float8_grouped_mm``
+    for one weight."""
+    if rows.is_cuda:
+        return torch._scaled_mm(
+            rows, values.t(), row_scales.unsqueeze(-1), scales.unsqueeze(0), out_dtype=out_dtype, use_fast_accum=True
+        )
+    dequantized = rows.float() * row_scales.unsqueeze(-1)
+    return (dequantized @ (values.float() * scales.unsqueeze(-1)).t()).to(out_dtype)
+
+
+class Float8Matmul(torch.autograd.Function):
+    """``rows @ W^T`` for a frozen W quantized by ``rowwise_float8`` as W and as W^T; ``Float8Product`` for one
+    weight. Gives the rows' gradient only."""
+
+    @staticmethod
+    def forward(ctx, rows, values, scales, values_t, scales_t):
+        ctx.save_for_backward(values_t, scales_t)
+        return float8_mm(*rowwise_float8(rows), values, scales, rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        values_t, scales_t = ctx.saved_tensors
+        return float8_mm(*rowwise_float8(grad), values_t, scales_t, grad.dtype), None, None, None, None
+
+
+class Float8Linear(torch.nn.Module):
+    """A frozen ``nn.Linear`` computed in float8 (``model.float8_linear``): ``weight`` holds the forward's e4m3
+    values (W scaled per output row) under the Linear's own name and shape, with their scales and the input
+    gradient's copy (W^T scaled per input column) as buffers; the bias, if any, stays as it was."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        values, scales = rowwise_float8(weight)
+        values_t, scales_t = rowwise_float8(weight.t())
+        self.weight = torch.nn.Parameter(values, requires_grad=False)
+        self.bias = linear.bias
+        self.register_buffer("weight_scale", scales, persistent=False)
+        self.register_buffer("weight_t", values_t, persistent=False)
+        self.register_buffer("weight_t_scale", scales_t, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8 e4m3, rowwise scales"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        output = Float8Matmul.apply(rows, self.weight, self.weight_scale, self.weight_t, self.weight_t_scale)
+        output = output.view(*x.shape[:-1], self.out_features)
+        return output if self.bias is None else output + self.bias.to(output.dtype)
+
+
+def use_float8_linears(layers: list[torch.nn.Module], skip: set[torch.nn.Module]) -> int:
+    """Swap every frozen ``nn.Linear`` inside ``layers`` (the decoder layers: under LoRA, PEFT's base layers of
+    the adapted projections, and the projections it leaves alone), except the modules in ``skip``, for a
+    ``Float8Linear``; returns how many. Rows of a width float8 GEMMs cannot take (not a multiple of 16) stay."""
+    swapped = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if (
+                    type(child) is torch.nn.Linear
+                    and child not in skip
+                    and not child.weight.requires_grad
+                    and child.in_features % 16 == 0
+                    and child.out_features % 16 == 0
+                ):
+                    parent.register_module(name, Float8Linear(child))
+                    swapped += 1
+    return swapped

@@ -41,7 +41,6 @@ from shardtune.model.float8 import (
     FLOAT8,
     Float8Product,
     float8_grouped_mm,
-    float8_unavailable,
     quantize_expert_weight,
     rowwise_float8,
 )
@@ -197,15 +196,12 @@ def use_fused_experts(
     return find_moe_blocks(model, layers)
 
 
-def use_float8_experts(model: torch.nn.Module, device: torch.device) -> None:
-    """``model.float8_experts``: quantize the frozen routed experts of every fused MoE block of ``model`` (on
-    ``device``, where they are now) to float8 (``float8.py``). Each weight's parameter keeps its name and shape
-    and holds the forward's e4m3 values, with the scales and the input gradient's copy as buffers beside it
-    (``_float8_weight``), so the bf16 weight's memory is freed. Only the adapter is ever saved from such a
+def use_float8_experts(model: torch.nn.Module) -> int:
+    """``model.float8_experts``: quantize the frozen routed experts of every fused MoE block of ``model`` to
+    float8 (``float8.py``) where they are now; returns the number of blocks. Each weight's parameter keeps its name
+    and shape and holds the forward's e4m3 values, with the scales and the input gradient's copy as buffers beside
+    it (``_float8_weight``), so the bf16 weight's memory is freed. Only the adapter is ever saved from such a
     model: the checkpoints and ``final/`` of LoRA hold trainable parameters only."""
-    reason = float8_unavailable(device)
-    if reason is not None:
-        raise ConfigError(f"model.float8_experts: {reason}; set it to false")
     blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
     if not blocks:
         raise ConfigError(
@@ -226,10 +222,7 @@ def use_float8_experts(model: torch.nn.Module, device: torch.device) -> None:
             experts.register_buffer(f"{name}_scale", scales, persistent=False)
             experts.register_buffer(f"{name}_t", values_t, persistent=False)
             experts.register_buffer(f"{name}_t_scale", scales_t, persistent=False)
-    how = "torch._scaled_grouped_mm, fast accumulation" if device.type == "cuda" else "emulated in fp32 on the CPU"
-    log.info(
-        "moe experts: frozen routed experts of %d MoE layers in float8 e4m3, rowwise scales (%s)", len(blocks), how
-    )
+    return len(blocks)
 
 
 def _float8_weight(experts: torch.nn.Module, name: str) -> tuple[torch.Tensor, ...] | None:

@@ -1,0 +1,426 @@
+"""``model.float8_experts``: the frozen routed experts' GEMMs in float8 e4m3 with rowwise scales
+(shardtune/model/float8.py). The quantization is e4m3's to its rounding; the product and its input gradient are
+the dequantized operands' (the fp32 emulation CPUs run, and on a Hopper GPU torch._scaled_grouped_mm, marked
+gpu); a fused model whose experts are quantized keeps its parameters' names and shapes, saves none of the
+quantized tensors, and trains (eager and compiled, one process and two with DDP) within float8's precision of
+the unquantized model, yet not equal to it; the settings it cannot run are one line each."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from cli_runs import RunsOnDemand, train
+from test_fused_moe import build, fused_copy, padded_batch, run, three_recorded_steps
+from tiny_models import write_tiny_model
+
+from shardtune.distributed.activations import apply_activation_checkpointing
+from shardtune.distributed.parallelize import decoder_layers
+from shardtune.errors import ConfigError
+from shardtune.model.float8 import (
+    FLOAT8,
+    Float8Product,
+    float8_grouped_mm,
+    float8_unavailable,
+    quantize_expert_weight,
+    rowwise_float8,
+)
+from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
+from shardtune.model.moe import find_moe_blocks
+
+CPU = torch.device("cpu")
+BUFFERS = ("_scale", "_t", "_t_scale")
+# e4m3: 3 mantissa bits, so a normal value (magnitude >= 2**-6) is within 2**-4 of itself, relatively; below,
+# the subnormals are 2**-9 apart, within 2**-10 absolutely. The slack covers the fp32 scaling's own rounding.
+NORMAL, SMALLEST_NORMAL, SUBNORMAL = 2**-4 * (1 + 1e-5), 2**-6, 2**-10 * (1 + 1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("float8") / "qwen3_moe", "qwen3_moe")
+
+
+def assert_within_e4m3_rounding(dequantized: torch.Tensor, original: torch.Tensor, scales: torch.Tensor) -> None:
+    """``dequantized`` (rows scaled by ``scales``) is ``original`` rounded to e4m3, row by row."""
+    scale = scales.unsqueeze(-1)
+    error = (dequantized - original).abs()
+    normal = original.abs() >= SMALLEST_NORMAL * scale
+    assert normal.any() and (~normal).any()
+    assert (error <= NORMAL * original.abs())[normal].all(), (error / original.abs())[normal].max()
+    assert (error <= SUBNORMAL * scale.expand_as(error))[~normal].all(), (error / scale)[~normal].max()
+
+
+def uneven_rows() -> torch.Tensor:
+    """Rows of magnitudes 1e-6 to 1e3, some entries of each far below its largest (e4m3's subnormals), and
+    a row of zeros."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 96, generator=generator) * torch.tensor([1e-6, 1e-3, 1.0, 30.0, 1e3, 0.0]).unsqueeze(-1)
+    rows[:, :8] *= torch.logspace(-1, -6, 8)  # 1e-1 to 1e-6 of the row's scale
+    return rows
+
+
+def test_rowwise_float8_scales_each_row_to_e4m3s_largest_value():
+    rows = uneven_rows()
+    values, scales = rowwise_float8(rows)
+    assert values.dtype == FLOAT8 and values.shape == rows.shape
+    assert scales.dtype == torch.float32 and scales.shape == (6,)
+    magnitudes = values.float().abs().amax(dim=-1)
+    assert magnitudes[:5].tolist() == [448.0] * 5  # each row's largest magnitude is e4m3's largest
+    torch.testing.assert_close(scales[:5], rows[:5].abs().amax(dim=-1) / 448, rtol=1e-6, atol=0)
+    dequantized = values.float() * scales.unsqueeze(-1)
+    assert_within_e4m3_rounding(dequantized[:5], rows[:5], scales[:5])
+    assert torch.equal(dequantized[5], torch.zeros(96)) and magnitudes[5] == 0 and scales[5] < 1e-30
+
+
+def test_expert_weights_are_quantized_per_output_row_and_per_input_column():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(3, 40, 24, generator=generator) * torch.logspace(-2, 1, 40).unsqueeze(-1)
+    weight[..., :4] *= 1e-4  # small inputs' columns: subnormal in their rows, normal in W^T's
+    values, scales, values_t, scales_t = quantize_expert_weight(weight)
+    assert [(t.dtype, tuple(t.shape)) for t in (values, scales, values_t, scales_t)] == [
+        (FLOAT8, (3, 40, 24)),
+        (torch.float32, (3, 40)),
+        (FLOAT8, (3, 24, 40)),
+        (torch.float32, (3, 24)),
+    ]
+    transposed = weight.transpose(-2, -1)
+    for expert in range(3):
+        assert_within_e4m3_rounding(values[expert].float() * scales[expert, :, None], weight[expert], scales[expert])
+        assert_within_e4m3_rounding(
+            values_t[expert].float() * scales_t[expert, :, None], transposed[expert], scales_t[expert]
+        )
+    assert torch.equal(values.float().abs().amax(dim=-1), torch.full((3, 40), 448.0))
+    assert torch.equal(values_t.float().abs().amax(dim=-1), torch.full((3, 24), 448.0))
+
+
+def dequantized(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return values.float() * scales.unsqueeze(-1)
+
+
+def grouped_reference(rows: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows @ weights[e]^T for the rows of each expert e, in float64."""
+    out, start = [], 0
+    for expert, count in enumerate(counts):
+        out.append(rows[start : start + count].double() @ weights[expert].double().t())
+        start += count
+    return torch.cat(out).float()
+
+
+def assert_relative(got: torch.Tensor, expected: torch.Tensor, tolerance: float, name: str = "") -> None:
+    """Within ``tolerance`` of the reference's largest magnitude."""
+    error, scale = (got - expected).abs().max().item(), expected.abs().max().item()
+    assert error <= tolerance * scale, (name, error / scale)
+
+
+COUNTS = [5, 0, 41, 1, 3]  # an expert without a row, one with most of them
+
+
+def test_float8_product_and_its_input_gradient_are_the_dequantized_operands_products():
+    generator = torch.Generator().manual_seed(2)
+    experts, fan_out, fan_in = len(COUNTS), 32, 48
+    weight = torch.randn(experts, fan_out, fan_in, generator=generator) * 0.05
+    values, scales, values_t, scales_t = quantize_expert_weight(weight)
+    scales.requires_grad_()  # they get no gradient all the same
+    scales_t.requires_grad_()
+    bounds = torch.tensor([0, *torch.tensor(COUNTS).cumsum(0).tolist()], dtype=torch.int32)
+    rows = torch.randn(sum(COUNTS), fan_in, generator=generator) * torch.logspace(-3, 2, sum(COUNTS))[:, None]
+    rows.requires_grad_()
+    output = Float8Product.apply(rows, values, scales, values_t, scales_t, bounds)
+    assert output.dtype == torch.float32 and output.shape == (sum(COUNTS), fan_out)
+    expected = grouped_reference(dequantized(*rowwise_float8(rows.detach())), dequantized(values, scales), COUNTS)
+    assert_relative(output.detach(), expected, 1e-6)
+    # and a float8 product, not the fp32 one: each output within a few percent of it
+    exact = grouped_reference(rows.detach(), weight, COUNTS)
+    assert 1e-3 < (output.detach() - exact).norm() / exact.norm() < 1e-1
+
+    grad = torch.randn(output.shape, generator=generator) * torch.logspace(1, -4, sum(COUNTS))[:, None]
+    output.backward(grad)
+    # grad @ W_e, W_e from its transposed copy: (values_t[e] * scales_t[e])^T
+    expected_grad = grouped_reference(dequantized(*rowwise_float8(grad)), dequantized(values_t, scales_t), COUNTS)
+    assert rows.grad.shape == rows.shape
+    assert_relative(rows.grad, expected_grad, 1e-6)
+    assert scales.grad is None and scales_t.grad is None
+
+
+def float8_copy(model: torch.nn.Module) -> torch.nn.Module:
+    quantized = copy.deepcopy(model)
+    use_float8_experts(quantized, CPU)
+    return quantized
+
+
+def routed_experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules holding the routed experts' weights (under PEFT's wrappers where LoRA targets them)."""
+    return [module for module in model.modules() if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")]
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]])
+def test_quantized_experts_keep_their_parameters_and_compute_within_float8s_precision(qwen3_moe, targets, caplog):
+    caplog.set_level("INFO", logger="shardtune")
+    reference = fused_copy(build(qwen3_moe, targets))
+    shapes = {name: param.shape for name, param in reference.named_parameters()}
+    state = set(reference.state_dict())
+    model = float8_copy(reference)
+    assert (
+        "moe experts: frozen routed experts of 2 MoE layers in float8 e4m3, rowwise scales (emulated in fp32 on the "
+        "CPU)" in caplog.text
+    )
+    experts = routed_experts_of(model)
+    assert len(experts) == 2
+    names = {name for name, _ in model.named_parameters()}
+    assert names == set(shapes)
+    for name, param in model.named_parameters():
+        assert param.shape == shapes[name], name
+        is_expert = name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")
+        assert (param.dtype == FLOAT8) == is_expert, name
+        assert not (is_expert and param.requires_grad), name
+    assert sum(name.endswith(("gate_up_proj", "down_proj")) for name in names) == 4
+    buffers = dict(model.named_buffers())
+    for module in experts:
+        for weight in ("gate_up_proj", "down_proj"):
+            for suffix in BUFFERS:
+                assert isinstance(getattr(module, weight + suffix), torch.Tensor)
+    added = {
+        name for name in buffers if name.endswith(tuple(w + s for w in ("gate_up_proj", "down_proj") for s in BUFFERS))
+    }
+    assert len(added) == 2 * 2 * 3
+    assert set(model.state_dict()) == state  # the buffers are not persistent; the parameters keep their names
+    assert not added & set(model.state_dict())
+
+    # The MoE block: within float8's precision of the fp32 block (about 6e-2 here), which bf16 would be within 2e-3 of.
+    x = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    blocks = [find_moe_blocks(m, decoder_layers(m))[0].block for m in (reference, model)]
+    assert all(isinstance(block, FusedMoeBlock) for block in blocks)
+    with torch.no_grad():
+        block_error = relative_error(blocks[1](x), blocks[0](x))
+    if targets == ["attention"]:
+        assert 1e-2 < block_error < 1e-1, block_error
+    else:  # the experts' large random adapters (build's) dwarf the base product and its error
+        assert 1e-3 < block_error < 1e-2, block_error
+
+    inputs, labels = padded_batch()
+    expected, got = run(reference, inputs, labels), run(model, inputs, labels)
+    assert got.keys() == expected.keys()
+    assert any("lora_" in name for name in got)
+    assert any("experts" in name for name in got) == ("routed_experts" in targets)
+    for name, grad in got.items():
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    loss_error = abs(got["loss"].item() - expected["loss"].item()) / expected["loss"].item()
+    assert loss_error < 1e-3, loss_error
+    # fp32's summation orders alone would differ by about 1e-7
+    assert 1e-6 < relative_error(got["logits"], expected["logits"]) < 5e-2
+    # the adapters' large random factors (build's) on the experts amplify the experts' quantization error
+    gradients = 1e-3 if targets == ["attention"] else 0.5
+    for name in got:
+        assert relative_error(got[name], expected[name]) < gradients, name
+
+
+def test_compiled_bf16_float8_layers_are_one_graph_each_and_train_like_eager(qwen3_moe):
+    """What GPUs run, on the CPU: the model cast to bf16 and then quantized (Module.to(dtype) would convert the
+    float8 weights too), inductor compiling each checkpointed decoder layer outside its wrapper with fullgraph
+    (a graph break fails the test): three AdamW steps give the eager float8 model's losses, which decrease."""
+    torch._dynamo.reset()
+    eager = float8_copy(fused_copy(build(qwen3_moe, ["attention", "routed_experts"])).to(torch.bfloat16))
+    assert {param.dtype for param in eager.parameters()} == {torch.bfloat16, FLOAT8}
+    compiled = copy.deepcopy(eager)
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, decoder_layers(model))
+    for layer in decoder_layers(compiled):
+        next(m for m in compiled.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
+            fullgraph=True
+        )
+    losses = []
+    for model in (eager, compiled):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            losses.append(three_recorded_steps(model))
+        calls = sum(event.count for event in profile.key_averages() if "float8_grouped_mm_emulated" in event.key)
+        # per step and MoE layer at least the two projections forward and their two input gradients
+        assert calls >= 3 * 2 * 4, calls
+    assert losses[1] == pytest.approx(losses[0], rel=2e-3)
+    assert losses[0][-1] < losses[0][0]
+
+
+def test_trainable_experts_cannot_be_quantized(qwen3_moe):
+    full = fused_copy(build(qwen3_moe))  # no LoRA: every weight trains
+    with pytest.raises(ConfigError) as raised:
+        use_float8_experts(full, CPU)
+    assert str(raised.value) == (
+        "model.float8_experts: the routed experts train in this run; float8 is for frozen ones (lora.enabled: "
+        "true, the experts' weights frozen); set it to false"
+    )
+    assert float8_unavailable(CPU) is None
+
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, qwen3_moe):
+    """The tiny Qwen3-MoE trained with LoRA (on the attention: lora.moe_targets' default), with and without
+    float8 experts, in one process (accumulating two micro-batches, merging the adapter into final-merged/)
+    and in two (DDP)."""
+    tmp_path = tmp_path_factory.mktemp("float8-runs")
+    common = [f"model.name_or_path={qwen3_moe}", "model.init=random", "lora.target_modules=null"]
+    single = ["training.gradient_accumulation_steps=2", "training.merge_final=true"]
+    float8 = "model.float8_experts=true"
+    return RunsOnDemand(
+        {
+            "plain": lambda: train(tmp_path, "plain", 1, *common, *single, steps=STEPS),
+            "float8": lambda: train(tmp_path, "float8", 1, *common, *single, float8, steps=STEPS),
+            "float8-ddp": lambda: train(
+                tmp_path, "float8-ddp", 2, *common, "parallel.strategy=ddp", float8, steps=STEPS
+            ),
+        }
+    )
+
+
+def adapter_tensors(out) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    from safetensors import safe_open
+
+    with safe_open(out / "final/adapter_model.safetensors", "pt") as adapter:
+        return {
+            name: (adapter.get_tensor(name).dtype, tuple(adapter.get_tensor(name).shape))
+            for name in adapter.keys()  # noqa: SIM118 (safe_open is no dict)
+        }
+
+
+def test_a_float8_run_trains_within_float8s_precision_and_saves_the_same_adapter(runs):
+    plain, float8 = runs["plain"], runs["float8"]
+    line = (
+        "moe experts: frozen routed experts of 2 MoE layers in float8 e4m3, rowwise scales (emulated in fp32 on "
+        "the CPU)"
+    )
+    assert line in float8["log"] and "moe experts: frozen" not in plain["log"]
+    assert len(float8["losses"]) == len(plain["losses"]) == STEPS
+    # about 4e-5 apart by step 4; fp32's summation orders alone would be 1e-7 apart
+    assert float8["losses"] == pytest.approx(plain["losses"], rel=5e-4)
+    assert max(abs(a / b - 1) for a, b in zip(float8["losses"], plain["losses"], strict=True)) > 5e-6
+    assert float8["losses"][-1] < float8["losses"][0]
+    saved, reference = adapter_tensors(float8["out"]), adapter_tensors(plain["out"])
+    assert saved == reference
+    assert saved and all("lora_" in name for name in saved)
+    assert {dtype for dtype, _ in saved.values()} == {torch.float32}
+
+
+def merged_experts(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted((out / "final-merged").glob("*.safetensors"))
+    assert files
+    return {name: tensor for file in files for name, tensor in load_file(file).items() if ".experts." in name}
+
+
+def test_the_merged_model_of_a_random_init_float8_run_has_the_base_experts(runs):
+    """training.merge_final with model.init: random writes the run's own base weights into final-merged/: the
+    routed experts as initialized (the adapter is on the attention), not their float8 values."""
+    expected, merged = merged_experts(runs["plain"]["out"]), merged_experts(runs["float8"]["out"])
+    assert len(expected) == 2 * 2  # gate_up_proj and down_proj of the 2 MoE layers
+    assert merged.keys() == expected.keys()
+    for name, tensor in merged.items():
+        assert tensor.dtype == expected[name].dtype == torch.float32, (name, tensor.dtype)
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.data_parallel
+@pytest.mark.representative
+def test_two_ddp_workers_with_float8_experts_train_like_one(runs):
+    """Every rank quantizes rank 0's weights (after DDP's broadcast) alike: the two workers' losses are the
+    one process's."""
+    reference, ddp = runs["float8"], runs["float8-ddp"]
+    assert ddp["metrics"]["world_size"] == 2
+    assert "float8 e4m3" in ddp["log"]
+    assert ddp["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["lora.enabled=false"], "model.float8_experts: quantizes frozen experts; needs lora.enabled: true"),
+        *[
+            (
+                [setting],
+                "model.float8_experts: needs the experts whole on every rank (one GPU, or parallel.strategy: ddp); "
+                "FSDP and expert parallelism split them",
+            )
+            for setting in ("parallel.strategy=fsdp", "parallel.expert_parallel_size=2")
+        ],
+    ],
+)
+def test_settings_float8_experts_cannot_run_are_one_line(overrides, error, capsys):
+    from conftest import REPO
+
+    from shardtune.cli import main
+
+    assert main(["train", str(REPO / "examples/quickstart.yaml"), "model.float8_experts=true", *overrides]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"shardtune: error: {error}"]
+    assert "Traceback" not in captured.out + captured.err
+
+
+NO_FUSED_BLOCKS = (
+    "shardtune: error: model.float8_experts: this model has no fused MoE blocks (model.experts_implementation: "
+    "fused runs the routed experts' GEMMs it quantizes); set it to false"
+)
+
+
+@pytest.mark.parametrize("model", ["dense", "eager-experts"])
+def test_a_model_without_fused_experts_stops_with_one_line(tmp_path, qwen3_moe, model):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    overrides = (
+        [f"model.name_or_path={qwen3_moe}", "model.init=random", "lora.target_modules=null",
+         "model.experts_implementation=eager"]
+        if model == "eager-experts" else []
+    )  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", "1",
+         f"training.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "training.max_steps=1",
+         "model.float8_experts=true", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert [line for line in result.stderr.splitlines() if "error" in line] == [NO_FUSED_BLOCKS]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "run" / "logs" / "train_log.jsonl").exists()  # no step ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_scaled_grouped_mm_on_a_gpu_equals_the_emulation():
+    """On a Hopper GPU torch._scaled_grouped_mm multiplies the quantized operands (fast accumulation, bf16
+    output) as the fp32 emulation does, to bf16's rounding of the output; forward and input gradient, an
+    expert without a row among them, the experts' row counts not multiples of 16 (tokens route as they like)."""
+    cuda = torch.device("cuda")
+    if torch.cuda.get_device_capability(cuda)[0] != 9:
+        reason = float8_unavailable(cuda)
+        if reason is not None:
+            pytest.skip(reason)
+    assert float8_unavailable(cuda) is None
+    generator = torch.Generator().manual_seed(5)
+    counts = [37, 0, 200, 5, 14, 0, 1, 63]
+    weight = torch.randn(len(counts), 384, 256, generator=generator) * 0.02
+    rows = torch.randn(sum(counts), 256, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(sum(counts), 384, generator=generator).to(torch.bfloat16)
+    bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    results = {}
+    for device in (CPU, cuda):
+        quantized = [tensor.to(device) for tensor in quantize_expert_weight(weight.to(device))]
+        x = rows.to(device).requires_grad_()
+        output = Float8Product.apply(x, *quantized, bounds.to(device))
+        output.backward(grad.to(device))
+        direct = float8_grouped_mm(*rowwise_float8(rows.to(device)), *quantized[:2], bounds.to(device), torch.bfloat16)
+        results[device.type] = [tensor.detach().cpu().float() for tensor in (output, x.grad, direct)]
+    for name, got, emulated in zip(
+        ["output", "input gradient", "direct"], results["cuda"], results["cpu"], strict=True
+    ):
+        assert got.shape == emulated.shape, name
+        assert_relative(got, emulated, 5e-3, name)
