@@ -160,7 +160,9 @@ class Float8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         values, scales = rowwise_float8(weight)
-        values_t, scales_t = rowwise_float8(weight.t())
+        # Contiguous: a float8 GEMM takes its weight laid out along the summed dimension (the input gradient's,
+        # W^T's columns), and the quantization would keep the transposed view's strides.
+        values_t, scales_t = rowwise_float8(weight.t().contiguous())
         self.weight = torch.nn.Parameter(values, requires_grad=False)
         self.bias = linear.bias
         self.register_buffer("weight_scale", scales, persistent=False)

@@ -17,7 +17,7 @@ from test_fused_moe import build, fused_copy, padded_batch, run, three_recorded_
 from tiny_models import write_tiny_model
 
 from shardtune.distributed.activations import apply_activation_checkpointing
-from shardtune.distributed.parallelize import decoder_layers
+from shardtune.distributed.parallelize import decoder_layers, use_float8
 from shardtune.errors import ConfigError
 from shardtune.model.float8 import (
     FLOAT8,
@@ -31,6 +31,7 @@ from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
 from shardtune.model.moe import find_moe_blocks
 
 CPU = torch.device("cpu")
+LOG_LINE = "float8: the frozen routed experts of 2 MoE layers in e4m3, rowwise scales (emulated in fp32 on the CPU)"
 BUFFERS = ("_scale", "_t", "_t_scale")
 # e4m3: 3 mantissa bits, so a normal value (magnitude >= 2**-6) is within 2**-4 of itself, relatively; below,
 # the subnormals are 2**-9 apart, within 2**-10 absolutely. The slack covers the fp32 scaling's own rounding.
@@ -145,8 +146,9 @@ def test_float8_product_and_its_input_gradient_are_the_dequantized_operands_prod
 
 
 def float8_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` quantized as training quantizes it for ``model.float8_experts`` alone."""
     quantized = copy.deepcopy(model)
-    use_float8_experts(quantized, CPU)
+    use_float8(quantized, CPU, experts=True, linear=False)
     return quantized
 
 
@@ -166,10 +168,7 @@ def test_quantized_experts_keep_their_parameters_and_compute_within_float8s_prec
     shapes = {name: param.shape for name, param in reference.named_parameters()}
     state = set(reference.state_dict())
     model = float8_copy(reference)
-    assert (
-        "moe experts: frozen routed experts of 2 MoE layers in float8 e4m3, rowwise scales (emulated in fp32 on the "
-        "CPU)" in caplog.text
-    )
+    assert LOG_LINE in caplog.text
     experts = routed_experts_of(model)
     assert len(experts) == 2
     names = {name for name, _ in model.named_parameters()}
@@ -248,7 +247,7 @@ def test_compiled_bf16_float8_layers_are_one_graph_each_and_train_like_eager(qwe
 def test_trainable_experts_cannot_be_quantized(qwen3_moe):
     full = fused_copy(build(qwen3_moe))  # no LoRA: every weight trains
     with pytest.raises(ConfigError) as raised:
-        use_float8_experts(full, CPU)
+        use_float8_experts(full)
     assert str(raised.value) == (
         "model.float8_experts: the routed experts train in this run; float8 is for frozen ones (lora.enabled: "
         "true, the experts' weights frozen); set it to false"
@@ -291,11 +290,7 @@ def adapter_tensors(out) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 
 def test_a_float8_run_trains_within_float8s_precision_and_saves_the_same_adapter(runs):
     plain, float8 = runs["plain"], runs["float8"]
-    line = (
-        "moe experts: frozen routed experts of 2 MoE layers in float8 e4m3, rowwise scales (emulated in fp32 on "
-        "the CPU)"
-    )
-    assert line in float8["log"] and "moe experts: frozen" not in plain["log"]
+    assert LOG_LINE in float8["log"] and "float8: the frozen" not in plain["log"]
     assert len(float8["losses"]) == len(plain["losses"]) == STEPS
     # about 4e-5 apart by step 4; fp32's summation orders alone would be 1e-7 apart
     assert float8["losses"] == pytest.approx(plain["losses"], rel=5e-4)
@@ -333,18 +328,18 @@ def test_two_ddp_workers_with_float8_experts_train_like_one(runs):
     one process's."""
     reference, ddp = runs["float8"], runs["float8-ddp"]
     assert ddp["metrics"]["world_size"] == 2
-    assert "float8 e4m3" in ddp["log"]
+    assert LOG_LINE in ddp["log"]
     assert ddp["losses"] == pytest.approx(reference["losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize(
     ("overrides", "error"),
     [
-        (["lora.enabled=false"], "model.float8_experts: quantizes frozen experts; needs lora.enabled: true"),
+        (["lora.enabled=false"], "model.float8_experts: quantizes frozen weights; needs lora.enabled: true"),
         *[
             (
                 [setting],
-                "model.float8_experts: needs the experts whole on every rank (one GPU, or parallel.strategy: ddp); "
+                "model.float8_experts: needs the weights whole on every rank (one GPU, or parallel.strategy: ddp); "
                 "FSDP and expert parallelism split them",
             )
             for setting in ("parallel.strategy=fsdp", "parallel.expert_parallel_size=2")
