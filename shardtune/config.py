@@ -427,6 +427,12 @@ class Config(_Section):
                     f"model.{key}: needs the weights whole on every rank (one GPU, or parallel.strategy: ddp); "
                     "FSDP and expert parallelism split them"
                 )
+            if self.training.merge_final and self.model.init == "random":
+                raise ValueError(
+                    f"training.merge_final: a random init's base weights exist only in the run, which holds them in "
+                    f"float8 (model.{key}); merge a checkpoint with shardtune export CHECKPOINT --merge, which "
+                    "draws the init again"
+                )
         if expert_parallel > 1 and self.model.experts_implementation not in ("auto", "fused"):
             raise ValueError(
                 f"parallel.expert_parallel_size: {expert_parallel} needs model.experts_implementation: fused "
