@@ -515,7 +515,7 @@ def test_float8_linear_on_a_gpu_equals_the_emulation():
     results = {}
     for device in (CPU, cuda):
         layer = Float8Linear(copy.deepcopy(linear).to(device=device, dtype=torch.bfloat16))
-        inputs = x.to(device).requires_grad_()
+        inputs = x.to(device).detach().requires_grad_()
         output = layer(inputs)
         output.backward(grad.to(device))
         results[device.type] = [output.detach().cpu().float(), inputs.grad.cpu().float()]
