@@ -481,26 +481,30 @@ def routed_experts(
     top_k = chosen.shape[1]
     experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
     order, inverse, bounds = expert_order(chosen.reshape(-1), experts_total)  # expert e: rows bounds[e]:bounds[e+1]
-    rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     row_weights = Permute.apply(weights.reshape(-1), order, inverse)  # the fp32 routing weight of each row
-    if dispatch is not None:
-        rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
+    gate_up_float8, down_float8 = _float8_weight(experts, "gate_up_proj"), _float8_weight(experts, "down_proj")
+    gate_up_adapters = adapters.get("gate_up_proj", [])
+    if gate_up_float8 is not None and dispatch is None and not gate_up_adapters:
+        # Each token quantized once, and its e4m3 row gathered, instead of its top_k bf16 copies quantized.
+        projected = Float8GatheredProduct.apply(tokens.to(dtype), order, inverse, top_k, *gate_up_float8, bounds)
+    else:
+        rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
+        if dispatch is not None:
+            rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
 
-    # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what
-    # the block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism)
-    # cannot be gathered here, so those are kept.
-    def regathered(a: torch.Tensor) -> torch.Tensor:
-        return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
+        # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what
+        # the block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism)
+        # cannot be gathered here, so those are kept.
+        def regathered(a: torch.Tensor) -> torch.Tensor:
+            return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
+
+        low_rank = regathered if dispatch is None else None
+        projected = _projection(rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8)
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _silu_precision(projected) == torch.float32
         return LowRankOfRebuiltRows.apply(hidden, a, bounds, "activated", projected, row_weights, fp32)
 
-    low_rank = regathered if dispatch is None else None
-    gate_up_float8, down_float8 = _float8_weight(experts, "gate_up_proj"), _float8_weight(experts, "down_proj")
-    projected = _projection(
-        rows, gate_up, adapters.get("gate_up_proj", []), bounds, dtype, backend, low_rank, gate_up_float8
-    )
     hidden = WeightedSiluMul.apply(projected, row_weights)
     down_adapters = adapters.get("down_proj", [])
     if dispatch is None and not down_adapters and not down.requires_grad:
@@ -671,6 +675,28 @@ class ProjectionSummed(torch.autograd.Function):
         weight, bounds, token_of_row = ctx.saved_tensors
         grad_rows = gathered_grouped_mm(grad.contiguous(), token_of_row, weight.transpose(-2, -1), bounds, ctx.backend)
         return grad_rows, None, None, None, None, None, None
+
+
+class Float8GatheredProduct(torch.autograd.Function):
+    """``Float8Product`` of ``GatherRows``' rows, for a weight in float8 (``_float8_weight``): each token is
+    quantized once and its e4m3 row gathered with its scale (a gathered row's rowwise scale is its token's), the
+    same operands as quantizing the gathered bf16 rows, from top_k times less quantization work and half the
+    gathered bytes. Backward: the rows' gradient as ``Float8Product`` gives it, summed back to the tokens."""
+
+    @staticmethod
+    def forward(ctx, tokens, order, inverse, top_k: int, values, scales, values_t, scales_t, bounds):
+        ctx.save_for_backward(inverse, values_t, scales_t, bounds)
+        ctx.top_k = top_k
+        token_values, token_scales = rowwise_float8(tokens)
+        token_of_row = order // top_k
+        rows, row_scales = token_values.index_select(0, token_of_row), token_scales.index_select(0, token_of_row)
+        return float8_grouped_mm(rows, row_scales, values, scales, bounds, tokens.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inverse, values_t, scales_t, bounds = ctx.saved_tensors
+        grad_rows = float8_grouped_mm(*rowwise_float8(grad), values_t, scales_t, bounds, grad.dtype)
+        return _sum_rows(grad_rows, inverse, ctx.top_k), *([None] * 8)
 
 
 class Float8ProjectionSummed(torch.autograd.Function):

@@ -29,7 +29,13 @@ from shardtune.model.float8 import (
     quantize_expert_weight,
     rowwise_float8,
 )
-from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
+from shardtune.model.fused_moe import (
+    Float8GatheredProduct,
+    FusedMoeBlock,
+    GatherRows,
+    expert_order,
+    use_float8_experts,
+)
 from shardtune.model.moe import find_moe_blocks
 
 CPU = torch.device("cpu")
@@ -145,6 +151,30 @@ def test_float8_product_and_its_input_gradient_are_the_dequantized_operands_prod
     assert rows.grad.shape == rows.shape
     assert_relative(rows.grad, expected_grad, 1e-6)
     assert scales.grad is None and scales_t.grad is None
+
+
+def test_quantizing_the_tokens_before_gathering_them_gives_the_gathered_rows_products():
+    """Float8GatheredProduct (the gate/up projection of frozen experts without LoRA) quantizes each token once and
+    gathers its e4m3 row: bit for bit what quantizing the gathered rows gives (Float8Product of GatherRows), forward
+    and the tokens' gradient."""
+    generator = torch.Generator().manual_seed(4)
+    tokens_count, top_k = 13, 3
+    tokens = torch.randn(tokens_count, 48, generator=generator) * torch.logspace(-2, 2, tokens_count)[:, None]
+    chosen = torch.stack([torch.randperm(len(COUNTS), generator=generator)[:top_k] for _ in range(tokens_count)])
+    order, inverse, bounds = expert_order(chosen.reshape(-1), len(COUNTS))
+    quantized = quantize_expert_weight(torch.randn(len(COUNTS), 32, 48, generator=generator) * 0.05)
+    grad = torch.randn(tokens_count * top_k, 32, generator=generator)
+    results = []
+    for gathered_first in (True, False):
+        x = tokens.clone().requires_grad_()
+        if gathered_first:
+            output = Float8Product.apply(GatherRows.apply(x, order, inverse, top_k), *quantized, bounds)
+        else:
+            output = Float8GatheredProduct.apply(x, order, inverse, top_k, *quantized, bounds)
+        output.backward(grad)
+        results.append((output.detach(), x.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def float8_copy(model: torch.nn.Module) -> torch.nn.Module:
