@@ -14,10 +14,16 @@ import os
 import pytest
 import torch
 from cli_runs import RunsOnDemand, train
-from test_fused_moe import build, fused_copy, padded_batch, run, three_recorded_steps
+from test_fused_moe import (
+    build,
+    checkpointed_eager_and_compiled,
+    fused_copy,
+    padded_batch,
+    run,
+    three_recorded_steps,
+)
 from tiny_models import write_tiny_model
 
-from shardtune.distributed.activations import apply_activation_checkpointing
 from shardtune.distributed.parallelize import decoder_layers, use_float8
 from shardtune.errors import ConfigError
 from shardtune.model.float8 import (
@@ -255,16 +261,9 @@ def test_compiled_bf16_float8_layers_are_one_graph_each_and_train_like_eager(qwe
     """What GPUs run, on the CPU: the model cast to bf16 and then quantized (Module.to(dtype) would convert the
     float8 weights too), inductor compiling each checkpointed decoder layer outside its wrapper with fullgraph
     (a graph break fails the test): three AdamW steps give the eager float8 model's losses, which decrease."""
-    torch._dynamo.reset()
     eager = float8_copy(fused_copy(build(qwen3_moe, ["attention", "routed_experts"])).to(torch.bfloat16))
     assert {param.dtype for param in eager.parameters()} == {torch.bfloat16, FLOAT8}
-    compiled = copy.deepcopy(eager)
-    for model in (eager, compiled):
-        apply_activation_checkpointing(model, decoder_layers(model))
-    for layer in decoder_layers(compiled):
-        next(m for m in compiled.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
-            fullgraph=True
-        )
+    eager, compiled = checkpointed_eager_and_compiled(eager)
     losses = []
     for model in (eager, compiled):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

@@ -262,6 +262,21 @@ def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, comp
         assert len(recorder.records) == 2
 
 
+def checkpointed_eager_and_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``model`` and a copy, every decoder layer checkpointed; the copy's layers compiled outside their wrappers
+    with fullgraph, so that a graph break fails. Dynamo starts afresh: the compilations of earlier tests count
+    towards its recompile limit on the same code."""
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(model)
+    for each in (model, compiled):
+        apply_activation_checkpointing(each, decoder_layers(each))
+    for layer in decoder_layers(compiled):
+        next(m for m in compiled.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
+            fullgraph=True
+        )
+    return model, compiled
+
+
 @pytest.mark.parametrize(
     ("arch", "targets"), [("qwen3_moe", ["attention"]), ("glm4_moe", ["attention", "routed_experts"])]
 )
@@ -269,14 +284,9 @@ def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, 
     """What GPUs run, on the CPU: bf16 through torch._grouped_mm (LoRA factors laid out for it), inductor,
     each checkpointed decoder layer compiled outside its wrapper with fullgraph (a graph break fails the
     test). Three AdamW steps, the balance loss trained, give eager's losses and record once per forward."""
-    reference = fused_copy(build(moe_dirs[arch], targets)).to(torch.bfloat16)
-    compiled_model = copy.deepcopy(reference)
-    for model in (reference, compiled_model):
-        apply_activation_checkpointing(model, decoder_layers(model))
-    for layer in decoder_layers(compiled_model):
-        next(m for m in compiled_model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is layer).compile(
-            fullgraph=True
-        )
+    reference, compiled_model = checkpointed_eager_and_compiled(
+        fused_copy(build(moe_dirs[arch], targets)).to(torch.bfloat16)
+    )
     losses = [three_recorded_steps(model) for model in (reference, compiled_model)]
     assert losses[1] == pytest.approx(losses[0], rel=2e-3)
     assert losses[0][-1] < losses[0][0]
