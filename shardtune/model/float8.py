@@ -1,20 +1,24 @@
-"""The frozen routed experts' GEMMs in float8 (``model.float8_experts``): e4m3 values with one fp32 scale per row.
+"""Frozen weights in float8 (``model.float8_experts``, ``model.float8_linear``): e4m3 values with one fp32
+scale per row.
 
-LoRA leaves the routed experts' weights frozen, so each is quantized once, when training starts, in the two
-layouts its GEMMs need (a tensor-core float8 GEMM takes both operands laid out along the summed dimension):
+LoRA leaves the base weights frozen, so each is quantized once, when training starts, in the two layouts its
+GEMMs need (a tensor-core float8 GEMM takes both operands laid out along the summed dimension):
 
-- for the forward, W_e (out, in) scaled per output row;
-- for the input gradient, W_e^T (in, out) scaled per input column,
+- for the forward, W (out, in) scaled per output row;
+- for the input gradient, W^T (in, out) scaled per input column,
 
 two bytes per weight in all, what the bf16 weight took, which they replace. The rows (tokens, and the
-gradients in backward) are quantized as they come, one scale per row, and ``torch._scaled_grouped_mm``
-multiplies with fast accumulation. This is the rowwise recipe of torchao's float8 training, with the weights'
-quantization done once because they do not change.
+gradients in backward) are quantized as they come, one scale per row, and ``torch._scaled_grouped_mm`` (the
+routed experts, ``Float8Product``) or ``torch._scaled_mm`` (linear layers, ``Float8Linear``) multiplies with
+fast accumulation. This is the rowwise recipe of torchao's float8 training, with the weights' quantization
+done once because they do not change.
 
 Why: on one H100 at Qwen3-30B-A3B's shapes, the four grouped GEMMs of an expert layer take 1,570 us against
-2,312 in bf16 (1.5x; GLM-4.5-Air 1.6x, Mixtral-8x7B 1.6x), each output 3.7e-2 from the fp32 product where bf16's
-is 1.7e-3 (``benchmarks/moe_kernels.py --float8``). Without fast accumulation the float8 kernels are slower than
-bf16's. The results change by that much, so this is an option, off by default.
+2,312 in bf16 (1.5x; GLM-4.5-Air 1.6x, Mixtral-8x7B 1.6x), and its attention's q_proj 104 against 184 us,
+each output 3.7e-2 from the fp32 product where bf16's is 1.7e-3 (``benchmarks/moe_kernels.py --float8``).
+Without fast accumulation the grouped float8 kernels are slower than bf16's. A Qwen3-30B-A3B LoRA step is 10%
+faster with both options, a Llama-3-8B one 34% (``benchmarks/RESULTS.md``, sixteenth pass). The results
+change by float8's error, so these are options, off by default.
 
 On a CPU, which has no float8 GEMM, the same quantized values are multiplied in fp32 (``emulated``): tests run
 the quantization GPUs run, at the same precision up to summation order.
