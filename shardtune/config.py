@@ -70,6 +70,11 @@ class ModelConfig(_Section):
         "those LoRA leaves alone; routers excepted) in float8 e4m3 with rowwise scales, as float8_experts",
     )
 
+    @property
+    def float8_keys(self) -> list[str]:
+        """The float8 options that are on, by their keys (``model.float8_experts``, ``model.float8_linear``)."""
+        return [f"model.{key}" for key in ("float8_experts", "float8_linear") if getattr(self, key)]
+
     @model_validator(mode="after")
     def _check_init_routing(self) -> ModelConfig:
         if self.init_routing != "random" and self.init != "random":
@@ -416,21 +421,19 @@ class Config(_Section):
                 "training.merge_final: needs lora.enabled: true; a full fine-tune's final/ is already the whole model"
             )
         expert_parallel = self.parallel.expert_parallel_size
-        for key in ("float8_experts", "float8_linear"):
-            if not getattr(self.model, key):
-                continue
+        for key in self.model.float8_keys:
             # The quantized weights replace the bf16 ones on each rank: they are frozen, and whole.
             if not self.lora.enabled:
-                raise ValueError(f"model.{key}: quantizes frozen weights; needs lora.enabled: true")
+                raise ValueError(f"{key}: quantizes frozen weights; needs lora.enabled: true")
             if self.parallel.strategy == "fsdp" or expert_parallel > 1:
                 raise ValueError(
-                    f"model.{key}: needs the weights whole on every rank (one GPU, or parallel.strategy: ddp); "
+                    f"{key}: needs the weights whole on every rank (one GPU, or parallel.strategy: ddp); "
                     "FSDP and expert parallelism split them"
                 )
             if self.training.merge_final and self.model.init == "random":
                 raise ValueError(
                     f"training.merge_final: a random init's base weights exist only in the run, which holds them in "
-                    f"float8 (model.{key}); merge a checkpoint with shardtune export CHECKPOINT --merge, which "
+                    f"float8 ({key}); merge a checkpoint with shardtune export CHECKPOINT --merge, which "
                     "draws the init again"
                 )
         if expert_parallel > 1 and self.model.experts_implementation not in ("auto", "fused"):

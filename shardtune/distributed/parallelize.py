@@ -38,7 +38,7 @@ from shardtune.distributed.expert_parallel import (
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
-from shardtune.model.float8 import float8_unavailable, use_float8_linears
+from shardtune.model.float8 import require_float8, use_float8_linears
 from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
 from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
@@ -120,12 +120,12 @@ def parallelize(
     (with ``compiler``, by default a new one), then DDP or FSDP2, then weights from rank 0 onto every rank's
     device."""
     training = config.training
-    float8 = [key for key in ("float8_experts", "float8_linear") if getattr(config.model, key)]
+    float8 = config.model.float8_keys
     if float8 and plan.strategy == "fsdp":
         raise ConfigError(
-            f"model.{float8[0]}: needs the weights whole on every rank, and this run shards them with FSDP "
+            f"{float8[0]}: needs the weights whole on every rank, and this run shards them with FSDP "
             f"({plan.describe(env.world_size)}); set parallel.strategy: ddp if the model fits each GPU, or "
-            f"model.{float8[0]}: false"
+            f"{float8[0]}: false"
         )
     # Found once: wrappers added below (checkpointing, compile) sit around these same modules.
     layers = decoder_layers(model)
@@ -177,7 +177,7 @@ def parallelize(
         )
     else:
         model = model.to(env.device)
-    if config.model.float8_experts or config.model.float8_linear:
+    if float8:
         # Every rank has rank 0's weights by now and quantizes them alike.
         use_float8(model, env.device, config.model.float8_experts, config.model.float8_linear)
     return model
@@ -187,10 +187,8 @@ def use_float8(model: torch.nn.Module, device: torch.device, experts: bool, line
     """``model.float8_experts`` and ``model.float8_linear``: the frozen routed experts, and the frozen linear
     layers of the decoder layers (routers excepted: they route in fp32), quantized to float8 on ``device``
     (``shardtune/model/float8.py``)."""
-    key = "model.float8_experts" if experts else "model.float8_linear"
-    reason = float8_unavailable(device)
-    if reason is not None:
-        raise ConfigError(f"{key}: {reason}; set it to false")
+    on = {"model.float8_experts": experts, "model.float8_linear": linear}
+    require_float8([key for key, wanted in on.items() if wanted], device)
     how = "torch's float8 GEMMs, fast accumulation" if device.type == "cuda" else "emulated in fp32 on the CPU"
     if experts:
         blocks = use_float8_experts(model)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from shardtune.errors import ConfigError
+
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
 
@@ -109,6 +111,22 @@ def float8_unavailable(device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         return f"this GPU (compute capability {major}.{minor}) has no float8 grouped GEMM in torch: {error}"
     return None
+
+
+def require_float8(keys: list[str], device: torch.device) -> None:
+    """The float8 options ``keys`` (``ModelConfig.float8_keys``) can run on ``device``, or a ``ConfigError``
+    naming the first and why not."""
+    reason = float8_unavailable(device)
+    if reason is not None:
+        raise ConfigError(f"{keys[0]}: {reason}; set it to false")
+
+
+def gathered_rowwise_float8(tensor: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rowwise_float8(tensor.index_select(0, index))``, quantizing each row of ``tensor`` once and gathering the
+    e4m3 rows with their scales (a gathered row's rowwise scale is its source row's): bit for bit the same, from
+    less quantization work where rows repeat, and half the gathered bytes."""
+    values, scales = rowwise_float8(tensor)
+    return values.index_select(0, index), scales.index_select(0, index)
 
 
 class Float8Product(torch.autograd.Function):

@@ -41,6 +41,7 @@ from shardtune.model.float8 import (
     FLOAT8,
     Float8Product,
     float8_grouped_mm,
+    gathered_rowwise_float8,
     quantize_expert_weight,
     rowwise_float8,
 )
@@ -687,10 +688,8 @@ class Float8GatheredProduct(torch.autograd.Function):
     def forward(ctx, tokens, order, inverse, top_k: int, values, scales, values_t, scales_t, bounds):
         ctx.save_for_backward(inverse, values_t, scales_t, bounds)
         ctx.top_k = top_k
-        token_values, token_scales = rowwise_float8(tokens)
-        token_of_row = order // top_k
-        rows, row_scales = token_values.index_select(0, token_of_row), token_scales.index_select(0, token_of_row)
-        return float8_grouped_mm(rows, row_scales, values, scales, bounds, tokens.dtype)
+        rows = gathered_rowwise_float8(tokens, order // top_k)
+        return float8_grouped_mm(*rows, values, scales, bounds, tokens.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -713,9 +712,8 @@ class Float8ProjectionSummed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         values_t, scales_t, bounds, token_of_row = ctx.saved_tensors
-        grad_values, grad_scales = rowwise_float8(grad)
-        rows, row_scales = grad_values.index_select(0, token_of_row), grad_scales.index_select(0, token_of_row)
-        return float8_grouped_mm(rows, row_scales, values_t, scales_t, bounds, grad.dtype), *([None] * 8)
+        rows = gathered_rowwise_float8(grad, token_of_row)
+        return float8_grouped_mm(*rows, values_t, scales_t, bounds, grad.dtype), *([None] * 8)
 
 
 class Permute(torch.autograd.Function):

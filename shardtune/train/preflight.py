@@ -150,15 +150,13 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
         check_liger_kernel(device, model_type)
     if config.model.grouped_gemm == "quack":  # asked for by name: it must run here (auto falls back)
         resolve_grouped_gemm("quack", device)
-    float8 = [key for key in ("float8_experts", "float8_linear") if getattr(config.model, key)]
+    float8 = config.model.float8_keys
     if float8:
-        from shardtune.model.float8 import float8_unavailable
+        from shardtune.model.float8 import require_float8
 
-        reason = float8_unavailable(device)
-        if reason is not None:
-            raise ConfigError(f"model.{float8[0]}: {reason}; set it to false")
+        require_float8(float8, device)
     found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
-    found += "".join(f", {key.replace('_', ' ')}" for key in float8)
+    found += "".join(f", {key.removeprefix('model.').replace('_', ' ')}" for key in float8)
     return found + (", quack grouped GEMM" if config.model.grouped_gemm == "quack" else "")
 
 
