@@ -1,6 +1,7 @@
 """The fused MoE block's kernels on the shapes of issue 20's models, one GPU:
 
-    python benchmarks/moe_kernels.py [--out FILE] [--no-triton] [--quack-configs | --routing] [--shapes NAME ...]
+    python benchmarks/moe_kernels.py [--out FILE] [--no-triton] [--quack-configs | --routing | --float8 | --float8-silu]
+        [--shapes NAME ...]
 
 - grouped GEMMs: ``torch._grouped_mm`` (CUTLASS) on the experts' gate/up and down projections, forward and
   input gradient, against one dense GEMM of the same FLOPs, against inductor's autotuned Triton template
@@ -21,7 +22,9 @@
   against shardtune's Triton kernels (``shardtune/model/routing_kernels.py``); ``--routing``: only this table;
 - ``--float8`` (only this table): the grouped GEMMs in bf16 against float8 e4m3 with rowwise scales
   (``model.float8_experts``), with and without fast accumulation, the time to quantize their rows, and each
-  one's error against the fp32 product; the attention projections' dense GEMMs the same way;
+  one's error against the fp32 product; the attention projections' dense GEMMs the same way; and the weighted
+  SiLU writing its float8 rows (forward and backward), inductor's kernels against shardtune's float8 Triton kernels
+  (``--float8-silu``: only this table);
 - ``--quack-configs`` (only this table): every SM90 tile configuration quack-kernels has, on each of those
   GEMMs at a skewed and a uniform load, against CUTLASS, quack's default configuration and the one shardtune
   pins (``shardtune/model/grouped_gemm.py``).
@@ -51,7 +54,11 @@ from shardtune.model.fused_moe import _sum_rows as sum_rows
 from shardtune.model.fused_moe import _weighted_silu_mul, weighted_silu_mul_backward_ops
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable
 from shardtune.model.grouped_gemm import grouped_mm as shardtune_grouped_mm
-from shardtune.model.weighted_silu_kernel import weighted_silu_mul_backward
+from shardtune.model.weighted_silu_kernel import (
+    weighted_silu_mul_backward,
+    weighted_silu_mul_backward_float8,
+    weighted_silu_mul_float8,
+)
 
 # (name, experts, hidden, expert width, routed rows: 8,192 tokens x top_k)
 SHAPES = [("qwen3-30b-a3b", 128, 2048, 768, 8192 * 8), ("glm-4.5-air", 128, 4096, 1408, 8192 * 8),
@@ -383,6 +390,38 @@ def float8_gemms(report) -> None:
         times = [seconds(torch.mm, inputs, weight.t())]
         times += [seconds(scaled_dense, *operands, fast) for fast in (False, True)]
         line(name, 2 * 8192 * hidden * outputs, times, seconds(quantize, inputs))
+    float8_silu(report)
+
+
+def float8_silu(report) -> None:
+    """The weighted SiLU with its output (forward) and its gate/up gradient (backward) quantized for the float8 GEMMs
+    that take them: compiled torch ops, then ``rowwise_float8`` compiled (the backward's first part being the bf16
+    Triton kernel), against the float8 Triton kernels (``Float8Experts``)."""
+    report("weighted SiLU to float8 rows: inductor's kernels (backward: bf16 kernel, then quantized) | float8 "
+           "Triton kernel (bytes the kernel must move at least)")  # fmt: skip
+    compiled_forward = torch.compile(
+        lambda gate_up, row_weights: rowwise_float8(_weighted_silu_mul(gate_up, row_weights, torch.float32)),
+        dynamic=False,
+    )
+    quantize = torch.compile(rowwise_float8, dynamic=False)
+
+    def backward_then_quantized(gate_up, row_weights, grad):
+        grad_gate_up, grad_weights = weighted_silu_mul_backward(gate_up, row_weights, grad)
+        return *quantize(grad_gate_up), grad_weights
+
+    for name, _, _, width, rows in SHAPES:
+        gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16)
+        row_weights = torch.rand(rows, device="cuda")
+        grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+        for what, before, after, moved in (
+            ("forward", compiled_forward, weighted_silu_mul_float8, gate_up.numel() * 2 + rows * width),
+            ("backward", backward_then_quantized, weighted_silu_mul_backward_float8,
+             gate_up.numel() * 3 + grad.numel() * 2),
+        ):  # fmt: skip
+            operands = (gate_up, row_weights) if what == "forward" else (gate_up, row_weights, grad)
+            times = [seconds(before, *operands), seconds(after, *operands)]
+            rates = [f"{time * 1e6:6.0f} us {moved / time / 1e12:4.2f} TB/s" for time in times]
+            report(f"  {name:14s} {what:9s} {' | '.join(rates)}")
 
 
 def main() -> None:
@@ -391,7 +430,8 @@ def main() -> None:
     parser.add_argument("--no-triton", action="store_true", help="leave out inductor's Triton template (slow to tune)")
     parser.add_argument("--quack-configs", action="store_true", help="only the table of quack's tile configurations")
     parser.add_argument("--routing", action="store_true", help="only the table of the routing bookkeeping")
-    parser.add_argument("--float8", action="store_true", help="only the table of bf16 against float8 GEMMs")
+    parser.add_argument("--float8", action="store_true", help="only the tables of bf16 against float8 GEMMs")
+    parser.add_argument("--float8-silu", action="store_true", help="only the table of the weighted SiLU to float8")
     parser.add_argument("--shapes", nargs="+", choices=[shape[0] for shape in SHAPES], help="only these models")
     args = parser.parse_args()
     if args.shapes:
@@ -408,6 +448,9 @@ def main() -> None:
         report(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         if args.quack_configs:
             quack_configs(report)
+            return
+        if args.float8_silu:
+            float8_silu(report)
             return
         if args.float8:
             float8_gemms(report)

@@ -28,7 +28,8 @@
 # Qwen3-30B-A3B and GLM-4.5-Air runs against HF; BENCH_ONLY as for weighted-silu), host-overhead (whether the Qwen3-30B-A3B
 # step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU), float8
 # (model.float8_experts and float8_linear: the GEMMs alone, steps against bf16's on an 80 GB GPU, and the
-# Qwen3-30B-A3B and GLM-4.5-Air runs against HF on one H200; BENCH_ONLY: moe-kernels and run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# Qwen3-30B-A3B and GLM-4.5-Air runs against HF on one H200; BENCH_ONLY: moe-kernels and run names; BENCH_CODE: another
+# checkout's package timed in turn with this one's, f8-code-*). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -430,6 +431,16 @@ float8)
         bench "f8-ab-bf16-$round" "${layers[@]}"
         bench "f8-ab-experts-$round" "${layers[@]}" model.float8_experts=true
         bench "f8-ab-all-$round" "${layers[@]}" "${all[@]}"
+        # BENCH_CODE: a directory holding another shardtune package (the "before" of a change), timed in turn
+        # with this checkout's, both options on (f8-code-*: Qwen3-30B-A3B 32 layers, GLM-4.5-Air 10 layers).
+        if [[ -n ${BENCH_CODE:-} ]]; then
+            (cd "$BENCH_CODE" && bench "f8-code-before-$round" "${layers[@]}" "${all[@]}")
+            bench "f8-code-after-$round" "${layers[@]}" "${all[@]}"
+            (cd "$BENCH_CODE" && bench "f8-code-before-glm-$round" --shape glm-4.5-air --layers 10 "${common[@]}" \
+                training.gradient_checkpointing=false "${all[@]}")
+            bench "f8-code-after-glm-$round" --shape glm-4.5-air --layers 10 "${common[@]}" \
+                training.gradient_checkpointing=false "${all[@]}"
+        fi
     done
     glm=(--shape glm-4.5-air --layers 10 "${common[@]}" training.gradient_checkpointing=false)
     bench f8-glm-10l-bf16 "${glm[@]}"

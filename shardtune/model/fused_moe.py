@@ -63,9 +63,14 @@ from shardtune.model.moe import (
 
 try:  # Triton ships with CUDA builds of torch; without it these run as torch ops
     from shardtune.model import routing_kernels
-    from shardtune.model.weighted_silu_kernel import runs_on, weighted_silu_mul_backward
+    from shardtune.model.weighted_silu_kernel import (
+        runs_on,
+        weighted_silu_mul_backward,
+        weighted_silu_mul_backward_float8,
+        weighted_silu_mul_float8,
+    )
 except ImportError:
-    routing_kernels = weighted_silu_mul_backward = None
+    routing_kernels = weighted_silu_mul_backward = weighted_silu_mul_backward_float8 = weighted_silu_mul_float8 = None
 
 log = logging.getLogger("shardtune")
 
@@ -484,23 +489,24 @@ def routed_experts(
     order, inverse, bounds = expert_order(chosen.reshape(-1), experts_total)  # expert e: rows bounds[e]:bounds[e+1]
     row_weights = Permute.apply(weights.reshape(-1), order, inverse)  # the fp32 routing weight of each row
     gate_up_float8, down_float8 = _float8_weight(experts, "gate_up_proj"), _float8_weight(experts, "down_proj")
+    if gate_up_float8 is not None and dispatch is None and not adapters:  # LoRA on attention, the MoE default
+        token_of_row = (order // top_k).to(torch.int32)
+        return Float8Experts.apply(
+            tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, *gate_up_float8, *down_float8
+        )
+    rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
+    if dispatch is not None:
+        rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
+
+    # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what the
+    # block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism) cannot be
+    # gathered here, so those are kept.
+    def regathered(a: torch.Tensor) -> torch.Tensor:
+        return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
+
+    low_rank = regathered if dispatch is None else None
     gate_up_adapters = adapters.get("gate_up_proj", [])
-    if gate_up_float8 is not None and dispatch is None and not gate_up_adapters:
-        # Each token quantized once, and its e4m3 row gathered, instead of its top_k bf16 copies quantized.
-        projected = Float8GatheredProduct.apply(tokens.to(dtype), order, inverse, top_k, *gate_up_float8, bounds)
-    else:
-        rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
-        if dispatch is not None:
-            rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
-
-        # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what
-        # the block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism)
-        # cannot be gathered here, so those are kept.
-        def regathered(a: torch.Tensor) -> torch.Tensor:
-            return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
-
-        low_rank = regathered if dispatch is None else None
-        projected = _projection(rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8)
+    projected = _projection(rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8)
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _silu_precision(projected) == torch.float32
@@ -512,8 +518,6 @@ def routed_experts(
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
-        if down_float8 is not None:
-            return Float8ProjectionSummed.apply(hidden, *down_float8, bounds, token_of_row, inverse, top_k)
         weight = down.to(dtype).transpose(-2, -1)
         return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, backend)
     outputs = _projection(hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8)
@@ -678,42 +682,66 @@ class ProjectionSummed(torch.autograd.Function):
         return grad_rows, None, None, None, None, None, None
 
 
-class Float8GatheredProduct(torch.autograd.Function):
-    """``Float8Product`` of ``GatherRows``' rows, for a weight in float8 (``_float8_weight``): each token is
-    quantized once and its e4m3 row gathered with its scale (a gathered row's rowwise scale is its token's), the
-    same operands as quantizing the gathered bf16 rows, from top_k times less quantization work and half the
-    gathered bytes. Backward: the rows' gradient as ``Float8Product`` gives it, summed back to the tokens."""
+class Float8Experts(torch.autograd.Function):
+    """The routed experts of a block whose expert weights are frozen in float8 (``use_float8_experts``) and carry
+    no LoRA (LoRA on attention, the MoE default), as one function so that each GEMM's rows are written in e4m3 by
+    the kernel that makes them, never in bf16 to be quantized after:
+
+    - gate/up quantizes each token once and gathers its e4m3 row with its scale (a gathered row's rowwise scale
+      is its token's): ``top_k`` times less quantization work than quantizing the gathered rows, and half the
+      gathered bytes, for the same operands bit for bit;
+    - the weighted SiLU writes the down projection's rows in e4m3 (``weighted_silu_mul_float8``), and its
+      backward the gate/up input gradient's (``weighted_silu_mul_backward_float8``): Triton kernels on CUDA that
+      read each row once, where inductor wrote the bf16 rows, then read them twice more to quantize them; the
+      activation itself is never written, as ``WeightedSiluMul`` keeps only the gate/up output for backward;
+    - the down projection's rows are summed back to the tokens here, and its backward quantizes each token's
+      gradient once before gathering the rows, as gate/up does its tokens.
+
+    Elsewhere (CPU) the SiLU's kernels are the torch ops then ``rowwise_float8``: the same operands, up to the
+    rounding of the SiLU's math. Gives the tokens' and the routing weights' gradients."""
 
     @staticmethod
-    def forward(ctx, tokens, order, inverse, top_k: int, values, scales, values_t, scales_t, bounds):
-        ctx.save_for_backward(inverse, values_t, scales_t, bounds)
+    def forward(ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, *weights):
+        gate_up_values, gate_up_scales, gate_up_values_t, gate_up_scales_t = weights[:4]
+        down_values, down_scales, down_values_t, down_scales_t = weights[4:]
+        rows = gathered_rowwise_float8(tokens, token_of_row)
+        projected = float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype)
+        hidden = _weighted_silu_mul_float8(projected, row_weights)
+        output = float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype)
+        ctx.save_for_backward(
+            projected, row_weights, token_of_row, inverse, bounds, gate_up_values_t, gate_up_scales_t, down_values_t,
+            down_scales_t,
+        )  # fmt: skip
         ctx.top_k = top_k
-        rows = gathered_rowwise_float8(tokens, order // top_k)
-        return float8_grouped_mm(*rows, values, scales, bounds, tokens.dtype)
+        return _sum_rows(output, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        inverse, values_t, scales_t, bounds = ctx.saved_tensors
-        grad_rows = float8_grouped_mm(*rowwise_float8(grad), values_t, scales_t, bounds, grad.dtype)
-        return _sum_rows(grad_rows, inverse, ctx.top_k), *([None] * 8)
-
-
-class Float8ProjectionSummed(torch.autograd.Function):
-    """``ProjectionSummed`` for a weight in float8 (``_float8_weight``). Backward quantizes each token's gradient
-    once and gathers the e4m3 rows with their scales (a gathered row's rowwise scale is its token's): the
-    quantization runs over the tokens, not the top_k times more rows, and the rows move in half the bytes."""
-
-    @staticmethod
-    def forward(ctx, rows, values, scales, values_t, scales_t, bounds, token_of_row, inverse, top_k: int):
-        ctx.save_for_backward(values_t, scales_t, bounds, token_of_row)
-        product = float8_grouped_mm(*rowwise_float8(rows), values, scales, bounds, rows.dtype)
-        return _sum_rows(product, inverse, top_k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        values_t, scales_t, bounds, token_of_row = ctx.saved_tensors
+        projected, row_weights, token_of_row, inverse, bounds, *weights = ctx.saved_tensors
+        gate_up_values_t, gate_up_scales_t, down_values_t, down_scales_t = weights
         rows = gathered_rowwise_float8(grad, token_of_row)
-        return float8_grouped_mm(*rows, values_t, scales_t, bounds, grad.dtype), *([None] * 8)
+        grad_hidden = float8_grouped_mm(*rows, down_values_t, down_scales_t, bounds, grad.dtype)
+        *grad_projected, grad_weights = _weighted_silu_mul_backward_float8(projected, row_weights, grad_hidden)
+        grad_rows = float8_grouped_mm(*grad_projected, gate_up_values_t, gate_up_scales_t, bounds, grad.dtype)
+        return _sum_rows(grad_rows, inverse, ctx.top_k), grad_weights, *([None] * 12)
+
+
+def _weighted_silu_mul_float8(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rowwise_float8(WeightedSiluMul(gate_up, row_weights))``: one Triton kernel on CUDA."""
+    if weighted_silu_mul_float8 is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+        return weighted_silu_mul_float8(gate_up.contiguous(), row_weights.contiguous())
+    return rowwise_float8(_weighted_silu_mul(gate_up, row_weights, _silu_precision(gate_up)))
+
+
+def _weighted_silu_mul_backward_float8(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``WeightedSiluMul``'s backward with the gate/up gradient quantized by ``rowwise_float8``: (its e4m3 values, their
+    scales, the routing weights' gradient); one Triton kernel on CUDA."""
+    if weighted_silu_mul_backward_float8 is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+        return weighted_silu_mul_backward_float8(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
+    grad_gate_up, grad_weights = _weighted_silu_mul_backward(gate_up, row_weights, grad)
+    return *rowwise_float8(grad_gate_up), grad_weights
 
 
 class Permute(torch.autograd.Function):
@@ -838,10 +866,16 @@ class WeightedSiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up, row_weights = ctx.saved_tensors
-        if weighted_silu_mul_backward is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
-            return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-        return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _silu_precision(gate_up))
+        return _weighted_silu_mul_backward(*ctx.saved_tensors, grad)
+
+
+def _weighted_silu_mul_backward(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``WeightedSiluMul``'s backward: the Triton kernel on CUDA, torch ops elsewhere."""
+    if weighted_silu_mul_backward is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+        return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
+    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _silu_precision(gate_up))
 
 
 def weighted_silu_mul_backward_ops(

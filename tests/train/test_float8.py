@@ -36,9 +36,11 @@ from shardtune.model.float8 import (
     rowwise_float8,
 )
 from shardtune.model.fused_moe import (
-    Float8GatheredProduct,
+    Float8Experts,
     FusedMoeBlock,
     GatherRows,
+    SumRows,
+    WeightedSiluMul,
     expert_order,
     use_float8_experts,
 )
@@ -159,28 +161,40 @@ def test_float8_product_and_its_input_gradient_are_the_dequantized_operands_prod
     assert scales.grad is None and scales_t.grad is None
 
 
-def test_quantizing_the_tokens_before_gathering_them_gives_the_gathered_rows_products():
-    """Float8GatheredProduct (the gate/up projection of frozen experts without LoRA) quantizes each token once and
-    gathers its e4m3 row: bit for bit what quantizing the gathered rows gives (Float8Product of GatherRows), forward
-    and the tokens' gradient."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_float8_experts_equal_their_steps_one_by_one(dtype):
+    """Float8Experts (frozen float8 experts without LoRA) quantizes each token once and gathers its e4m3 row, writes
+    the down projection's rows and the gate/up input gradient's in e4m3 from the weighted SiLU, and quantizes each
+    token's gradient once: bit for bit the step-by-step functions (GatherRows, Float8Product, WeightedSiluMul,
+    Float8Product, SumRows), forward and the gradients of the tokens and of the routing weights, with an expert
+    that gets no row."""
     generator = torch.Generator().manual_seed(4)
-    tokens_count, top_k = 13, 3
-    tokens = torch.randn(tokens_count, 48, generator=generator) * torch.logspace(-2, 2, tokens_count)[:, None]
-    chosen = torch.stack([torch.randperm(len(COUNTS), generator=generator)[:top_k] for _ in range(tokens_count)])
-    order, inverse, bounds = expert_order(chosen.reshape(-1), len(COUNTS))
-    quantized = quantize_expert_weight(torch.randn(len(COUNTS), 32, 48, generator=generator) * 0.05)
-    grad = torch.randn(tokens_count * top_k, 32, generator=generator)
+    tokens_count, top_k, hidden, width = 13, 3, 48, 16
+    tokens = torch.randn(tokens_count, hidden, generator=generator) * torch.logspace(-2, 2, tokens_count)[:, None]
+    experts = len(COUNTS) + 1
+    chosen = torch.stack([torch.randperm(experts - 1, generator=generator)[:top_k] for _ in range(tokens_count)])
+    order, inverse, bounds = expert_order(chosen.reshape(-1), experts)
+    assert bounds[-1] == bounds[-2]  # the last expert gets no row
+    weights = torch.rand(tokens_count * top_k, generator=generator)
+    gate_up = quantize_expert_weight(torch.randn(experts, 2 * width, hidden, generator=generator) * 0.05)
+    down = quantize_expert_weight(torch.randn(experts, hidden, width, generator=generator) * 0.05)
+    grad = torch.randn(tokens_count, hidden, generator=generator).to(dtype)
     results = []
-    for gathered_first in (True, False):
-        x = tokens.clone().requires_grad_()
-        if gathered_first:
-            output = Float8Product.apply(GatherRows.apply(x, order, inverse, top_k), *quantized, bounds)
+    for fused in (True, False):
+        x = tokens.to(dtype).requires_grad_()
+        row_weights = weights.clone().requires_grad_()
+        if fused:
+            token_of_row = (order // top_k).to(torch.int32)
+            output = Float8Experts.apply(x, row_weights, token_of_row, inverse, top_k, bounds, *gate_up, *down)
         else:
-            output = Float8GatheredProduct.apply(x, order, inverse, top_k, *quantized, bounds)
+            projected = Float8Product.apply(GatherRows.apply(x, order, inverse, top_k), *gate_up, bounds)
+            rows = Float8Product.apply(WeightedSiluMul.apply(projected, row_weights), *down, bounds)
+            output = SumRows.apply(rows, order, inverse, top_k)
         output.backward(grad)
-        results.append((output.detach(), x.grad))
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1])
+        results.append((output.detach(), x.grad, row_weights.grad))
+    assert results[0][0].dtype == dtype and results[0][0].shape == tokens.shape
+    for fused, stepwise in zip(*results, strict=True):
+        assert torch.equal(fused, stepwise)
 
 
 def float8_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -551,3 +565,53 @@ def test_float8_linear_on_a_gpu_equals_the_emulation():
     for name, got, emulated in zip(["output", "input gradient"], results["cuda"], results["cpu"], strict=True):
         assert_relative(got, emulated, 2**-7, name)
         assert relative_error(got, emulated) < 3e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_compiled_float8_blocks_train_through_the_kernels_like_through_rowwise_float8():
+    """On a GPU, a compiled bf16 Qwen3-MoE model with float8 experts trains through the weighted SiLU's float8 Triton
+    kernels (Float8Experts) as through the torch ops and ``rowwise_float8``: the same loss and gradients to float8's
+    precision, and the compiled graphs call both kernels."""
+    from tiny_models import kernel_sized_qwen3_moe
+    from torch._inductor.utils import run_and_get_code
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model import fused_moe
+
+    cuda = torch.device("cuda")
+    if float8_unavailable(cuda) is not None:
+        pytest.skip(float8_unavailable(cuda))
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(kernel_sized_qwen3_moe(), dtype=torch.bfloat16).cuda()
+    base.config.use_cache = False
+    fused_moe.use_fused_experts(base, decoder_layers(base), "fused", "torch", cuda)
+    base.requires_grad_(False)
+    base.get_input_embeddings().requires_grad_(True)  # a gradient through every layer, as LoRA's needs
+    use_float8_experts(base)
+    ids = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def step(kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model = copy.deepcopy(base).train()
+        for layer in decoder_layers(model):
+            layer.compile(fullgraph=True)
+        names = ("weighted_silu_mul_float8", "weighted_silu_mul_backward_float8")
+        saved = [getattr(fused_moe, name) for name in names]
+        if not kernels:
+            for name in names:
+                setattr(fused_moe, name, None)
+        try:
+            torch._dynamo.reset()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        finally:
+            for name, kernel in zip(names, saved, strict=True):
+                setattr(fused_moe, name, kernel)
+        return loss.detach(), model.get_input_embeddings().weight.grad
+
+    (loss, grad), code = run_and_get_code(step, True)
+    assert any("_weighted_silu_mul_float8_kernel" in source for source in code)
+    assert any("_weighted_silu_mul_backward_float8_kernel" in source for source in code)
+    expected_loss, expected_grad = step(False)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-2, atol=0)
+    assert relative_error(grad, expected_grad) < 5e-2

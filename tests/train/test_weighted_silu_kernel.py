@@ -70,3 +70,46 @@ def test_compiled_bf16_blocks_train_through_the_kernel_like_through_inductors_ke
         scale = value.float().abs().max().item()
         off = (grads[name].float() - value.float()).abs().max().item()
         assert off <= 0.05 * scale + 1e-6, f"{name}: off by {off} of {scale}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+@pytest.mark.parametrize("width", [768, 1408, 2100])  # Qwen3-30B-A3B's, GLM-4.5-Air's, and one in two passes
+def test_the_float8_kernels_on_a_gpu_quantize_as_rowwise_float8(width):
+    """On a GPU the float8 kernels write ``rowwise_float8`` of what they quantize, as torch computes it there: the
+    backward's of the bf16 kernel's gate/up gradient bit for bit (the weight gradient to fp32's summation order);
+    the forward's of the weighted SiLU computed in fp32 and rounded to bf16, where Triton's sigmoid is not torch's:
+    scales to bf16's rounding of the largest value, e4m3 values at equal scales equal but for a rare one-step
+    difference."""
+    from shardtune.model.float8 import rowwise_float8
+    from shardtune.model.weighted_silu_kernel import weighted_silu_mul_backward_float8, weighted_silu_mul_float8
+
+    generator = torch.Generator("cuda").manual_seed(2)
+    rows = 4096
+    gate_up = (torch.randn(rows, 2 * width, device="cuda", generator=generator) * 3).to(torch.bfloat16)
+    gate_up[0] = 0
+    row_weights = torch.rand(rows, device="cuda", generator=generator)
+    grad = torch.randn(rows, width, device="cuda", generator=generator).to(torch.bfloat16)
+
+    values, scales, grad_weights = weighted_silu_mul_backward_float8(gate_up, row_weights, grad)
+    expected, expected_weights = fused_moe.weighted_silu_mul_backward(gate_up, row_weights, grad)
+    expected_values, expected_scales = rowwise_float8(expected)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert scales[0] < 1e-30 and values[0].float().abs().max() == 0  # the row of zeros
+    torch.testing.assert_close(
+        grad_weights, expected_weights, rtol=1e-5, atol=1e-5 * expected_weights.abs().max().item()
+    )
+
+    values, scales = weighted_silu_mul_float8(gate_up, row_weights)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    hidden = (gate * torch.sigmoid(gate) * up * row_weights.unsqueeze(-1)).to(torch.bfloat16)
+    expected_values, expected_scales = rowwise_float8(hidden)
+    assert values.shape == expected_values.shape and values.dtype == expected_values.dtype
+    torch.testing.assert_close(scales, expected_scales, rtol=2**-8, atol=0)
+    assert scales[0] < 1e-30 and values[0].float().abs().max() == 0  # the row of zeros
+    same_scale = scales == expected_scales
+    assert same_scale.float().mean() > 0.25
+    got, wanted = values[same_scale].float(), expected_values[same_scale].float()
+    assert ((got - wanted).abs() <= wanted.abs() / 8 + 2**-9).all()
+    assert (got != wanted).float().mean().item() < 2e-3

@@ -1,20 +1,33 @@
-"""Run by ``test_weighted_silu_kernel.py`` with TRITON_INTERPRET=1 set (the Triton kernel then runs on CPU
-tensors): the weighted SiLU's backward kernel against the same math in fp32 torch ops, and a fused MoE
-model whose every gradient is the same through the kernel as through the torch ops (``tests`` on
-PYTHONPATH, for tiny_models). Exits non-zero, with the reason, when one differs; prints the kernel's call
-count on success."""
+"""Run by ``test_weighted_silu_kernel.py`` with TRITON_INTERPRET=1 set (the Triton kernels then run on CPU
+tensors): the weighted SiLU's backward kernel against the same math in fp32 torch ops, its float8 kernels
+against ``rowwise_float8`` of the same math, and a fused MoE model whose every gradient is the same through the
+kernel as through the torch ops (``tests`` on PYTHONPATH, for tiny_models). Exits non-zero, with the reason,
+when one differs; prints the kernel's call count on success.
+
+The interpreter's own fp32 -> e4m3 conversion does not carry a rounding into the exponent (126.9 becomes 64, not
+128) nor make subnormals, so the float8 kernels' values are compared with what that same conversion makes of
+the expected scaled values (``interpreted_float8``): this checks everything the kernels compute up to the
+conversion, which the GPU test checks against torch's."""
 
 from __future__ import annotations
 
 import sys
 
 import torch
+import triton
+import triton.language as tl
 from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model import fused_moe
-from shardtune.model.weighted_silu_kernel import INTERPRETED, weighted_silu_mul_backward
+from shardtune.model.float8 import FLOAT8, FLOAT8_MAX
+from shardtune.model.weighted_silu_kernel import (
+    INTERPRETED,
+    weighted_silu_mul_backward,
+    weighted_silu_mul_backward_float8,
+    weighted_silu_mul_float8,
+)
 
 
 def in_fp32(gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -45,6 +58,68 @@ def check_kernel() -> None:
         scale = expected_weights.abs().max().item()
         off = (grad_weights - expected_weights).abs().max().item()
         assert off <= 1e-5 * scale, f"{rows}x{width} {dtype}: weight gradient off by {off} of {scale}"
+
+
+@triton.jit
+def _to_float8_kernel(source_ptr, values_ptr, count, block: tl.constexpr):
+    offsets = tl.arange(0, block)
+    inside = offsets < count
+    tl.store(
+        values_ptr + offsets, tl.load(source_ptr + offsets, mask=inside).to(values_ptr.dtype.element_ty), mask=inside
+    )
+
+
+def interpreted_float8(rows: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rowwise_float8(rows)`` as torch computes it on a GPU (448 / amax as amax's reciprocal times 448, the scale
+    as amax times 1 / 448), with the e4m3 conversion the interpreter runs (see the module's docstring); with
+    ``scales``, those scales of the rows instead of their own."""
+    amax = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-30)
+    if scales is not None:
+        amax = scales.unsqueeze(-1) * FLOAT8_MAX
+    scaled = (rows.float() * (amax.reciprocal() * FLOAT8_MAX)).clamp(-FLOAT8_MAX, FLOAT8_MAX).contiguous()
+    values = torch.empty(scaled.shape, dtype=FLOAT8)
+    count = scaled.numel()
+    _to_float8_kernel[(1,)](scaled, values, count, triton.next_power_of_2(count))
+    return values, (amax * torch.tensor(1 / FLOAT8_MAX, dtype=torch.float32)).squeeze(-1)
+
+
+def check_float8_kernels() -> None:
+    """The backward's float8 kernel: exactly the bf16 kernel's gate/up gradient quantized by rows, and its weight
+    gradient to fp32's summation order; the forward's: the scales of the fp32 math rounded to the rows' dtype, and
+    for fp32 rows their values."""
+    generator = torch.Generator().manual_seed(1)
+    # (rows, width, dtype): one tile of a partial row, a row of 1,100 in one tile, fp32 rows, and 2,100 fp32 columns,
+    # wider than the kernels hold at once (two passes over three tiles)
+    cases = [(7, 48, torch.bfloat16), (3, 1100, torch.bfloat16), (5, 40, torch.float32), (2, 2100, torch.float32)]
+    for rows, width, dtype in cases:
+        gate_up = (torch.randn(rows, 2 * width, generator=generator) * 3).to(dtype)
+        gate_up[0] = 0  # a row of zeros: scale ~0, zero values
+        row_weights = torch.rand(rows, generator=generator)
+        grad = torch.randn(rows, width, generator=generator).to(dtype)
+        values, scales, grad_weights = weighted_silu_mul_backward_float8(gate_up, row_weights, grad)
+        expected, expected_weights = weighted_silu_mul_backward(gate_up, row_weights, grad)
+        expected_values, expected_scales = interpreted_float8(expected)
+        assert values.dtype == FLOAT8 and values.shape == (rows, 2 * width)
+        assert torch.equal(scales, expected_scales), f"{rows}x{width} {dtype}: backward scales differ"
+        assert torch.equal(values.float(), expected_values.float()), f"{rows}x{width} {dtype}: backward values differ"
+        # summed in tiles of another width than the bf16 kernel's
+        off = (grad_weights - expected_weights).abs().max().item()
+        assert off <= 1e-5 * expected_weights.abs().max().item(), f"{rows}x{width} {dtype}: weight gradients differ"
+        assert values[0].float().abs().max() == 0 and scales[0] < 1e-30
+
+        values, scales = weighted_silu_mul_float8(gate_up, row_weights)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        hidden = (gate * torch.sigmoid(gate) * up * row_weights.unsqueeze(-1)).to(dtype)
+        expected_scales = interpreted_float8(hidden)[1]
+        assert values.dtype == FLOAT8 and values.shape == (rows, width)
+        off = (scales - expected_scales).abs() / expected_scales.clamp(min=1e-30)
+        assert off.max() <= torch.finfo(dtype).eps, f"{rows}x{width} {dtype}: forward scales off by {off.max()}"
+        if dtype == torch.float32:
+            # The values at the kernel's scales (rows in bf16 are rounded by the interpreter otherwise than by
+            # torch, which its e4m3 conversion can make a factor of 2; the GPU test checks those).
+            expected = interpreted_float8(hidden, scales)[0].float()
+            differ = (values.float() != expected).float().mean().item()
+            assert differ <= 0.01, f"{rows}x{width} {dtype}: {differ:.1%} of the forward values differ"
 
 
 def gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -84,4 +159,5 @@ if __name__ == "__main__":
     if not INTERPRETED:
         sys.exit("run with TRITON_INTERPRET=1")
     check_kernel()
+    check_float8_kernels()
     print(f"kernel calls: {check_block()}")
