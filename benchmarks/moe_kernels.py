@@ -57,7 +57,6 @@ from shardtune.model.grouped_gemm import grouped_mm as shardtune_grouped_mm
 from shardtune.model.weighted_silu_kernel import (
     weighted_silu_mul_backward,
     weighted_silu_mul_backward_float8,
-    weighted_silu_mul_float8,
 )
 
 # (name, experts, hidden, expert width, routed rows: 8,192 tokens x top_k)
@@ -396,7 +395,8 @@ def float8_gemms(report) -> None:
 def float8_silu(report) -> None:
     """The weighted SiLU with its output (forward) and its gate/up gradient (backward) quantized for the float8 GEMMs
     that take them: compiled torch ops, then ``rowwise_float8`` compiled (the backward's first part being the bf16
-    Triton kernel), against the float8 Triton kernels (``Float8Experts``)."""
+    Triton kernel), against what ``Float8Experts`` runs: the float8 Triton kernels (the forward's for rows up to
+    ``FLOAT8_ROW_TILE`` wide)."""
     report("weighted SiLU to float8 rows: inductor's kernels (backward: bf16 kernel, then quantized) | float8 "
            "Triton kernel (bytes the kernel must move at least)")  # fmt: skip
     compiled_forward = torch.compile(
@@ -404,6 +404,8 @@ def float8_silu(report) -> None:
         dynamic=False,
     )
     quantize = torch.compile(rowwise_float8, dynamic=False)
+    # as a compiled layer runs it: the kernel for rows it holds, inductor's kernels for wider ones (Mixtral's)
+    shardtune_forward = torch.compile(fused_moe._weighted_silu_mul_float8, dynamic=False)
 
     def backward_then_quantized(gate_up, row_weights, grad):
         grad_gate_up, grad_weights = weighted_silu_mul_backward(gate_up, row_weights, grad)
@@ -414,7 +416,7 @@ def float8_silu(report) -> None:
         row_weights = torch.rand(rows, device="cuda")
         grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
         for what, before, after, moved in (
-            ("forward", compiled_forward, weighted_silu_mul_float8, gate_up.numel() * 2 + rows * width),
+            ("forward", compiled_forward, shardtune_forward, gate_up.numel() * 2 + rows * width),
             ("backward", backward_then_quantized, weighted_silu_mul_backward_float8,
              gate_up.numel() * 3 + grad.numel() * 2),
         ):  # fmt: skip

@@ -93,32 +93,41 @@ def _(rows, row_scales, values, scales, bounds):
     return rows.new_empty(rows.shape[0], values.shape[1], dtype=torch.float32)
 
 
-def float8_unavailable(device: torch.device) -> str | None:
-    """Why float8 expert GEMMs cannot run on ``device``, or None. On a GPU, a small product is tried: the kernel
-    runs on some compute capabilities only (Hopper's; not Ampere's or Ada's)."""
+def float8_unavailable(device: torch.device, grouped: bool = True) -> str | None:
+    """Why float8 GEMMs cannot run on ``device``, or None: the experts' grouped ones (``grouped``) or the linear
+    layers' dense ones. On a GPU, a small product is tried: each kernel runs on some compute capabilities only (the
+    grouped one on Hopper's; the dense one on Ada's too; neither on Ampere's)."""
     if device.type != "cuda":
         return None  # emulated
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    kernel = "torch._scaled_grouped_mm" if grouped else "torch._scaled_mm"
+    if not hasattr(torch, kernel.removeprefix("torch.")):
+        return f"torch {torch.__version__} has no {kernel}"
     rows = torch.zeros(16, 16, dtype=FLOAT8, device=device)
-    values = torch.zeros(2, 16, 16, dtype=FLOAT8, device=device)
-    bounds = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
+    row_scales = rows.new_ones(16, dtype=torch.float32)
     try:
-        float8_grouped_mm(rows, rows.new_ones(16, dtype=torch.float32), values,
-                          values.new_ones(2, 16, dtype=torch.float32), bounds, torch.bfloat16)  # fmt: skip
+        if grouped:
+            values = torch.zeros(2, 16, 16, dtype=FLOAT8, device=device)
+            bounds = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
+            float8_grouped_mm(rows, row_scales, values, values.new_ones(2, 16, dtype=torch.float32), bounds,
+                              torch.bfloat16)  # fmt: skip
+        else:
+            float8_mm(rows, row_scales, rows, row_scales, torch.bfloat16)
         torch.cuda.synchronize(device)
     except RuntimeError as error:
         major, minor = torch.cuda.get_device_capability(device)
-        return f"this GPU (compute capability {major}.{minor}) has no float8 grouped GEMM in torch: {error}"
+        what = "grouped GEMM" if grouped else "GEMM"
+        return f"this GPU (compute capability {major}.{minor}) has no float8 {what} in torch: {error}"
     return None
 
 
 def require_float8(keys: list[str], device: torch.device) -> None:
     """The float8 options ``keys`` (``ModelConfig.float8_keys``) can run on ``device``, or a ``ConfigError``
-    naming the first and why not."""
-    reason = float8_unavailable(device)
-    if reason is not None:
-        raise ConfigError(f"{keys[0]}: {reason}; set it to false")
+    naming the first that cannot and why: ``model.float8_experts`` needs the grouped GEMM, ``model.float8_linear``
+    the dense one."""
+    for key in keys:
+        reason = float8_unavailable(device, grouped=key == "model.float8_experts")
+        if reason is not None:
+            raise ConfigError(f"{key}: {reason}; set it to false")
 
 
 def gathered_rowwise_float8(tensor: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

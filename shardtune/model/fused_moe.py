@@ -64,6 +64,7 @@ from shardtune.model.moe import (
 try:  # Triton ships with CUDA builds of torch; without it these run as torch ops
     from shardtune.model import routing_kernels
     from shardtune.model.weighted_silu_kernel import (
+        FLOAT8_ROW_TILE,
         runs_on,
         weighted_silu_mul_backward,
         weighted_silu_mul_backward_float8,
@@ -71,6 +72,7 @@ try:  # Triton ships with CUDA builds of torch; without it these run as torch op
     )
 except ImportError:
     routing_kernels = weighted_silu_mul_backward = weighted_silu_mul_backward_float8 = weighted_silu_mul_float8 = None
+    FLOAT8_ROW_TILE = 0
 
 log = logging.getLogger("shardtune")
 
@@ -727,8 +729,14 @@ class Float8Experts(torch.autograd.Function):
 
 
 def _weighted_silu_mul_float8(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rowwise_float8(WeightedSiluMul(gate_up, row_weights))``: one Triton kernel on CUDA."""
-    if weighted_silu_mul_float8 is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+    """``rowwise_float8(WeightedSiluMul(gate_up, row_weights))``: one Triton kernel on CUDA, for rows it holds."""
+    width = gate_up.shape[1] // 2
+    if (
+        weighted_silu_mul_float8 is not None
+        and runs_on(gate_up.device)
+        and gate_up.shape[0] > 0
+        and width <= FLOAT8_ROW_TILE
+    ):
         return weighted_silu_mul_float8(gate_up.contiguous(), row_weights.contiguous())
     return rowwise_float8(_weighted_silu_mul(gate_up, row_weights, _silu_precision(gate_up)))
 

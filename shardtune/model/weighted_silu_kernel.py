@@ -14,11 +14,12 @@ bit.
 
 The float8 kernels quantize by rows (``float8.rowwise_float8``) what they compute, the activation (forward) or
 the gate/up gradient (backward) as bf16 would hold it, without writing it in bf16 first: a row's largest
-magnitude must be known before any of its e4m3 values, and inductor, given the torch ops, wrote the bf16 rows
-and read them twice more (an amax pass, then a scaling pass). Each of these holds a row in registers (up to
-2,048 wide; wider rows are computed twice, the second time from the L2 cache): on one H100, 87 against 138 us
+magnitude must be known before any of its e4m3 values, and inductor, given the torch ops, read the rows twice
+(an amax pass, then a scaling pass) and in backward first wrote them in bf16. Each of these holds a row in
+registers (up to 2,048 wide; the backward computes wider rows twice, the second time from the L2 cache): on one
+H100, 87 against 138 us
 (forward) and 147 against 162 + 191 us (backward, with the quantization it replaces) at Qwen3-30B-A3B's shape
-in a step's profile, 160 against 285 and 284 against 650 us at GLM-4.5-Air's (``--float8-silu``). The backward's
+in a step's profile, 156 against 288 and 281 against 652 us at GLM-4.5-Air's (``--float8-silu``). The backward's
 values and scales equal ``rowwise_float8`` of the bf16 kernel's gradient bit for bit on a GPU.
 
 It is a ``torch.library.triton_op``, so a compiled graph calls the kernel itself. Importing this module needs
@@ -126,26 +127,11 @@ def _weighted_silu_mul_float8_kernel(
     gate_up_row = gate_up_ptr + row * (2 * width)
     values_row = values_ptr + row * width
     rounded = gate_up_ptr.dtype.element_ty
-    if tile >= width:  # the row stays in registers between its largest magnitude and its e4m3 values
-        column = tl.arange(0, tile)
-        inside = column < width
-        hidden = _weighted_silu_tile(gate_up_row, column, inside, width, weight, rounded)
-        amax = tl.maximum(tl.max(tl.abs(hidden), axis=0), 1e-30)
-        _store_float8(values_row, column, inside, hidden, _inverse_scale(amax))
-    else:  # wider rows: computed twice, the second time from what the first read into the L2 cache
-        largest = tl.zeros([tile], dtype=tl.float32)
-        for start in tl.static_range(0, width, tile):
-            column = start + tl.arange(0, tile)
-            inside = column < width
-            largest = tl.maximum(
-                largest, tl.abs(_weighted_silu_tile(gate_up_row, column, inside, width, weight, rounded))
-            )
-        amax = tl.maximum(tl.max(largest, axis=0), 1e-30)
-        for start in tl.static_range(0, width, tile):
-            column = start + tl.arange(0, tile)
-            inside = column < width
-            hidden = _weighted_silu_tile(gate_up_row, column, inside, width, weight, rounded)
-            _store_float8(values_row, column, inside, hidden, _inverse_scale(amax))
+    column = tl.arange(0, tile)  # the whole row, in registers between its largest magnitude and its e4m3 values
+    inside = column < width
+    hidden = _weighted_silu_tile(gate_up_row, column, inside, width, weight, rounded)
+    amax = tl.maximum(tl.max(tl.abs(hidden), axis=0), 1e-30)
+    _store_float8(values_row, column, inside, hidden, _inverse_scale(amax))
     tl.store(scales_ptr + row, amax * RECIPROCAL_FLOAT8_MAX)
 
 
@@ -210,8 +196,10 @@ def weighted_silu_mul_backward(
     return grad_gate_up, grad_weights
 
 
-# The widest row the float8 kernels hold in registers at once (GLM-4.5-Air's 1,408 columns fit; Mixtral-8x7B's
-# 14,336 go in tiles of COLUMN_TILE, computed twice).
+# The widest row the float8 kernels hold in registers at once (GLM-4.5-Air's 1,408 columns fit). The backward
+# takes wider rows (Mixtral-8x7B's 14,336) in tiles of COLUMN_TILE, computed twice, still faster than writing and
+# quantizing the bf16 gradient (1,101 against 1,309 us on one H100); the forward's rows wider than this are left
+# to inductor, whose two passes were faster there (587 against 697 us).
 FLOAT8_ROW_TILE = 2048
 
 
@@ -224,12 +212,14 @@ def _float8_tile(width: int) -> int:
 def weighted_silu_mul_float8(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rowwise_float8`` of ``row_weights * SiLU(gate) * up`` as the GEMM output's dtype holds it, (e4m3 values,
     fp32 scale of each row), without writing that activation: the down projection's operand in float8
-    (``fused_moe.Float8Experts``). ``gate_up`` (rows, 2 * width) row-major, at least one row."""
+    (``fused_moe.Float8Experts``). ``gate_up`` (rows, 2 * width) row-major, at least one row, width at most
+    ``FLOAT8_ROW_TILE``."""
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    assert width <= FLOAT8_ROW_TILE, f"rows of {width} exceed the kernel's {FLOAT8_ROW_TILE}"
     values = torch.empty(rows, width, device=gate_up.device, dtype=float8.FLOAT8)
     scales = torch.empty(rows, device=gate_up.device, dtype=torch.float32)
     wrap_triton(_weighted_silu_mul_float8_kernel)[(rows,)](
-        gate_up, row_weights, values, scales, width, _float8_tile(width)
+        gate_up, row_weights, values, scales, width, triton.next_power_of_2(width)
     )
     return values, scales
 

@@ -74,15 +74,21 @@ def test_compiled_bf16_blocks_train_through_the_kernel_like_through_inductors_ke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
-@pytest.mark.parametrize("width", [768, 1408, 2100])  # Qwen3-30B-A3B's, GLM-4.5-Air's, and one in two passes
+# Qwen3-30B-A3B's, GLM-4.5-Air's, and one the backward takes in two passes
+@pytest.mark.parametrize("width", [768, 1408, 2100])
 def test_the_float8_kernels_on_a_gpu_quantize_as_rowwise_float8(width):
     """On a GPU the float8 kernels write ``rowwise_float8`` of what they quantize, as torch computes it there: the
     backward's of the bf16 kernel's gate/up gradient bit for bit (the weight gradient to fp32's summation order);
-    the forward's of the weighted SiLU computed in fp32 and rounded to bf16, where Triton's sigmoid is not torch's:
+    the forward's (rows it holds) of the weighted SiLU computed in fp32 and rounded to bf16, where Triton's sigmoid
+    is not torch's:
     scales to bf16's rounding of the largest value, e4m3 values at equal scales equal but for a rare one-step
     difference."""
     from shardtune.model.float8 import rowwise_float8
-    from shardtune.model.weighted_silu_kernel import weighted_silu_mul_backward_float8, weighted_silu_mul_float8
+    from shardtune.model.weighted_silu_kernel import (
+        FLOAT8_ROW_TILE,
+        weighted_silu_mul_backward_float8,
+        weighted_silu_mul_float8,
+    )
 
     generator = torch.Generator("cuda").manual_seed(2)
     rows = 4096
@@ -101,6 +107,8 @@ def test_the_float8_kernels_on_a_gpu_quantize_as_rowwise_float8(width):
         grad_weights, expected_weights, rtol=1e-5, atol=1e-5 * expected_weights.abs().max().item()
     )
 
+    if width > FLOAT8_ROW_TILE:  # the forward leaves rows this wide to inductor
+        return
     values, scales = weighted_silu_mul_float8(gate_up, row_weights)
     gate, up = gate_up.float().chunk(2, dim=-1)
     hidden = (gate * torch.sigmoid(gate) * up * row_weights.unsqueeze(-1)).to(torch.bfloat16)
