@@ -694,8 +694,8 @@ class Float8Experts(torch.autograd.Function):
       gathered bytes, for the same operands bit for bit;
     - the weighted SiLU writes the down projection's rows in e4m3 (``weighted_silu_mul_float8``), and its
       backward the gate/up input gradient's (``weighted_silu_mul_backward_float8``): Triton kernels on CUDA that
-      read each row once, where inductor wrote the bf16 rows, then read them twice more to quantize them; the
-      activation itself is never written, as ``WeightedSiluMul`` keeps only the gate/up output for backward;
+      read each row once, where inductor read the rows twice to quantize them (and in backward first wrote them
+      in bf16); the activation itself is never kept, as ``WeightedSiluMul`` keeps only the gate/up output;
     - the down projection's rows are summed back to the tokens here, and its backward quantizes each token's
       gradient once before gathering the rows, as gate/up does its tokens.
 

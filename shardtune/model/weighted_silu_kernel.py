@@ -17,10 +17,10 @@ the gate/up gradient (backward) as bf16 would hold it, without writing it in bf1
 magnitude must be known before any of its e4m3 values, and inductor, given the torch ops, read the rows twice
 (an amax pass, then a scaling pass) and in backward first wrote them in bf16. Each of these holds a row in
 registers (up to 2,048 wide; the backward computes wider rows twice, the second time from the L2 cache): on one
-H100, 87 against 138 us
-(forward) and 147 against 162 + 191 us (backward, with the quantization it replaces) at Qwen3-30B-A3B's shape
-in a step's profile, 156 against 288 and 281 against 652 us at GLM-4.5-Air's (``--float8-silu``). The backward's
-values and scales equal ``rowwise_float8`` of the bf16 kernel's gradient bit for bit on a GPU.
+H100, 87 against 138 us (forward) and 147 against 162 + 191 us (backward, with the quantization it replaces) at
+Qwen3-30B-A3B's shape in a step's profile, 156 against 288 and 281 against 652 us at GLM-4.5-Air's
+(``--float8-silu``). The backward's values and scales equal ``rowwise_float8`` of the bf16 kernel's gradient bit
+for bit on a GPU.
 
 It is a ``torch.library.triton_op``, so a compiled graph calls the kernel itself. Importing this module needs
 Triton (CUDA builds of torch on Linux ship it); ``fused_moe`` uses it on CUDA tensors where it imports.
