@@ -94,7 +94,15 @@ def test_eval_of_checkpoints_and_final_equals_the_runs_eval(lora_run: dict):
     assert result["examples"] == 4 and abs(result["eval_loss"] - lora_run["eval_loss"][2]) > 1e-3
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# DDP's case is in the data-parallel matrix (python -m pytest -m data_parallel); FSDP's, whose ranks evaluate from
+# shards, runs by default.
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("ddp", marks=pytest.mark.data_parallel),
+        pytest.param("fsdp", marks=[pytest.mark.data_parallel, pytest.mark.representative]),
+    ],
+)
 def test_eval_on_two_processes_equals_the_single_process_runs_eval(lora_run: dict, strategy: str):
     out = lora_run["out"]
     for source, step in ((out / "checkpoint-2", 2), (out / "final", 4)):

@@ -72,14 +72,21 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+# The data-parallel matrix (python -m pytest -m data_parallel) has both; FSDP's shards gathered into one process
+# run by default.
 @pytest.mark.parametrize(
     ("first", "second"),
     [
-        ((2, "parallel.strategy=fsdp"), (1, "training.gradient_accumulation_steps=2")),
-        ((1, "training.gradient_accumulation_steps=2"), (2, "parallel.strategy=ddp")),
+        pytest.param(
+            (2, "parallel.strategy=fsdp"), (1, "training.gradient_accumulation_steps=2"), id="fsdp2-to-1",
+            marks=[pytest.mark.data_parallel, pytest.mark.representative],
+        ),
+        pytest.param(
+            (1, "training.gradient_accumulation_steps=2"), (2, "parallel.strategy=ddp"), id="1-to-ddp2",
+            marks=pytest.mark.data_parallel,
+        ),
     ],
-    ids=["fsdp2-to-1", "1-to-ddp2"],
-)
+)  # fmt: skip
 def test_resume_on_another_world_size_and_strategy(tmp_path, first, second):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(tmp_path, straight, first[0], first[1], "training.max_steps=6", "lora.lora_dropout=0")
