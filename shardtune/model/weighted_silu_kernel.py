@@ -136,6 +136,16 @@ def _weighted_silu_mul_float8_kernel(
 
 
 @triton.jit
+def _rounded_silu_backward_tile(
+    gate_up_row, grad_row, column, inside, width: tl.constexpr, weight, rounded: tl.constexpr
+):
+    """``_silu_backward_tile`` with both halves of the gradient rounded to ``rounded`` (as the bf16 gradient would
+    hold them), in fp32."""
+    grad_gate, grad_up, terms = _silu_backward_tile(gate_up_row, grad_row, column, inside, width, weight)
+    return grad_gate.to(rounded).to(tl.float32), grad_up.to(rounded).to(tl.float32), terms
+
+
+@triton.jit
 def _weighted_silu_mul_backward_float8_kernel(
     gate_up_ptr, row_weights_ptr, grad_ptr, values_ptr, scales_ptr, grad_weights_ptr, width: tl.constexpr,
     tile: tl.constexpr,
@@ -149,9 +159,9 @@ def _weighted_silu_mul_backward_float8_kernel(
     if tile >= width:  # the row stays in registers between its largest magnitude and its e4m3 values
         column = tl.arange(0, tile)
         inside = column < width
-        grad_gate, grad_up, terms = _silu_backward_tile(gate_up_row, grad_row, column, inside, width, weight)
-        grad_gate = grad_gate.to(rounded).to(tl.float32)
-        grad_up = grad_up.to(rounded).to(tl.float32)
+        grad_gate, grad_up, terms = _rounded_silu_backward_tile(
+            gate_up_row, grad_row, column, inside, width, weight, rounded
+        )
         amax = tl.maximum(tl.max(tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)), axis=0), 1e-30)
         _store_float8(values_row, column, inside, grad_gate, _inverse_scale(amax))
         _store_float8(values_row + width, column, inside, grad_up, _inverse_scale(amax))
@@ -162,18 +172,20 @@ def _weighted_silu_mul_backward_float8_kernel(
         for start in tl.static_range(0, width, tile):
             column = start + tl.arange(0, tile)
             inside = column < width
-            grad_gate, grad_up, terms = _silu_backward_tile(gate_up_row, grad_row, column, inside, width, weight)
-            grad_gate = grad_gate.to(rounded).to(tl.float32)
-            grad_up = grad_up.to(rounded).to(tl.float32)
+            grad_gate, grad_up, terms = _rounded_silu_backward_tile(
+                gate_up_row, grad_row, column, inside, width, weight, rounded
+            )
             largest = tl.maximum(largest, tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)))
             dots += terms
         amax = tl.maximum(tl.max(largest, axis=0), 1e-30)
         for start in tl.static_range(0, width, tile):
             column = start + tl.arange(0, tile)
             inside = column < width
-            grad_gate, grad_up, _ = _silu_backward_tile(gate_up_row, grad_row, column, inside, width, weight)
-            _store_float8(values_row, column, inside, grad_gate.to(rounded).to(tl.float32), _inverse_scale(amax))
-            _store_float8(values_row + width, column, inside, grad_up.to(rounded).to(tl.float32), _inverse_scale(amax))
+            grad_gate, grad_up, _ = _rounded_silu_backward_tile(
+                gate_up_row, grad_row, column, inside, width, weight, rounded
+            )
+            _store_float8(values_row, column, inside, grad_gate, _inverse_scale(amax))
+            _store_float8(values_row + width, column, inside, grad_up, _inverse_scale(amax))
         dot = tl.sum(dots, axis=0)
     tl.store(scales_ptr + row, amax * RECIPROCAL_FLOAT8_MAX)
     tl.store(grad_weights_ptr + row, dot)
