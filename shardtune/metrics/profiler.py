@@ -2,8 +2,7 @@
 
 For each rank, ``<output_dir>/profile/``: ``rank<r>.txt`` (the operators with the most device time and
 the most host time, and how much of the profiled wall time the device was busy: well under 100% means
-the step waits on the host) and ``rank<r>.trace.json.gz`` (a Chrome/Perfetto trace; ``python -m
-shardtune.bench.profile_share`` on it tells where the device waited and what the host was doing then).
+the step waits on the host) and ``rank<r>.trace.json.gz`` (a Chrome/Perfetto trace).
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ class StepProfiler:
         self.profiler: profile | None = None
         self.started = 0.0
         self.collections = CollectionTimes()
-        self.trace_name = f"rank{rank}.trace.json.gz"
 
     def step_begins(self, step: int) -> None:
         if step != self.first:
@@ -62,15 +60,11 @@ class StepProfiler:
                 event.self_device_time_total for event in events if event.device_type == torch.autograd.DeviceType.CUDA
             )
             lines.append(f"device busy (sum of kernel times): {device_us / 1e6:.3f} s = {device_us / 1e6 / wall:.0%}")
-            lines.append(
-                "where the device waits, and what the host did meanwhile: python -m shardtune.bench.profile_share "
-                f"{self.output_dir / self.trace_name}"
-            )
             lines += ["", "by device time:", events.table(sort_by="self_cuda_time_total", row_limit=TABLE_ROWS)]
         lines += ["", "by host time:", events.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]
         report = self.output_dir / f"rank{self.rank}.txt"
         report.write_text("\n".join(lines) + "\n")
-        self.profiler.export_chrome_trace(str(self.output_dir / self.trace_name))
+        self.profiler.export_chrome_trace(str(self.output_dir / f"rank{self.rank}.trace.json.gz"))
         self.profiler = None
         log.info("profile of steps %d..%d: %s", self.first, self.last, report)
 

@@ -147,51 +147,6 @@ def test_profile_share_sorts_kernels_by_kind(tmp_path, capsys):
     assert printed.index("elementwise_kernel") < printed.index("index_put_kernel")
 
 
-def test_profile_share_finds_where_the_device_waits_and_what_the_host_did_then(tmp_path, capsys):
-    import gzip
-
-    from shardtune.bench import profile_share
-
-    def kernel(name, ts, dur, cat="kernel"):
-        return {"cat": cat, "name": name, "ph": "X", "ts": ts, "dur": dur}
-
-    events = [
-        kernel("gemm_a", 0, 100), kernel("norm", 100, 20),
-        kernel("copy_on_a_second_stream", 90, 50),  # overlaps: busy until 140, counted once
-        kernel("gemm_a", 145, 100),  # a 5 us gap: a launch's latency, not counted as a gap
-        kernel("Memset (Device)", 345, 5, "gpu_memset"),  # 100 us after gemm_a
-        kernel("gemm_a", 380, 100),  # 30 us after the memset
-        kernel("norm", 530, 20),  # 50 us
-        kernel("gemm_a", 650, 50),  # 100 us after norm: gemm_a -> ... and norm -> gemm_a, twice each
-        # the host: a step, and inside it the logging that kept the device waiting from 245 to 345
-        {"cat": "user_annotation", "name": "step", "ph": "X", "ts": 0, "dur": 700},
-        {"cat": "cpu_op", "name": "write_logs", "ph": "X", "ts": 200, "dur": 140},
-        {"cat": "cpu_op", "name": "aten::zero_", "ph": "X", "ts": 240, "dur": 10},
-        {"cat": "cpu_op", "name": "aten::mm", "ph": "X", "ts": 700, "dur": 10},
-    ]  # fmt: skip
-    trace = tmp_path / "rank0.trace.json.gz"
-    with gzip.open(trace, "wt") as handle:
-        json.dump({"traceEvents": events}, handle)
-    idle = profile_share.device_idle(events)
-    assert (idle.span, idle.busy) == (700, 140 + 100 + 5 + 100 + 20 + 50)
-    assert [(gap.start, gap.length, gap.before, gap.after) for gap in idle.gaps] == [
-        (245, 100, "gemm_a", "Memset (Device)"), (350, 30, "Memset (Device)", "gemm_a"),
-        (480, 50, "gemm_a", "norm"), (550, 100, "norm", "gemm_a"),
-    ]  # fmt: skip
-    assert profile_share.main([str(trace)]) == 0
-    printed = capsys.readouterr().out
-    assert "device idle: 0.3 ms of 0.7 ms (40.7%); 0.3 ms of it in 4 gaps over 10 us" in printed
-    pairs = printed[printed.index("gaps by the device work") : printed.index("the 8 longest gaps")].splitlines()[1:]
-    assert [line.split() for line in pairs] == [
-        ["0.10", "ms", "1x", "gemm_a", "->", "Memset", "(Device)"], ["0.10", "ms", "1x", "norm", "->", "gemm_a"],
-        ["0.05", "ms", "1x", "gemm_a", "->", "norm"], ["0.03", "ms", "1x", "Memset", "(Device)", "->", "gemm_a"],
-    ]  # fmt: skip
-    longest = printed[printed.index("the 8 longest gaps") :].splitlines()
-    assert longest[1].split() == ["0.10", "ms", "gemm_a", "->", "Memset", "(Device)"]
-    assert longest[2].strip() == "host: step / write_logs / aten::zero_"
-    assert longest[4].strip() == "host: step"
-
-
 def test_calibrated_routing_needs_moe_layers(tmp_path, capsys, tiny_model_dir, alpaca_file):
     config = tmp_path / "config.yaml"
     config.write_text(
