@@ -412,6 +412,9 @@ host-overhead)
     PYTHONPATH="$work/combo${PYTHONPATH:+:$PYTHONPATH}" bench host-combo-kernels "${layers[@]}"
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 bench host-coordinate-descent "${layers[@]}"
     bench host-default-again "${layers[@]}"
+    # The C++ wrapper where every layer is checkpointed (each forward runs twice), against the default.
+    bench host-checkpointed "${layers[@]}" training.gradient_checkpointing=true
+    TORCHINDUCTOR_CPP_WRAPPER=1 bench host-cpp-wrapper-checkpointed "${layers[@]}" training.gradient_checkpointing=true
     ;;
 float8)
     # model.float8_experts and model.float8_linear (shardtune/model/float8.py): the GEMMs in bf16 against float8
