@@ -140,8 +140,8 @@ def _type_error(value: Any, type_name: str) -> str | None:
     elif type_name == "str":
         ok = isinstance(value, str)
     elif type_name == "list[int]":
-        # A plain loop over a list's items: an expert usage row has 6,144 of them (48 layers x 128 experts),
-        # checked while the device waits for the next step.
+        # One pass with no call of _type_error per item: an expert usage record has 6,144 of them (48 layers x
+        # 128 experts), checked while the device waits for the next step.
         ok = isinstance(value, list) and all(map(_is_int, value))
     else:  # list[layer]: checked field by field by the caller
         ok = isinstance(value, list) and all(isinstance(item, dict) for item in value)
