@@ -163,8 +163,9 @@ def _weighted_silu_mul_backward_float8_kernel(
             gate_up_row, grad_row, column, inside, width, weight, rounded
         )
         amax = tl.maximum(tl.max(tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)), axis=0), 1e-30)
-        _store_float8(values_row, column, inside, grad_gate, _inverse_scale(amax))
-        _store_float8(values_row + width, column, inside, grad_up, _inverse_scale(amax))
+        inverse_scale = _inverse_scale(amax)
+        _store_float8(values_row, column, inside, grad_gate, inverse_scale)
+        _store_float8(values_row + width, column, inside, grad_up, inverse_scale)
         dot = tl.sum(terms, axis=0)
     else:  # wider rows: computed twice, the second time from what the first read into the L2 cache
         largest = tl.zeros([tile], dtype=tl.float32)
@@ -178,14 +179,15 @@ def _weighted_silu_mul_backward_float8_kernel(
             largest = tl.maximum(largest, tl.maximum(tl.abs(grad_gate), tl.abs(grad_up)))
             dots += terms
         amax = tl.maximum(tl.max(largest, axis=0), 1e-30)
+        inverse_scale = _inverse_scale(amax)
         for start in tl.static_range(0, width, tile):
             column = start + tl.arange(0, tile)
             inside = column < width
             grad_gate, grad_up, _ = _rounded_silu_backward_tile(
                 gate_up_row, grad_row, column, inside, width, weight, rounded
             )
-            _store_float8(values_row, column, inside, grad_gate, _inverse_scale(amax))
-            _store_float8(values_row + width, column, inside, grad_up, _inverse_scale(amax))
+            _store_float8(values_row, column, inside, grad_gate, inverse_scale)
+            _store_float8(values_row + width, column, inside, grad_up, inverse_scale)
         dot = tl.sum(dots, axis=0)
     tl.store(scales_ptr + row, amax * RECIPROCAL_FLOAT8_MAX)
     tl.store(grad_weights_ptr + row, dot)
