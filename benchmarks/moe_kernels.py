@@ -49,7 +49,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from shardtune.model import fused_moe
-from shardtune.model.float8 import rowwise_float8
+from shardtune.model.float8 import float8_grouped_mm, resolve_float8_grouped_gemm, rowwise_float8
 from shardtune.model.fused_moe import _sum_rows as sum_rows
 from shardtune.model.fused_moe import _weighted_silu_mul, weighted_silu_mul_backward_ops
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable
@@ -338,13 +338,15 @@ def routing(report) -> None:
 
 
 def float8_gemms(report) -> None:
-    """The experts' GEMMs in bf16 (CUTLASS) against float8 e4m3 with rowwise scales (torch._scaled_grouped_mm, as
-    ``model.float8_experts`` runs them: the weight quantized once, as a frozen one is; the rows each call,
-    compiled), and each one's error against the fp32 product; then the attention projections' dense GEMMs the
-    same way (torch._scaled_mm)."""
+    """The experts' GEMMs in bf16 (CUTLASS) against float8 e4m3 with rowwise scales (torch._scaled_grouped_mm
+    without and with fast accumulation, and shardtune's Triton kernel where it runs, as ``model.float8_experts``
+    runs them: the weight quantized once, as a frozen one is; the rows each call, compiled), and each one's error
+    against the fp32 product; then the attention projections' dense GEMMs the same way (torch._scaled_mm)."""
     quantize = torch.compile(rowwise_float8, dynamic=False)
-    report("float8 GEMMs: bf16 CUTLASS | float8 | float8 fast accumulation | quantizing the rows "
-           "(relative error against fp32: bf16 / float8 fast accumulation)")  # fmt: skip
+    kernel = resolve_float8_grouped_gemm("auto", torch.device("cuda")) == "triton"
+    report("float8 GEMMs: bf16 CUTLASS | float8 | float8 fast accumulation | "
+           + "shardtune's Triton kernel (bit for bit equal to fast accumulation?) | " * kernel
+           + "quantizing the rows (relative error against fp32: bf16 / float8 fast accumulation)")  # fmt: skip
 
     def scaled(rows, row_scales, values, scales, bounds, fast):
         return torch._scaled_grouped_mm(rows, values.transpose(-2, -1), row_scales, scales, offs=bounds[1:],
@@ -376,10 +378,16 @@ def float8_gemms(report) -> None:
             operands = (row_values, row_scales, values, scales, bounds)
             times = [seconds(grouped_mm, inputs, weight.transpose(-2, -1), bounds)]
             times += [seconds(scaled, *operands, fast) for fast in (False, True)]
+            equal = ""
+            if kernel:
+                times.append(seconds(float8_grouped_mm, *operands, torch.bfloat16, "triton"))
+                same = torch.equal(float8_grouped_mm(*operands, torch.bfloat16, "triton"), scaled(*operands, True))
+                equal = f" (kernel {'equal' if same else 'DIFFERENT'})"
             reference = torch._grouped_mm(inputs.float(), weight.float().transpose(-2, -1), offs=bounds[1:])
             bf16_error = error(grouped_mm(inputs, weight.transpose(-2, -1), bounds), reference)
             float8_error = error(scaled(*operands, True), reference)
-            line(f"{name} {what}", flops, times, seconds(quantize, inputs), f" ({bf16_error:.1e} / {float8_error:.1e})")
+            errors = f" ({bf16_error:.1e} / {float8_error:.1e}){equal}"
+            line(f"{name} {what}", flops, times, seconds(quantize, inputs), errors)
     projections = [("qwen3 q_proj", 2048, 4096), ("qwen3 o_proj", 4096, 2048), ("glm-air q_proj", 4096, 12288),
                    ("glm-air o_proj", 12288, 4096)]  # fmt: skip
     for name, hidden, outputs in projections:

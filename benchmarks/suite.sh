@@ -29,7 +29,8 @@
 # step waits on the host, and inductor settings against the default, 32 layers on an 80 GB GPU), float8
 # (model.float8_experts and float8_linear: the GEMMs alone, steps against bf16's on an 80 GB GPU, and the
 # Qwen3-30B-A3B and GLM-4.5-Air runs against HF on one H200; BENCH_ONLY: moe-kernels and run names; BENCH_CODE: another
-# checkout's package timed in turn with this one's, f8-code-*). Each run's bench.json (and profile report, where one is taken) is copied to
+# checkout's package timed in turn with this one's, f8-code-*), float8-gemm (the float8 experts' grouped GEMM:
+# shardtune's Triton kernel against torch's, alternating on an 80 GB GPU; BENCH_ONLY: moe-kernels and run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -455,6 +456,26 @@ float8)
     bench f8-qwen3-experts "${qwen3[@]}" "${all[@]}" 'lora.moe_targets=[attention,routed_experts]' \
         training.memory_budget_gib=79.5
     bench f8-glm-air-20l --shape glm-4.5-air --layers 20 "${qwen3[@]:2}" "${all[@]}"
+    ;;
+float8-gemm)
+    # The float8 experts' grouped GEMM: shardtune's Triton kernel (shardtune/model/float8_grouped_kernel.py, the
+    # default on Hopper) against torch._scaled_grouped_mm (model.grouped_gemm=torch), both float8 options on, no
+    # checkpointing, alternating in one call on an 80 GB GPU: Qwen3-30B-A3B LoRA on attention (32 layers) and
+    # GLM-4.5-Air (10 layers), twice each. The kernels alone: `BENCH_ONLY=moe-kernels` (moe_kernels.py --float8);
+    # against HF on one H200: `BENCH_ONLY="f8-qwen3-attn f8-glm-air-20l" benchmarks/suite.sh float8 DIR`.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
+        python3 "$(dirname "$0")/moe_kernels.py" --float8 --shapes qwen3-30b-a3b glm-4.5-air mixtral-8x7b \
+            --out "$results/moe_kernels_float8_triton.txt"
+    fi
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    all=(model.float8_experts=true model.float8_linear=true)
+    common=(--seq 4096 --batch 2 --steps 8 --warmup 3 training.gradient_checkpointing=false "${all[@]}" "${extra[@]}")
+    for round in 1 2; do
+        bench "f8g-qwen3-torch-$round" --shape qwen3-30b-a3b --layers 32 "${common[@]}" model.grouped_gemm=torch
+        bench "f8g-qwen3-triton-$round" --shape qwen3-30b-a3b --layers 32 "${common[@]}"
+        bench "f8g-glm-torch-$round" --shape glm-4.5-air --layers 10 "${common[@]}" model.grouped_gemm=torch
+        bench "f8g-glm-triton-$round" --shape glm-4.5-air --layers 10 "${common[@]}"
+    done
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

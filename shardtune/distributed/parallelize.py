@@ -38,7 +38,7 @@ from shardtune.distributed.expert_parallel import (
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
-from shardtune.model.float8 import require_float8, use_float8_linears
+from shardtune.model.float8 import describe_float8_grouped_gemm, require_float8, use_float8_linears
 from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
 from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
@@ -179,19 +179,26 @@ def parallelize(
         model = model.to(env.device)
     if float8:
         # Every rank has rank 0's weights by now and quantizes them alike.
-        use_float8(model, env.device, config.model.float8_experts, config.model.float8_linear)
+        model_config = config.model
+        use_float8(
+            model, env.device, model_config.float8_experts, model_config.float8_linear, model_config.grouped_gemm
+        )
     return model
 
 
-def use_float8(model: torch.nn.Module, device: torch.device, experts: bool, linear: bool) -> None:
+def use_float8(
+    model: torch.nn.Module, device: torch.device, experts: bool, linear: bool, grouped_gemm: str = "auto"
+) -> None:
     """``model.float8_experts`` and ``model.float8_linear``: the frozen routed experts, and the frozen linear
     layers of the decoder layers (routers excepted: they route in fp32), quantized to float8 on ``device``
-    (``shardtune/model/float8.py``)."""
+    (``shardtune/model/float8.py``); the experts' grouped GEMM as ``model.grouped_gemm`` (``grouped_gemm``)
+    picks."""
     on = {"model.float8_experts": experts, "model.float8_linear": linear}
     require_float8([key for key, wanted in on.items() if wanted], device)
-    how = "torch's float8 GEMMs, fast accumulation" if device.type == "cuda" else "emulated in fp32 on the CPU"
+    cuda = device.type == "cuda"
     if experts:
-        blocks = use_float8_experts(model)
+        blocks, backend = use_float8_experts(model, grouped_gemm)
+        how = describe_float8_grouped_gemm(backend, device) + (", fast accumulation" if cuda else "")
         log.info("float8: the frozen routed experts of %d MoE layers in e4m3, rowwise scales (%s)", blocks, how)
     if linear:
         fused = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
@@ -202,6 +209,7 @@ def use_float8(model: torch.nn.Module, device: torch.device, experts: bool, line
                 "model.float8_linear: the decoder layers have no frozen linear layer (every weight trains: full "
                 "fine-tuning?); set it to false"
             )
+        how = "torch._scaled_mm, fast accumulation" if cuda else "emulated in fp32 on the CPU"
         log.info("float8: %d frozen linear layers of the decoder layers in e4m3, rowwise scales (%s)", count, how)
 
 

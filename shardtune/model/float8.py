@@ -30,6 +30,11 @@ import torch
 
 from shardtune.errors import ConfigError
 
+try:  # Triton ships with CUDA builds of torch; without it torch._scaled_grouped_mm runs
+    from shardtune.model import float8_grouped_kernel
+except ImportError:
+    float8_grouped_kernel = None
+
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
 
@@ -57,12 +62,32 @@ def quantize_expert_weight(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return values, scales, values_t, scales_t
 
 
+def resolve_float8_grouped_gemm(requested: str, device: torch.device) -> str:
+    """The float8 experts' grouped GEMM for ``model.grouped_gemm`` ``requested`` on ``device``: ``triton``
+    (shardtune's kernel, ``float8_grouped_kernel.py``: the same output as torch's, faster where it was measured)
+    where it runs, unless ``torch`` is requested; else ``torch`` (``torch._scaled_grouped_mm`` on GPUs, the fp32
+    emulation on CPUs)."""
+    if requested != "torch" and float8_grouped_kernel is not None and float8_grouped_kernel.runs_on(device):
+        return "triton"
+    return "torch"
+
+
+def describe_float8_grouped_gemm(backend: str, device: torch.device) -> str:
+    """The kernel of ``resolve_float8_grouped_gemm``'s ``backend``, for the log."""
+    if backend == "triton":
+        return "shardtune's Triton grouped GEMM" + ("" if device.type == "cuda" else ", interpreted")
+    return "torch._scaled_grouped_mm" if device.type == "cuda" else "emulated in fp32 on the CPU"
+
+
 def float8_grouped_mm(
     rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bounds: torch.Tensor,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, backend: str = "torch",
 ) -> torch.Tensor:  # fmt: skip
     """(rows * row_scales) @ (values[e] * scales[e])^T for the rows of each expert e, rows bounds[e]:bounds[e + 1];
-    ``values`` (E, N, K) e4m3, ``scales`` (E, N). Written in ``out_dtype``."""
+    ``values`` (E, N, K) e4m3, ``scales`` (E, N). Written in ``out_dtype``, by ``backend``
+    (``resolve_float8_grouped_gemm``); operands the Triton kernel cannot take go to torch's."""
+    if backend == "triton" and out_dtype == torch.bfloat16 and float8_grouped_kernel.kernel_takes(rows):
+        return torch.ops.shardtune.float8_grouped_mm(rows, row_scales, values, scales, bounds)
     if rows.is_cuda:
         return torch._scaled_grouped_mm(
             rows, values.transpose(-2, -1), row_scales, scales, offs=bounds[1:], out_dtype=out_dtype,
@@ -156,15 +181,16 @@ class Float8Product(torch.autograd.Function):
     quantized here, the output gradient in backward. Gives the rows' gradient only."""
 
     @staticmethod
-    def forward(ctx, rows, values, scales, values_t, scales_t, bounds):
+    def forward(ctx, rows, values, scales, values_t, scales_t, bounds, backend: str):
         ctx.save_for_backward(values_t, scales_t, bounds)
-        return float8_grouped_mm(*rowwise_float8(rows), values, scales, bounds, rows.dtype)
+        ctx.backend = backend
+        return float8_grouped_mm(*rowwise_float8(rows), values, scales, bounds, rows.dtype, backend)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         values_t, scales_t, bounds = ctx.saved_tensors
-        grad_rows = float8_grouped_mm(*rowwise_float8(grad), values_t, scales_t, bounds, grad.dtype)
-        return grad_rows, None, None, None, None, None
+        grad_rows = float8_grouped_mm(*rowwise_float8(grad), values_t, scales_t, bounds, grad.dtype, ctx.backend)
+        return grad_rows, None, None, None, None, None, None
 
 
 def float8_mm(rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,

@@ -43,6 +43,7 @@ from shardtune.model.float8 import (
     float8_grouped_mm,
     gathered_rowwise_float8,
     quantize_expert_weight,
+    resolve_float8_grouped_gemm,
     rowwise_float8,
 )
 from shardtune.model.grouped_gemm import (
@@ -60,12 +61,12 @@ from shardtune.model.moe import (
     sum_real,
     token_statistics,
 )
+from shardtune.model.triton_kernels import runs_on
 
 try:  # Triton ships with CUDA builds of torch; without it these run as torch ops
     from shardtune.model import routing_kernels
     from shardtune.model.weighted_silu_kernel import (
         FLOAT8_ROW_TILE,
-        runs_on,
         weighted_silu_mul_backward,
         weighted_silu_mul_backward_float8,
         weighted_silu_mul_float8,
@@ -204,20 +205,24 @@ def use_fused_experts(
     return find_moe_blocks(model, layers)
 
 
-def use_float8_experts(model: torch.nn.Module) -> int:
+def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tuple[int, str]:
     """``model.float8_experts``: quantize the frozen routed experts of every fused MoE block of ``model`` to
-    float8 (``float8.py``) where they are now; returns the number of blocks. Each weight's parameter keeps its name
-    and shape and holds the forward's e4m3 values, with the scales and the input gradient's copy as buffers beside
-    it (``_float8_weight``), so the bf16 weight's memory is freed. Only the adapter is ever saved from such a
-    model: the checkpoints and ``final/`` of LoRA hold trainable parameters only."""
+    float8 (``float8.py``) where they are now; returns the number of blocks and the grouped GEMM they compute
+    with (``resolve_float8_grouped_gemm`` of ``model.grouped_gemm``, ``grouped_gemm``). Each weight's parameter
+    keeps its name and shape and holds the forward's e4m3 values, with the scales and the input gradient's copy as
+    buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Only the adapter is ever saved
+    from such a model: the checkpoints and ``final/`` of LoRA hold trainable parameters only."""
     blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
     if not blocks:
         raise ConfigError(
             "model.float8_experts: this model has no fused MoE blocks (model.experts_implementation: fused runs "
             "the routed experts' GEMMs it quantizes); set it to false"
         )
+    backend = "torch"
     for block in blocks:
         experts = parameter_adapters(block.experts)[0]
+        backend = resolve_float8_grouped_gemm(grouped_gemm, experts.gate_up_proj.device)
+        block.experts.float8_grouped_gemm = backend  # read by routed_experts, as grouped_gemm is
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(experts, name)
             if weight.requires_grad:
@@ -230,7 +235,7 @@ def use_float8_experts(model: torch.nn.Module) -> int:
             experts.register_buffer(f"{name}_scale", scales, persistent=False)
             experts.register_buffer(f"{name}_t", values_t, persistent=False)
             experts.register_buffer(f"{name}_t_scale", scales_t, persistent=False)
-    return len(blocks)
+    return len(blocks), backend
 
 
 def _float8_weight(experts: torch.nn.Module, name: str) -> tuple[torch.Tensor, ...] | None:
@@ -483,6 +488,7 @@ def routed_experts(
     # and rows travel to the rank of their expert and back.
     dispatch = getattr(experts, "expert_dispatch", None)
     backend = experts.grouped_gemm
+    float8_backend = getattr(experts, "float8_grouped_gemm", "torch")
     experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up, tokens)
@@ -494,8 +500,9 @@ def routed_experts(
     if gate_up_float8 is not None and dispatch is None and not adapters:  # LoRA on attention, the MoE default
         token_of_row = (order // top_k).to(torch.int32)
         return Float8Experts.apply(
-            tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, *gate_up_float8, *down_float8
-        )
+            tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, float8_backend, *gate_up_float8,
+            *down_float8,
+        )  # fmt: skip
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     if dispatch is not None:
         rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
@@ -508,7 +515,9 @@ def routed_experts(
 
     low_rank = regathered if dispatch is None else None
     gate_up_adapters = adapters.get("gate_up_proj", [])
-    projected = _projection(rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8)
+    projected = _projection(
+        rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend
+    )  # fmt: skip
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _silu_precision(projected) == torch.float32
@@ -522,7 +531,9 @@ def routed_experts(
         token_of_row = (order // top_k).to(torch.int32)
         weight = down.to(dtype).transpose(-2, -1)
         return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, backend)
-    outputs = _projection(hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8)
+    outputs = _projection(
+        hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8, float8_backend
+    )  # fmt: skip
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
     return SumRows.apply(outputs, order, inverse, top_k)
@@ -537,11 +548,12 @@ def _projection(
     backend: str,
     low_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
     float8: tuple[torch.Tensor, ...] | None = None,
+    float8_backend: str = "torch",
 ) -> torch.Tensor:
-    """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight; in float8 where
-    ``float8``, W's quantized forms, is given), plus each LoRA adapter's rows @ A_e^T @ B_e^T * scaling
-    (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared adapter, without keeping ``rows`` for
-    backward).
+    """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight; in float8 by
+    ``float8_backend`` where ``float8``, W's quantized forms, is given), plus each LoRA adapter's
+    rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared adapter,
+    without keeping ``rows`` for backward).
 
     ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
     rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
@@ -549,7 +561,7 @@ def _projection(
     """
     num_experts = weight.shape[0]
     if float8 is not None:
-        result = Float8Product.apply(rows, *float8, bounds)
+        result = Float8Product.apply(rows, *float8, bounds, float8_backend)
     else:
         result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), bounds, backend)
     for lora_a, lora_b, scaling, rank, shared in adapters:
@@ -703,18 +715,18 @@ class Float8Experts(torch.autograd.Function):
     rounding of the SiLU's math. Gives the tokens' and the routing weights' gradients."""
 
     @staticmethod
-    def forward(ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, *weights):
+    def forward(ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, backend: str, *weights):
         gate_up_values, gate_up_scales, gate_up_values_t, gate_up_scales_t = weights[:4]
         down_values, down_scales, down_values_t, down_scales_t = weights[4:]
         rows = gathered_rowwise_float8(tokens, token_of_row)
-        projected = float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype)
+        projected = float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype, backend)
         hidden = _weighted_silu_mul_float8(projected, row_weights)
-        output = float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype)
+        output = float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype, backend)
         ctx.save_for_backward(
             projected, row_weights, token_of_row, inverse, bounds, gate_up_values_t, gate_up_scales_t, down_values_t,
             down_scales_t,
         )  # fmt: skip
-        ctx.top_k = top_k
+        ctx.top_k, ctx.backend = top_k, backend
         return _sum_rows(output, inverse, top_k)
 
     @staticmethod
@@ -722,10 +734,12 @@ class Float8Experts(torch.autograd.Function):
         projected, row_weights, token_of_row, inverse, bounds, *weights = ctx.saved_tensors
         gate_up_values_t, gate_up_scales_t, down_values_t, down_scales_t = weights
         rows = gathered_rowwise_float8(grad, token_of_row)
-        grad_hidden = float8_grouped_mm(*rows, down_values_t, down_scales_t, bounds, grad.dtype)
+        grad_hidden = float8_grouped_mm(*rows, down_values_t, down_scales_t, bounds, grad.dtype, ctx.backend)
         *grad_projected, grad_weights = _weighted_silu_mul_backward_float8(projected, row_weights, grad_hidden)
-        grad_rows = float8_grouped_mm(*grad_projected, gate_up_values_t, gate_up_scales_t, bounds, grad.dtype)
-        return _sum_rows(grad_rows, inverse, ctx.top_k), grad_weights, *([None] * 12)
+        grad_rows = float8_grouped_mm(
+            *grad_projected, gate_up_values_t, gate_up_scales_t, bounds, grad.dtype, ctx.backend
+        )  # fmt: skip
+        return _sum_rows(grad_rows, inverse, ctx.top_k), grad_weights, *([None] * 13)
 
 
 def _weighted_silu_mul_float8(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

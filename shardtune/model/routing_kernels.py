@@ -15,7 +15,7 @@ one kernel and the order two, with the same results:
   ``torch.sort``'s stable one.
 
 Both are ``torch.library.triton_op``s, so a compiled graph calls the kernels itself. Importing this module
-needs Triton; ``fused_moe`` uses the kernels on CUDA tensors (``weighted_silu_kernel.runs_on``) and torch ops
+needs Triton; ``fused_moe`` uses the kernels on CUDA tensors (``triton_kernels.runs_on``) and torch ops
 elsewhere. Under ``TRITON_INTERPRET=1`` they run on CPU tensors, which is how the CPU tests check them
 (``tests/train/test_routing_kernels.py``).
 """

@@ -30,24 +30,12 @@ Under ``TRITON_INTERPRET=1`` it runs on CPU tensors too, which is how the CPU te
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from shardtune.model import float8
-
-# Set before Triton is imported, TRITON_INTERPRET=1 makes its kernels run on CPU tensors (as numpy).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel runs on tensors of ``device``: CUDA devices, and eagerly any under Triton's
-    interpreter (inductor would build the interpreted kernel into a CPU graph)."""
-    return device.type == "cuda" or (INTERPRETED and not torch.compiler.is_compiling())
-
 
 FLOAT8_MAX = tl.constexpr(float8.FLOAT8_MAX)  # e4m3's largest magnitude
 RECIPROCAL_FLOAT8_MAX = tl.constexpr(1 / float8.FLOAT8_MAX)

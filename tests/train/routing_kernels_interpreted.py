@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model import fused_moe, routing_kernels
-from shardtune.model.weighted_silu_kernel import INTERPRETED
+from shardtune.model.triton_kernels import INTERPRETED
 
 
 def sorted_by_expert(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, ...]:

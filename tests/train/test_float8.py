@@ -33,6 +33,7 @@ from shardtune.model.float8 import (
     float8_grouped_mm,
     float8_unavailable,
     quantize_expert_weight,
+    resolve_float8_grouped_gemm,
     rowwise_float8,
 )
 from shardtune.model.fused_moe import (
@@ -144,7 +145,7 @@ def test_float8_product_and_its_input_gradient_are_the_dequantized_operands_prod
     bounds = torch.tensor([0, *torch.tensor(COUNTS).cumsum(0).tolist()], dtype=torch.int32)
     rows = torch.randn(sum(COUNTS), fan_in, generator=generator) * torch.logspace(-3, 2, sum(COUNTS))[:, None]
     rows.requires_grad_()
-    output = Float8Product.apply(rows, values, scales, values_t, scales_t, bounds)
+    output = Float8Product.apply(rows, values, scales, values_t, scales_t, bounds, "torch")
     assert output.dtype == torch.float32 and output.shape == (sum(COUNTS), fan_out)
     expected = grouped_reference(dequantized(*rowwise_float8(rows.detach())), dequantized(values, scales), COUNTS)
     assert_relative(output.detach(), expected, 1e-6)
@@ -185,10 +186,10 @@ def test_the_fused_float8_experts_equal_their_steps_one_by_one(dtype):
         row_weights = weights.clone().requires_grad_()
         if fused:
             token_of_row = (order // top_k).to(torch.int32)
-            output = Float8Experts.apply(x, row_weights, token_of_row, inverse, top_k, bounds, *gate_up, *down)
+            output = Float8Experts.apply(x, row_weights, token_of_row, inverse, top_k, bounds, "torch", *gate_up, *down)
         else:
-            projected = Float8Product.apply(GatherRows.apply(x, order, inverse, top_k), *gate_up, bounds)
-            rows = Float8Product.apply(WeightedSiluMul.apply(projected, row_weights), *down, bounds)
+            projected = Float8Product.apply(GatherRows.apply(x, order, inverse, top_k), *gate_up, bounds, "torch")
+            rows = Float8Product.apply(WeightedSiluMul.apply(projected, row_weights), *down, bounds, "torch")
             output = SumRows.apply(rows, order, inverse, top_k)
         output.backward(grad)
         results.append((output.detach(), x.grad, row_weights.grad))
@@ -507,9 +508,10 @@ def test_a_dense_model_trains_with_float8_linear_layers_and_saves_the_same_adapt
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
-def test_scaled_grouped_mm_on_a_gpu_equals_the_emulation():
-    """On a Hopper GPU torch._scaled_grouped_mm multiplies the quantized operands (fast accumulation, bf16
-    output) as the fp32 emulation does, to bf16's rounding of the outputs; forward and input gradient, an
+def test_float8_grouped_mm_on_a_gpu_equals_the_emulation():
+    """On a Hopper GPU the float8 grouped GEMM (shardtune's kernel, the same as torch._scaled_grouped_mm's bit for
+    bit: test_float8_grouped_kernel.py) multiplies the quantized operands (fast accumulation, bf16 output) as
+    the fp32 emulation does, to bf16's rounding of the outputs; forward and input gradient, an
     expert without a row among them, the experts' row counts not multiples of 16 (tokens route as they like)."""
     cuda = torch.device("cuda")
     if torch.cuda.get_device_capability(cuda)[0] != 9:
@@ -527,9 +529,12 @@ def test_scaled_grouped_mm_on_a_gpu_equals_the_emulation():
     for device in (CPU, cuda):
         quantized = [tensor.to(device) for tensor in quantize_expert_weight(weight.to(device))]
         x = rows.to(device).detach().requires_grad_()
-        output = Float8Product.apply(x, *quantized, bounds.to(device))
+        backend = resolve_float8_grouped_gemm("auto", device)  # on a Hopper GPU shardtune's kernel
+        output = Float8Product.apply(x, *quantized, bounds.to(device), backend)
         output.backward(grad.to(device))
-        direct = float8_grouped_mm(*rowwise_float8(rows.to(device)), *quantized[:2], bounds.to(device), torch.bfloat16)
+        direct = float8_grouped_mm(
+            *rowwise_float8(rows.to(device)), *quantized[:2], bounds.to(device), torch.bfloat16, backend
+        )
         results[device.type] = [tensor.detach().cpu().float() for tensor in (output, x.grad, direct)]
     for name, got, emulated in zip(
         ["output", "input gradient", "direct"], results["cuda"], results["cpu"], strict=True

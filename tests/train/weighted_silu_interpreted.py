@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model import fused_moe
 from shardtune.model.float8 import FLOAT8, FLOAT8_MAX
+from shardtune.model.triton_kernels import INTERPRETED
 from shardtune.model.weighted_silu_kernel import (
     FLOAT8_ROW_TILE,
-    INTERPRETED,
     weighted_silu_mul_backward,
     weighted_silu_mul_backward_float8,
     weighted_silu_mul_float8,
