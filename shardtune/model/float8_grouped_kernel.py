@@ -23,6 +23,8 @@ tensors (``tests/train/test_float8_grouped_kernel.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -83,33 +85,62 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 
-@torch.library.custom_op("shardtune::float8_grouped_mm", mutates_args=())
-def float8_grouped_mm(
+# Registered with the dispatcher directly: torch.library.custom_op's wrapper (its autograd and aliasing checks at
+# every call) cost about 65 us of host time a call, and a step of Qwen3-30B-A3B makes 192 of these calls where the
+# device is otherwise busy 93% of the time (one H200): the host's time there delays the device.
+torch.library.define(
+    "shardtune::float8_grouped_mm",
+    "(Tensor rows, Tensor row_scales, Tensor values, Tensor scales, Tensor bounds) -> Tensor",
+)
+
+
+@torch.library.impl("shardtune::float8_grouped_mm", ["CUDA", "CPU"])
+def _float8_grouped_mm(
     rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bounds: torch.Tensor
 ) -> torch.Tensor:
     """bf16 ``(rows * row_scales) @ (values[e] * scales[e])^T`` for each expert e's rows bounds[e]:bounds[e + 1]:
     ``rows`` (M, K) and ``values`` (E, N, K) e4m3, K a multiple of 16 (``kernel_takes``); ``row_scales`` (M,)
     and ``scales`` (E, N) fp32; ``bounds`` (E + 1,) int32. An opaque op to torch.compile: Triton builds its TMA
-    descriptors on the host."""
+    descriptors on the host. (CPU tensors: under Triton's interpreter only.)"""
     experts, columns, depth = values.shape
     out = rows.new_empty(rows.shape[0], columns, dtype=torch.bfloat16)
     if rows.shape[0] == 0:
         return out
     rows, values = _aligned(rows), _aligned(values)
-    programs = 4 if rows.device.type == "cpu" else torch.cuda.get_device_properties(rows.device).multi_processor_count
+    programs = _programs(rows.device)
     rows_desc = TensorDescriptor.from_tensor(rows, [BLOCK_M, BLOCK_K])
     values_desc = TensorDescriptor.from_tensor(values.view(experts * columns, depth), [BLOCK_N, BLOCK_K])
-    _grouped_float8_kernel[(programs,)](
+    arguments = (
         rows_desc, row_scales, values_desc, scales, bounds, out, columns, depth, experts,
-        triton.next_power_of_2(experts), BLOCK_M, BLOCK_N, BLOCK_K, STAGES, programs, num_warps=WARPS,
-        num_stages=STAGES,
+        triton.next_power_of_2(experts), BLOCK_M, BLOCK_N, BLOCK_K, STAGES, programs,
     )  # fmt: skip
+    # What Triton specializes a compiled kernel on besides the constants: whether each address is 16-byte aligned.
+    aligned = (tensor.data_ptr() % 16 == 0 for tensor in (row_scales, scales, bounds, out))
+    key = (rows.device, columns, depth, experts, *aligned)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _grouped_float8_kernel[(programs,)](*arguments, num_warps=WARPS, num_stages=STAGES)
+        if not triton_kernels.INTERPRETED:
+            _COMPILED[key] = compiled
+    else:
+        # The compiled kernel launched directly: Triton's own launch (binding the arguments, computing their
+        # specialization, finding the kernel again) takes about 20 us more host time a call.
+        compiled[(programs, 1, 1)](*arguments)
     return out
 
 
-@float8_grouped_mm.register_fake
+_COMPILED: dict[tuple, object] = {}
+
+
+@torch.library.register_fake("shardtune::float8_grouped_mm")
 def _(rows, row_scales, values, scales, bounds):
     return rows.new_empty(rows.shape[0], values.shape[1], dtype=torch.bfloat16)
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """One program per SM (on CPU, under the interpreter: a few)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def runs_on(device: torch.device) -> bool:
