@@ -163,7 +163,12 @@ def gathered_rowwise_float8(tensor: torch.Tensor, index: torch.Tensor) -> tuple[
     return torch.ops.shardtune.gather_float8_rows(values, index), scales.index_select(0, index)
 
 
-@torch.library.custom_op("shardtune::gather_float8_rows", mutates_args=())
+# Defined with the dispatcher directly, not by torch.library.custom_op, for the host time a call: see
+# float8_grouped_kernel.py's float8_grouped_mm. Its operands take no gradient.
+torch.library.define("shardtune::gather_float8_rows", "(Tensor values, Tensor index) -> Tensor")
+
+
+@torch.library.impl("shardtune::gather_float8_rows", ["CUDA", "CPU"])
 def _gather_float8_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values.index_select(0, index)`` for e4m3 rows, as an op inductor cannot fuse with the quantization before
     it: fused, it gathered the bf16 rows and quantized each copy, reading two bytes a value for every row (top_k
@@ -171,7 +176,7 @@ def _gather_float8_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tens
     return values.view(torch.uint8).index_select(0, index).view(values.dtype)
 
 
-@_gather_float8_rows.register_fake
+@torch.library.register_fake("shardtune::gather_float8_rows")
 def _(values, index):
     return values.new_empty(index.shape[0], values.shape[1])
 

@@ -38,7 +38,7 @@ BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 128, 256, 128, 8, 4
 
 
 @triton.jit
-def _grouped_float8_kernel(
+def _grouped_float8_gemm_kernel(
     rows_desc, row_scales_ptr, values_desc, scales_ptr, bounds_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
     EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PROGRAMS: tl.constexpr,
@@ -119,7 +119,7 @@ def _float8_grouped_mm(
     key = (rows.device, columns, depth, experts, *aligned)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _grouped_float8_kernel[(programs,)](*arguments, num_warps=WARPS, num_stages=STAGES)
+        compiled = _grouped_float8_gemm_kernel[(programs,)](*arguments, num_warps=WARPS, num_stages=STAGES)
         if not triton_kernels.INTERPRETED:
             _COMPILED[key] = compiled
     else:

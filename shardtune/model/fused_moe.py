@@ -317,7 +317,12 @@ def report_routing(
     return torch.ops.shardtune.report_routing(weights, sums, probabilities if trains_balance else None)
 
 
-@torch.library.custom_op("shardtune::real_tokens", mutates_args=())
+# Defined with the dispatcher directly, not by torch.library.custom_op, for the host time a call: see
+# float8_grouped_kernel.py's float8_grouped_mm. Its operand takes no gradient.
+torch.library.define("shardtune::real_tokens", "(Tensor like) -> Tensor")
+
+
+@torch.library.impl("shardtune::real_tokens", ["CUDA", "CPU"])
 def _real_tokens(like: torch.Tensor) -> torch.Tensor:
     """Which tokens of ``like`` (tokens, ...) are real, as 0/1 in its dtype: the recording's mask where the
     forward is recorded, every token otherwise (its statistics are not reported)."""
@@ -327,7 +332,7 @@ def _real_tokens(like: torch.Tensor) -> torch.Tensor:
     return recorder.real_tokens(like)
 
 
-@_real_tokens.register_fake
+@torch.library.register_fake("shardtune::real_tokens")
 def _(like):
     return like.new_empty(like.shape[0])
 
