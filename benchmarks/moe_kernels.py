@@ -380,9 +380,15 @@ def float8_gemms(report) -> None:
             times += [seconds(scaled, *operands, fast) for fast in (False, True)]
             equal = ""
             if kernel:
-                times.append(seconds(float8_grouped_mm, *operands, torch.bfloat16, "triton"))
+                # and the host time to issue one call (the op as the fused block calls it), against torch's
+                device, host = timed(float8_grouped_mm, *operands, torch.bfloat16, "triton")
+                times.append(device)
+                torch_host = timed(float8_grouped_mm, *operands, torch.bfloat16, "torch")[1]
                 same = torch.equal(float8_grouped_mm(*operands, torch.bfloat16, "triton"), scaled(*operands, True))
-                equal = f" (kernel {'equal' if same else 'DIFFERENT'})"
+                equal = (
+                    f" (kernel {'equal' if same else 'DIFFERENT'}; host a call: kernel {host * 1e6:.0f} us, torch's"
+                    f" {torch_host * 1e6:.0f} us)"
+                )
             reference = torch._grouped_mm(inputs.float(), weight.float().transpose(-2, -1), offs=bounds[1:])
             bf16_error = error(grouped_mm(inputs, weight.transpose(-2, -1), bounds), reference)
             float8_error = error(scaled(*operands, True), reference)

@@ -461,7 +461,8 @@ float8-gemm)
     # The float8 experts' grouped GEMM: shardtune's Triton kernel (shardtune/model/float8_grouped_kernel.py, the
     # default on Hopper) against torch._scaled_grouped_mm (model.grouped_gemm=torch), both float8 options on, no
     # checkpointing, alternating in one call on an 80 GB GPU: Qwen3-30B-A3B LoRA on attention (32 layers) and
-    # GLM-4.5-Air (10 layers), twice each. The kernels alone: `BENCH_ONLY=moe-kernels` (moe_kernels.py --float8);
+    # GLM-4.5-Air (10 layers), twice each; f8g-qwen3-48l-{torch,triton} on one H200 (BENCH_ONLY). The kernels
+    # alone: `BENCH_ONLY=moe-kernels` (moe_kernels.py --float8);
     # against HF on one H200: `BENCH_ONLY="f8-qwen3-attn f8-glm-air-20l" benchmarks/suite.sh float8 DIR`.
     if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" moe-kernels "* ]]; then
         python3 "$(dirname "$0")/moe_kernels.py" --float8 --shapes qwen3-30b-a3b glm-4.5-air mixtral-8x7b \
@@ -476,6 +477,11 @@ float8-gemm)
         bench "f8g-glm-torch-$round" --shape glm-4.5-air --layers 10 "${common[@]}" model.grouped_gemm=torch
         bench "f8g-glm-triton-$round" --shape glm-4.5-air --layers 10 "${common[@]}"
     done
+    # All 48 layers of Qwen3-30B-A3B (85 GiB: one H200), only where BENCH_ONLY names them.
+    if [[ -n ${BENCH_ONLY:-} ]]; then
+        bench f8g-qwen3-48l-torch --shape qwen3-30b-a3b "${common[@]}" model.grouped_gemm=torch
+        bench f8g-qwen3-48l-triton --shape qwen3-30b-a3b "${common[@]}"
+    fi
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

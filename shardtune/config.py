@@ -53,7 +53,8 @@ class ModelConfig(_Section):
         "auto",
         description="the fused MoE block's grouped GEMM for frozen expert weights: quack (quack-kernels' varlen "
         "GEMM, Hopper GPUs, pip install 'shardtune[quack]') or torch (torch._grouped_mm); auto: quack where it "
-        "runs (measured faster), else torch",
+        "runs (measured faster), else torch. Float8 experts (float8_experts) take shardtune's Triton kernel on "
+        "Hopper GPUs (the same output as torch's, faster) unless this is torch (torch._scaled_grouped_mm)",
     )
     liger_kernel: bool = Field(
         False, description="liger-kernel's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (CUDA)"

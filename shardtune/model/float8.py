@@ -8,10 +8,11 @@ GEMMs need (a tensor-core float8 GEMM takes both operands laid out along the sum
 - for the input gradient, W^T (in, out) scaled per input column,
 
 two bytes per weight in all, what the bf16 weight took, which they replace. The rows (tokens, and the
-gradients in backward) are quantized as they come, one scale per row, and ``torch._scaled_grouped_mm`` (the
-routed experts, ``Float8Product``) or ``torch._scaled_mm`` (linear layers, ``Float8Linear``) multiplies with
-fast accumulation. This is the rowwise recipe of torchao's float8 training, with the weights' quantization
-done once because they do not change.
+gradients in backward) are quantized as they come, one scale per row, and a grouped GEMM (the routed experts,
+``Float8Product``: on Hopper GPUs shardtune's Triton kernel, ``float8_grouped_kernel.py``, elsewhere
+``torch._scaled_grouped_mm``, the same output bit for bit) or ``torch._scaled_mm`` (linear layers,
+``Float8Linear``) multiplies with fast accumulation. This is the rowwise recipe of torchao's float8 training,
+with the weights' quantization done once because they do not change.
 
 Why: on one H100 at Qwen3-30B-A3B's shapes, the four grouped GEMMs of an expert layer take 1,570 us against
 2,312 in bf16 (1.5x; GLM-4.5-Air 1.6x, Mixtral-8x7B 1.6x), and its attention's q_proj 104 against 184 us,

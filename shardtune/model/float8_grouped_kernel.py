@@ -4,10 +4,11 @@
 as ``float8.rowwise_float8`` makes them, accumulated in fp32 with Hopper's fast float8 accumulation (as
 ``torch._scaled_grouped_mm(..., use_fast_accum=True)``) and written in bf16.
 
-Written here because ``torch._scaled_grouped_mm`` (CUTLASS) runs these GEMMs at 600-910 TFLOP/s on one H100 at
-the shapes of fine-grained experts, where this kernel takes 15-32% less device time with the same output bit for
-bit (``benchmarks/moe_kernels.py --float8``; Qwen3-30B-A3B's four expert GEMMs 1,268 against 1,585 us a layer,
-GLM-4.5-Air's 4,232 against 5,695). What it does differently:
+Written here because ``torch._scaled_grouped_mm`` (CUTLASS) runs these GEMMs at 631-1,185 TFLOP/s on one H100,
+where this kernel takes 6-30% less device time a GEMM with the same output bit for bit
+(``python benchmarks/moe_kernels.py --float8``, ``benchmarks/results/moe_kernels_float8_triton_h100.txt``): an
+expert layer's four GEMMs 1,289 against 1,602 us at Qwen3-30B-A3B's shapes, 4,554 against 5,608 at
+GLM-4.5-Air's and 9,155 against 10,142 at Mixtral-8x7B's. What it does differently:
 
 - one program per SM walks the tiles of every expert, expert after expert, so that the programs running at
   once share a few experts' rows and weights in the L2 cache; within an expert the row tiles vary fastest;
