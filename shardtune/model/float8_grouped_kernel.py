@@ -25,13 +25,17 @@ tensors (``tests/train/test_float8_grouped_kernel.py``).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from shardtune.errors import first_line
 from shardtune.model import triton_kernels
+
+log = logging.getLogger("shardtune")
 
 # Measured fastest on one H100 of the tilings tried, at every expert GEMM of Qwen3-30B-A3B and GLM-4.5-Air
 # (128x128, 64x256 and 64-deep K steps, 3 stages, and the loop not flattened were each slower, by 2-20%).
@@ -86,8 +90,13 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 
-# The compiled kernel for each (device, N, K, experts, alignment of the pointer operands): see _float8_grouped_mm.
-_COMPILED: dict[tuple, object] = {}
+class _Kernel:
+    """The compiled kernel for each (device, N, K, experts, alignment of the pointer operands), and why the kernel
+    failed at run time, if it did (torch's kernel computes from then on)."""
+
+    compiled: dict[tuple, object] = {}
+    failure: str | None = None
+
 
 # Registered with the dispatcher directly: torch.library.custom_op's wrapper (its autograd and aliasing checks at
 # every call) costs about 17 us of host time a call (one H200), and a step of Qwen3-30B-A3B's 48 layers makes 192
@@ -105,7 +114,28 @@ def _float8_grouped_mm(
     """bf16 ``(rows * row_scales) @ (values[e] * scales[e])^T`` for each expert e's rows bounds[e]:bounds[e + 1]:
     ``rows`` (M, K) and ``values`` (E, N, K) e4m3, K a multiple of 16 (``kernel_takes``); ``row_scales`` (M,)
     and ``scales`` (E, N) fp32; ``bounds`` (E + 1,) int32. An opaque op to torch.compile: Triton builds its TMA
-    descriptors on the host. (CPU tensors: under Triton's interpreter only.)"""
+    descriptors on the host. (CPU tensors: under Triton's interpreter only.) Where the kernel fails to build or
+    launch, torch's float8 grouped GEMM computes it, for the rest of the run."""
+    if _Kernel.failure is None:
+        try:
+            return _launch(rows, row_scales, values, scales, bounds)
+        except torch.OutOfMemoryError:
+            raise  # the run's own failure (one line, exit status 5), not the kernel's
+        except Exception as error:  # a Triton or a driver that cannot build or run this kernel here
+            _Kernel.failure = f"{type(error).__name__}: {first_line(error)}"
+            log.warning(
+                "model.grouped_gemm: shardtune's float8 grouped GEMM failed (%s); torch's computes the float8 "
+                "experts from here on (the same results); set model.grouped_gemm: torch to skip it",
+                _Kernel.failure,
+            )
+    from shardtune.model.float8 import float8_grouped_mm  # torch's kernel; float8 imports this module
+
+    return float8_grouped_mm(rows, row_scales, values, scales, bounds, torch.bfloat16, "torch")
+
+
+def _launch(
+    rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bounds: torch.Tensor
+) -> torch.Tensor:
     experts, columns, depth = values.shape
     out = rows.new_empty(rows.shape[0], columns, dtype=torch.bfloat16)
     if rows.shape[0] == 0:
@@ -123,11 +153,11 @@ def _float8_grouped_mm(
     # (a descriptor only on its dtype and block shape, fixed here).
     aligned = (tensor.data_ptr() % 16 == 0 for tensor in (row_scales, scales, bounds, out))
     key = (rows.device, columns, depth, experts, *aligned)
-    compiled = _COMPILED.get(key)
+    compiled = _Kernel.compiled.get(key)
     if compiled is None:
         compiled = _grouped_float8_gemm_kernel[(programs,)](*arguments, num_warps=WARPS, num_stages=STAGES)
         if not triton_kernels.INTERPRETED:
-            _COMPILED[key] = compiled
+            _Kernel.compiled[key] = compiled
     else:
         # The compiled kernel launched directly: Triton's own launch (binding the arguments, computing their
         # specialization, finding the kernel again) takes about 20 us more host time a call.

@@ -50,6 +50,41 @@ def test_model_grouped_gemm_picks_the_float8_kernel():
         assert resolve_float8_grouped_gemm("torch", torch.device("cuda")) == "torch"
 
 
+def test_a_kernel_that_fails_hands_the_experts_to_torchs_once(monkeypatch, caplog):
+    """A kernel that does not build or launch (here: a stand-in that raises, as a Triton without this GPU's
+    kernels would): the op returns torch's product, says so once, and does not try the kernel again."""
+    from shardtune.model import float8_grouped_kernel
+
+    launches = []
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                raise RuntimeError("no kernel image is available for execution on the device")
+
+            return launch
+
+    monkeypatch.setattr(float8_grouped_kernel, "_grouped_float8_gemm_kernel", Failing())
+    monkeypatch.setattr(float8_grouped_kernel._Kernel, "compiled", {})
+    monkeypatch.setattr(float8_grouped_kernel._Kernel, "failure", None)
+    caplog.set_level("WARNING", logger="shardtune")
+    generator = torch.Generator().manual_seed(1)
+    counts = [3, 0, 20]
+    bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    values, scales, _, _ = quantize_expert_weight(torch.randn(len(counts), 32, 48, generator=generator) * 0.05)
+    rows = rowwise_float8(torch.randn(sum(counts), 48, generator=generator))
+    got = [torch.ops.shardtune.float8_grouped_mm(*rows, values, scales, bounds) for _ in range(2)]
+    expected = float8_grouped_mm(*rows, values, scales, bounds, torch.bfloat16, "torch")
+    assert all(torch.equal(result, expected) for result in got)
+    assert len(launches) == 1
+    line = (
+        "model.grouped_gemm: shardtune's float8 grouped GEMM failed (RuntimeError: no kernel image is available "
+        "for execution on the device); torch's computes the float8 experts from here on"
+    )
+    assert caplog.text.count(line) == 1
+
+
 def hopper() -> torch.device:
     cuda = torch.device("cuda")
     if torch.cuda.get_device_capability(cuda)[0] != 9:
