@@ -18,7 +18,8 @@ GLM-4.5-Air's and 9,155 against 10,142 at Mixtral-8x7B's. What it does different
   store, so no row needs padding or a per-expert copy.
 
 Used on Hopper GPUs (compute capability 9.x), where it was measured; elsewhere, and with
-``model.grouped_gemm: torch``, ``torch._scaled_grouped_mm`` runs. Under ``TRITON_INTERPRET=1`` it runs on CPU
+``model.grouped_gemm: torch``, ``torch._scaled_grouped_mm`` runs, as it does from the first call on where the
+kernel fails to build or launch (one warning). Under ``TRITON_INTERPRET=1`` it runs on CPU
 tensors (``tests/train/test_float8_grouped_kernel.py``).
 """
 
