@@ -3,6 +3,12 @@ the host had launched the next kernel before the device ran dry, and what the ho
 then one layer's forward and backward kernels in order, each with the idle time before it.
 
     python benchmarks/device_gaps.py RUN/profile/rank0.trace.json.gz
+
+The idle time is summed by the kernel the device waited for (and by the pair of kernels around the gap): a gap that
+recurs at one place in every layer shows as one line with a count of the layers. Read a trace of
+``logging.profile_host: false`` for how long the device waits in a real step: recording the host's operators
+slows the host, and a step that waits on the host waits longer (shardtune/metrics/profiler.py); such a trace has
+no host operators, and the sections that name them are left out.
 """
 
 from __future__ import annotations
@@ -68,15 +74,20 @@ def main(path: str) -> None:
     for gap in sorted(gaps, key=lambda gap: -gap[0])[:40]:
         flag = "late" if gap[4] else "    "
         print(f"{gap[0]:8.0f} {gap[3] / 1e3:8.2f} {flag} {gap[1][:70]} -> {gap[2][:70]}\n        {gap[5][:300]}")
-    by_stack, count = collections.Counter(), collections.Counter()
-    for gap in gaps:
-        key = " > ".join(gap[5].split(" > ")[:4])
-        by_stack[key] += gap[0]
-        count[key] += 1
-    print("\nidle by host ops at the next launch (4 levels):")
-    for key, total in by_stack.most_common(25):
-        print(f"{total / 1e3:8.2f} ms {count[key]:5d}  {key[:250]}")
-    host_late_windows(gaps_windows(kernels, launches), ops)
+    for title, key in (
+        ("the kernel after the gap", lambda gap: gap[2][:70]),
+        ("the kernels before and after the gap", lambda gap: f"{gap[1][:50]} -> {gap[2][:60]}"),
+    ):
+        idle, count = collections.Counter(), collections.Counter()
+        for gap in gaps:
+            idle[key(gap)] += gap[0]
+            count[key(gap)] += 1
+        print(f"\nidle by {title} (ms, gaps):")
+        for name, total in idle.most_common(25):
+            print(f"{total / 1e3:8.2f} {count[name]:5d}  {name}")
+    if ops:  # none in a trace of logging.profile_host: false
+        idle_by_host_ops(gaps)
+        host_late_windows(gaps_windows(kernels, launches), ops)
     for marker, what in (("fprop", "forward"), ("bprop", "backward")):
         at = [i for i, kernel in enumerate(kernels) if marker in kernel["name"]]
         if len(at) > 12:
@@ -92,6 +103,17 @@ def main(path: str) -> None:
                 stack = enclosing_ops(ops, starts, launch["ts"], launch.get("tid")) if launch else "?"
                 inner = " > ".join(stack.split(" > ")[-2:])
                 print(f"{kernel['dur']:8.1f} {max(idle, 0):6.1f} {host:>6}  {kernel['name'][:60]:60}  {inner[:90]}")
+
+
+def idle_by_host_ops(gaps: list[tuple]) -> None:
+    by_stack, count = collections.Counter(), collections.Counter()
+    for gap in gaps:
+        key = " > ".join(gap[5].split(" > ")[:4])
+        by_stack[key] += gap[0]
+        count[key] += 1
+    print("\nidle by host ops at the next launch (4 levels):")
+    for key, total in by_stack.most_common(25):
+        print(f"{total / 1e3:8.2f} ms {count[key]:5d}  {key[:250]}")
 
 
 def gaps_windows(kernels: list[dict], launches: dict) -> list[tuple[float, float, object]]:

@@ -364,6 +364,8 @@ def float8_gemms(report) -> None:
         report(f"  {name:25s} " + " | ".join(rates) + f" | {quantizing * 1e6:5.0f} us{errors}")
 
     for name, experts, hidden, width, rows in SHAPES:
+        # quantize compiles once per row width: a shape's three, under dynamo's limit of 8 (else it runs eagerly)
+        torch._dynamo.reset()
         bounds = skewed_bounds(rows, experts)
         gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
         down = torch.randn(experts, hidden, width, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -396,6 +398,7 @@ def float8_gemms(report) -> None:
             line(f"{name} {what}", flops, times, seconds(quantize, inputs), errors)
     projections = [("qwen3 q_proj", 2048, 4096), ("qwen3 o_proj", 4096, 2048), ("glm-air q_proj", 4096, 12288),
                    ("glm-air o_proj", 12288, 4096)]  # fmt: skip
+    torch._dynamo.reset()
     for name, hidden, outputs in projections:
         inputs = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(outputs, hidden, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -383,6 +383,12 @@ class LoggingConfig(_Section):
     profile_steps: tuple[int, int] | None = Field(
         None, description="[first, last]: the PyTorch profiler over these steps, into output_dir/profile"
     )
+    profile_host: bool = Field(
+        True,
+        description="with profile_steps: record the host's operators too (the report's host table, what the host "
+        "did when the device waited); false on GPUs: the device's kernels alone, the host kept at its unprofiled "
+        "pace, so the trace's idle time between kernels is a real step's",
+    )
 
     @field_validator("profile_steps")
     @classmethod

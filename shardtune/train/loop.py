@@ -331,7 +331,7 @@ def _train(
         return RunTotals(tokens_per_rank, interval.run_train_time_so_far_s(), wall_time_s, first_eval_loss)
 
     checkpointer.segment_totals = lambda: segment_totals([interval.run_tokens], time.perf_counter() - run_started)
-    profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device)
+    profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device, config.logging.profile_host)
     for step in range(start_step + 1, total_steps + 1):
         profiler.step_begins(step)
         interval.start_step()

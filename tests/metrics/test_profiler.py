@@ -1,0 +1,56 @@
+"""``logging.profile_steps`` and ``logging.profile_host``, and benchmarks/device_gaps.py on the traces they write."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import torch
+from conftest import REPO
+from torch.profiler import ProfilerActivity
+
+from shardtune.metrics.profiler import profiled_activities
+
+
+def test_the_host_is_recorded_unless_profile_host_is_off_on_a_gpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert profiled_activities(cpu, host=True) == profiled_activities(cpu, host=False) == [ProfilerActivity.CPU]
+    assert profiled_activities(gpu, host=True) == [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    assert profiled_activities(gpu, host=False) == [ProfilerActivity.CUDA]
+
+
+def gaps_report(tmp_path, with_host: bool) -> str:
+    """device_gaps.py on a trace of three layers, each a norm, an attention kernel the device waits 50 us for
+    and a GEMM; with the host's operators (a launch and the op around it) or the kernels alone."""
+    events, at = [], 0
+    for _ in range(3):  # layers
+        for name, duration, idle in (("norm", 10, 1), ("attention", 100, 50), ("gemm", 200, 2)):
+            at += idle
+            correlation = len(events)
+            events.append(
+                {"cat": "kernel", "name": name, "ts": at, "dur": duration, "args": {"correlation": correlation}}
+            )
+            if with_host:
+                launched = at - 5 if name == "attention" else at - idle - 20  # the attention's launch came late
+                events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched, "dur": 4,
+                               "tid": 1, "args": {"correlation": correlation}})  # fmt: skip
+                events.append({"cat": "cpu_op", "name": f"aten::{name}", "ts": launched - 30, "dur": 40, "tid": 1})
+            at += duration
+    trace = tmp_path / f"trace-{with_host}.json.gz"
+    with gzip.open(trace, "wt") as out:
+        json.dump({"traceEvents": events}, out)
+    script = REPO / "benchmarks" / "device_gaps.py"
+    return subprocess.run([sys.executable, str(script), str(trace)], capture_output=True, text=True, check=True).stdout
+
+
+def test_device_gaps_sums_the_idle_time_by_the_kernel_waited_for(tmp_path):
+    device_only = gaps_report(tmp_path, with_host=False)
+    assert "gaps > 3 us: 3, 0.1 ms" in device_only
+    assert "idle by the kernel after the gap (ms, gaps):\n    0.15     3  attention\n" in device_only
+    assert "    0.15     3  norm -> attention\n" in device_only
+    assert "idle by host ops" not in device_only and "the host while the device waited" not in device_only
+    with_host = gaps_report(tmp_path, with_host=True)
+    assert "host late (launched when the device was idle): 0.1 ms" in with_host
+    assert "    0.15 ms     3  aten::attention\n" in with_host
