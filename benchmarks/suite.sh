@@ -30,7 +30,9 @@
 # (model.float8_experts and float8_linear: the GEMMs alone, steps against bf16's on an 80 GB GPU, and the
 # Qwen3-30B-A3B and GLM-4.5-Air runs against HF on one H200; BENCH_ONLY: moe-kernels and run names; BENCH_CODE: another
 # checkout's package timed in turn with this one's, f8-code-*), float8-gemm (the float8 experts' grouped GEMM:
-# shardtune's Triton kernel against torch's, alternating on an 80 GB GPU; BENCH_ONLY: moe-kernels and run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# shardtune's Triton kernel against torch's, alternating on an 80 GB GPU; BENCH_ONLY: moe-kernels and run names),
+# device-wait (where the Qwen3-30B-A3B float8 step on one H200 waits with the host unslowed by the profiler, and
+# each step's GPU clock and power; BENCH_CODE: another checkout's package profiled the same way, wait-code). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -481,6 +483,33 @@ float8-gemm)
     if [[ -n ${BENCH_ONLY:-} ]]; then
         bench f8g-qwen3-48l-torch --shape qwen3-30b-a3b "${common[@]}" model.grouped_gemm=torch
         bench f8g-qwen3-48l-triton --shape qwen3-30b-a3b "${common[@]}"
+    fi
+    ;;
+device-wait)
+    # Qwen3-30B-A3B, LoRA on attention, both float8 options, all 48 layers on one H200 (the float8 target's run): two
+    # steps profiled with the device's kernels alone (logging.profile_host=false: the host keeps its unprofiled pace),
+    # the idle time summed by the kernel the device waited for (device_gaps.py); BENCH_CODE: another checkout's
+    # package profiled the same way. Then 12 measured steps with nvidia-smi sampling the SM clock, power and
+    # clock-event reasons every 100 ms, each step's share (gpu_clocks.py).
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 model.float8_experts=true model.float8_linear=true)
+    profiled=(--steps 6 --warmup 3 'logging.profile_steps=[6,7]' logging.profile_host=false)
+    here=$(dirname "$(realpath "$0")")
+    for code in . ${BENCH_CODE:-}; do
+        name=wait-qwen3-48l
+        [[ $code == . ]] || name=wait-code-qwen3-48l
+        trace=$work/$name/shardtune/profile/rank0.trace.json.gz
+        if (cd "$code" && bench "$name" "${qwen3[@]}" "${profiled[@]}") && [[ -f $trace ]]; then
+            python3 "$here/device_gaps.py" "$trace" >"$results/$name.gaps.txt"
+            head -n 40 "$results/$name.gaps.txt"
+        fi
+    done
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" clocks-qwen3-48l "* ]]; then
+        nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv,noheader \
+            -lms 100 >"$work/clocks.csv" &
+        sampler=$!
+        bench clocks-qwen3-48l "${qwen3[@]}" --steps 12 --warmup 3
+        kill "$sampler"
+        python3 "$here/gpu_clocks.py" "$work/clocks-qwen3-48l/shardtune" "$work/clocks.csv" | tee "$results/clocks-qwen3-48l.txt"
     fi
     ;;
 *)

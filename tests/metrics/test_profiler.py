@@ -54,3 +54,32 @@ def test_device_gaps_sums_the_idle_time_by_the_kernel_waited_for(tmp_path):
     with_host = gaps_report(tmp_path, with_host=True)
     assert "host late (launched when the device was idle): 0.1 ms" in with_host
     assert "    0.15 ms     3  aten::attention\n" in with_host
+
+
+def test_gpu_clocks_places_the_samples_in_their_steps(tmp_path):
+    """benchmarks/gpu_clocks.py: three 1 s steps ending when the log was written, sampled every 0.1 s with a
+    falling clock and rising power; each step gets its ten samples."""
+    import datetime
+    import os
+    import time
+
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "train_log.jsonl"
+    rows = [{"step": step, "elapsed_s": float(step), "tokens": 1000, "tokens_per_s": 1000.0} for step in (1, 2, 3)]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    written = time.time()
+    os.utime(log, (written, written))
+    lines = []
+    for sample in range(40):
+        at = datetime.datetime.fromtimestamp(written - 3.45 + sample * 0.1).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+        lines.append(f"{at}, {1980 - sample} MHz, {600 + sample} W, 0x0000000000000004")
+    (tmp_path / "clocks.csv").write_text("timestamp, clocks.sm, power, reasons\n" + "\n".join(lines) + "\n")
+    script = REPO / "benchmarks" / "gpu_clocks.py"
+    report = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path / "clocks.csv")], capture_output=True, text=True
+    ).stdout.splitlines()
+    assert report[1:] == [
+        "   1     1,000  1966-1975 (1970)  610, 614  {'0x0000000000000004': 10}",
+        "   2     1,000  1956-1965 (1960)  620, 624  {'0x0000000000000004': 10}",
+        "   3     1,000  1946-1955 (1950)  630, 634  {'0x0000000000000004': 10}",
+    ]
