@@ -500,7 +500,7 @@ device-wait)
         trace=$work/$name/shardtune/profile/rank0.trace.json.gz
         if (cd "$code" && bench "$name" "${qwen3[@]}" "${profiled[@]}") && [[ -f $trace ]]; then
             python3 "$here/device_gaps.py" "$trace" >"$results/$name.gaps.txt"
-            head -n 40 "$results/$name.gaps.txt"
+            sed -n '1,8p;/^idle by the kernel after/,/^$/p' "$results/$name.gaps.txt"
         fi
     done
     if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" clocks-qwen3-48l "* ]]; then
