@@ -8,6 +8,7 @@ log, evaluate; finally evaluate, export ``final/`` and write ``metrics.json``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -193,10 +194,28 @@ class TrainingResult:
     model: torch.nn.Module  # the trained model (a PeftModel for LoRA), still on its device
 
 
+def freeze_long_lived_objects() -> None:
+    """After the first step, which built and compiled what the run keeps (modules, compiled graphs and their
+    caches): one full collection, then every object still alive is moved out of the cyclic garbage collector's
+    reach (``gc.freeze``), so that its later full collections walk only what later steps made.
+
+    Python starts a full collection once enough objects have outlived two younger ones, and until then each one
+    walks every object the process holds: after Qwen3-30B-A3B's 48 layers compiled, 280-520 ms on the host of
+    one H200, while the device, whose kernels the host launches, waited. One fell in a measured step in four of
+    five 15-19 step runs of ``shardtune bench`` (that step 2.5 times as long; a 16-step measurement 8.5% lower),
+    never in runs with the objects frozen. An object frozen is still freed when its last reference goes; only
+    a reference cycle among frozen objects is not reclaimed."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> TrainingResult:
     """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
     # However the run ends (done, an error, a preemption), what watches it stops with it.
     with contextlib.ExitStack() as on_exit:
+        # What freeze_long_lived_objects froze goes back to the collector with the run (a caller training again
+        # in this process, the interpreter's exit).
+        on_exit.callback(gc.unfreeze)
         run = types.SimpleNamespace(heartbeat=None)  # where the run is, once its steps begin
         try:
             return _train(config, env, argv, on_exit, run)
@@ -365,6 +384,7 @@ def _train(
         interval.end_step()
         if step == start_step + 1:
             compiler.log_compile_time()
+            freeze_long_lived_objects()
         profiler.step_ends(step)
         progress.advance()
 

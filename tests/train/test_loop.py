@@ -264,3 +264,25 @@ def test_full_model_is_exported_in_the_compute_dtype(tmp_path, tiny_model_dir, t
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype="auto")
     assert reloaded.dtype == torch.bfloat16
     assert model.dtype == torch.float32  # the trained model itself is untouched
+
+
+def test_the_objects_of_the_first_step_are_frozen_until_the_run_ends(tmp_path, alpaca_file, world, monkeypatch):
+    """After the first step (which compiles on GPUs) everything alive is out of the garbage collector's full
+    collections; the run's end hands it back, so the model and graphs go with the run."""
+    import gc
+
+    from shardtune.train import loop
+
+    frozen: list[bool] = []
+    original = loop.accumulate_gradients
+
+    def accumulate(*args, **kwargs):
+        frozen.append(gc.get_freeze_count() > 0)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "accumulate_gradients", accumulate)
+    config = make_config(tmp_path, alpaca_file)
+    prepare_output_dir(Path(config.training.output_dir), overwrite=False)
+    run_training(config, world, ["test"])
+    assert frozen == [False, True, True, True]
+    assert gc.get_freeze_count() == 0
