@@ -381,10 +381,10 @@ def _train(
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        interval.end_step()
-        if step == start_step + 1:
-            compiler.log_compile_time()
+        if step == start_step + 1:  # counted in the first step's time, as its compilation is
             freeze_long_lived_objects()
+            compiler.log_compile_time()
+        interval.end_step()
         profiler.step_ends(step)
         progress.advance()
 
