@@ -74,19 +74,10 @@ def main(path: str) -> None:
     for gap in sorted(gaps, key=lambda gap: -gap[0])[:40]:
         flag = "late" if gap[4] else "    "
         print(f"{gap[0]:8.0f} {gap[3] / 1e3:8.2f} {flag} {gap[1][:70]} -> {gap[2][:70]}\n        {gap[5][:300]}")
-    for title, key in (
-        ("the kernel after the gap", lambda gap: gap[2][:70]),
-        ("the kernels before and after the gap", lambda gap: f"{gap[1][:50]} -> {gap[2][:60]}"),
-    ):
-        idle, count = collections.Counter(), collections.Counter()
-        for gap in gaps:
-            idle[key(gap)] += gap[0]
-            count[key(gap)] += 1
-        print(f"\nidle by {title} (ms, gaps):")
-        for name, total in idle.most_common(25):
-            print(f"{total / 1e3:8.2f} {count[name]:5d}  {name}")
+    idle_by("the kernel after the gap", gaps, lambda gap: gap[2][:70])
+    idle_by("the kernels before and after the gap", gaps, lambda gap: f"{gap[1][:50]} -> {gap[2][:60]}")
     if ops:  # none in a trace of logging.profile_host: false
-        idle_by_host_ops(gaps)
+        idle_by("host ops at the next launch (4 levels)", gaps, lambda gap: " > ".join(gap[5].split(" > ")[:4]))
         host_late_windows(gaps_windows(kernels, launches), ops)
     for marker, what in (("fprop", "forward"), ("bprop", "backward")):
         at = [i for i, kernel in enumerate(kernels) if marker in kernel["name"]]
@@ -105,15 +96,15 @@ def main(path: str) -> None:
                 print(f"{kernel['dur']:8.1f} {max(idle, 0):6.1f} {host:>6}  {kernel['name'][:60]:60}  {inner[:90]}")
 
 
-def idle_by_host_ops(gaps: list[tuple]) -> None:
-    by_stack, count = collections.Counter(), collections.Counter()
+def idle_by(title: str, gaps: list[tuple], key) -> None:
+    """The gaps' idle time and number summed by ``key(gap)``, the 25 largest (ms, gaps)."""
+    idle, count = collections.Counter(), collections.Counter()
     for gap in gaps:
-        key = " > ".join(gap[5].split(" > ")[:4])
-        by_stack[key] += gap[0]
-        count[key] += 1
-    print("\nidle by host ops at the next launch (4 levels):")
-    for key, total in by_stack.most_common(25):
-        print(f"{total / 1e3:8.2f} ms {count[key]:5d}  {key[:250]}")
+        idle[key(gap)] += gap[0]
+        count[key(gap)] += 1
+    print(f"\nidle by {title}:")
+    for name, total in idle.most_common(25):
+        print(f"{total / 1e3:8.2f} ms {count[name]:5d}  {name[:250]}")
 
 
 def gaps_windows(kernels: list[dict], launches: dict) -> list[tuple[float, float, object]]:

@@ -48,8 +48,8 @@ def gaps_report(tmp_path, with_host: bool) -> str:
 def test_device_gaps_sums_the_idle_time_by_the_kernel_waited_for(tmp_path):
     device_only = gaps_report(tmp_path, with_host=False)
     assert "gaps > 3 us: 3, 0.1 ms" in device_only
-    assert "idle by the kernel after the gap (ms, gaps):\n    0.15     3  attention\n" in device_only
-    assert "    0.15     3  norm -> attention\n" in device_only
+    assert "idle by the kernel after the gap:\n    0.15 ms     3  attention\n" in device_only
+    assert "idle by the kernels before and after the gap:\n    0.15 ms     3  norm -> attention\n" in device_only
     assert "idle by host ops" not in device_only and "the host while the device waited" not in device_only
     with_host = gaps_report(tmp_path, with_host=True)
     assert "host late (launched when the device was idle): 0.1 ms" in with_host
