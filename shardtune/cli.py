@@ -24,7 +24,7 @@ from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, InputError, RunFault
 from shardtune.launch.elastic import add_node_arguments
-from shardtune.launch.local import say_once
+from shardtune.launch.local import close_unless_worker, say_once
 from shardtune.launch.slurm import add_slurm_parser
 from shardtune.metrics.expert_heatmap import add_expert_usage_parser
 from shardtune.metrics.plot import add_plot_parser
@@ -61,17 +61,17 @@ def _run_workers(nproc: int | None, worker: list[str], config: Config, run_here:
     The input is known to be good: the workers validate it again, but cannot fail on it.
     """
     from shardtune.launch.elastic import NodeSpec, default_nproc, launch_node
-    from shardtune.launch.local import check_worker_count, exit_worker, running_as_worker
+    from shardtune.launch.local import check_worker_count, running_as_worker
 
-    if not running_as_worker():
-        nproc = nproc if nproc is not None else default_nproc()
-        warning = check_worker_count(nproc, "--nproc")
-        if warning:
-            sys.stderr.write(f"shardtune: warning: {warning}\n")
-        if nproc > 1:
-            return launch_node(NodeSpec(nproc_per_node=nproc), worker, config.network)
+    if running_as_worker():
         return run_here()
-    exit_worker(run_here())
+    nproc = nproc if nproc is not None else default_nproc()
+    warning = check_worker_count(nproc, "--nproc")
+    if warning:
+        sys.stderr.write(f"shardtune: warning: {warning}\n")
+    if nproc > 1:
+        return launch_node(NodeSpec(nproc_per_node=nproc), worker, config.network)
+    return run_here()
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -144,7 +144,7 @@ def _train_here(config: Config) -> int:
         say_once([INTERRUPTED_LINE], every_rank_says_it=True)
         return EXIT_INTERRUPTED
     finally:
-        env.close()
+        close_unless_worker(env)
     return 0
 
 
@@ -207,7 +207,7 @@ def _eval_here(request: EvalRequest) -> int:
             raise
         return EXIT_OUT_OF_MEMORY
     finally:
-        env.close()
+        close_unless_worker(env)
     return 0
 
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 import sys
 
 from shardtune.errors import EXIT_INTERRUPTED
-from shardtune.launch.local import say_once
+from shardtune.launch.local import exit_worker, running_as_worker, say_once
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         from shardtune.cli import main as run_command
 
-        return run_command(argv)
+        status = run_command(argv)
     except KeyboardInterrupt:
         say_once([f"shardtune: SIGINT: stopped ({_command_name(argv)})"], every_rank_says_it=True)
-        return EXIT_INTERRUPTED
+        status = EXIT_INTERRUPTED
+    if running_as_worker():
+        # Finished or stopped on an error it reported, a worker ends without the interpreter's finalization.
+        exit_worker(status)
+    return status
 
 
 def _command_name(argv: list[str] | None) -> str:

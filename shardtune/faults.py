@@ -127,8 +127,10 @@ class FaultInjector:
                 time.sleep(fault.seconds)
                 continue
             self.fired.add((fault, step))
-            print(f"shardtune: fault injection: {fault.action} at {point}, step {step}, rank {self.rank}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            # One write (print() writes the newline apart): the ranks share the pipe, and another rank's line
+            # could otherwise end up glued to this one.
+            sys.stderr.write(f"shardtune: fault injection: {fault.action} at {point}, step {step}, rank {self.rank}\n")
+            sys.stderr.flush()
             if fault.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.action == "hang":

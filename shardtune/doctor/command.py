@@ -89,6 +89,7 @@ def run_checks(config: Config, timeout_s: float, front: list[Check]) -> int:
     from shardtune.distributed.env import DistributedEnv
     from shardtune.doctor.bandwidth import bandwidth_checks
     from shardtune.doctor.checks import node_checks
+    from shardtune.launch.local import close_unless_worker
 
     setup_logging(is_main=False)
     env = DistributedEnv.from_environment(timeout_s, config.parallel.expert_parallel_size)
@@ -104,7 +105,7 @@ def run_checks(config: Config, timeout_s: float, front: list[Check]) -> int:
             print(format_report(rows), flush=True)
         return 1 if failed(rows) else 0
     finally:
-        env.close()
+        close_unless_worker(env)
 
 
 def rendezvous_checks(spec: NodeSpec, port: int, named: bool) -> list[Check]:
@@ -153,15 +154,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 if local_rank == "0":
                     print(f"{format_report(front)}\n{STOPPED}", flush=True)
                 return 1
-        from shardtune.launch.local import exit_worker
-
         status = run_checks(config, args.timeout, front)
         if state is None:
-            exit_worker(status)
+            return status
         if os.environ.get("LOCAL_RANK") == "0":
             (state / VERDICT).write_text(str(status))
         # The verdict travels by file: a worker exiting non-zero would read as a crash to the launcher.
-        exit_worker(0)
+        return 0
 
     if args.timeout <= 0:
         raise InputError(f"--timeout: must be positive, got {args.timeout}")

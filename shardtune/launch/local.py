@@ -8,7 +8,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from shardtune.distributed.env import DistributedEnv
 
 # Set by our launcher for its workers: a directory where the first worker to report an error claims it,
 # so that N workers stopped by the same input print its line once, not N times.
@@ -21,8 +24,8 @@ def running_as_worker() -> bool:
 
 
 def exit_worker(code: int) -> NoReturn:
-    """End a worker whose work is done and whose process group is destroyed, without the interpreter's
-    finalization.
+    """End a worker (``shardtune.entry.main`` does, whatever its command returned) without the interpreter's
+    finalization; its process group ends with the process (``close_unless_worker``).
 
     Why: the collective backends keep C++ threads and static objects alive until the process ends. When
     one of them releases a tensor (and so takes the GIL) while Python is finalizing, CPython ends that
@@ -36,6 +39,20 @@ def exit_worker(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def close_unless_worker(env: DistributedEnv) -> None:
+    """Destroy ``env``'s process group where the process goes on after the command; a worker's process group
+    ends with its process (``exit_worker``).
+
+    Why: destroying it drops the process group's last reference but one, often a DDP reducer's, and freeing
+    that later (the stopped run's frames go when its error has been reported) runs the backend's destructor in
+    the main thread, which holds the GIL while it joins the backend's threads. One of them may still be
+    finishing a collective whose tensor Python holds (the preemption flag), and waits for the GIL to release
+    it: a deadlock, seen on a loaded CPU as a rank that ran out of memory, printed its line, and never exited,
+    while its peer waited in a collective with it until the hang watchdog restarted the run."""
+    if not running_as_worker():
+        env.close()
 
 
 def say_once(lines: list[str], every_rank_says_it: bool = False) -> None:

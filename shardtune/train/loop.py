@@ -296,6 +296,7 @@ def _train(
 
     checkpointer = Checkpointer(config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy)
     preemption = PreemptionWatch(env)
+    on_exit.callback(preemption.restore_handlers)
     checkpointer.remove_partial()
     start_step = checkpointer.load(resume.path) if resume else 0
     start_training_peak(env.device)

@@ -136,6 +136,11 @@ class PreemptionWatch:
         if self._in_flight is not None:  # every rank started it: it completes
             self._in_flight[1].wait()
             self._in_flight = None
+        self.restore_handlers()
+
+    def restore_handlers(self) -> None:
+        """The signals' handlers as they were: however the run ended (an error too, when no collective may be
+        waited for), a later SIGTERM or SIGINT acts as it did before."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()

@@ -286,3 +286,19 @@ def test_the_objects_of_the_first_step_are_frozen_until_the_run_ends(tmp_path, a
     run_training(config, world, ["test"])
     assert frozen == [False, True, True, True]
     assert gc.get_freeze_count() == 0
+
+
+def test_a_run_that_stops_on_an_error_gives_the_signals_back(tmp_path, alpaca_file, world, monkeypatch):
+    """The step loop records SIGTERM, SIGUSR1 and SIGINT for a checkpoint-and-stop; once the run has stopped
+    (here: out of memory in step 2) they act as before again, instead of being recorded for nobody."""
+    import signal
+
+    from shardtune.errors import OutOfMemory
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    monkeypatch.setenv("SHARDTUNE_FAULT", "forward_backward:oom:step=2")
+    config = make_config(tmp_path, alpaca_file)
+    prepare_output_dir(Path(config.training.output_dir), overwrite=False)
+    with pytest.raises(OutOfMemory, match="rank 0: out of memory in step 2"):
+        run_training(config, world, ["test"])
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
