@@ -29,6 +29,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Router weights of a randomly drawn MoE model (shardtune/model/init_routing.py); bench --routing offers the same.
+Routing = Literal["balanced", "skewed", "random"]
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(description="Local model directory or Hugging Face hub id.")
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -37,7 +41,7 @@ class ModelConfig(_Section):
     )
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = "pretrained"
-    init_routing: Literal["random", "balanced", "skewed"] = Field(
+    init_routing: Routing = Field(
         "random",
         description="with init: random, MoE models: router weights for an even or a trained-like long-tailed "
         "expert load (shardtune/model/init_routing.py); random: as drawn",

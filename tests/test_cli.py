@@ -154,3 +154,15 @@ def test_convert_then_train_on_messages_with_packing(tmp_path: Path):
     assert metrics["packing"] is True and summary["packing"] is True
     assert summary["train"]["kept"] == 54 and summary["train"]["sequences"] < 54 / 4
     assert "building token store" in result.stderr and "(packed)" in result.stderr
+
+
+def test_help_and_a_config_error_are_answered_without_importing_torch():
+    """The command line's parsers import neither torch nor transformers (seconds each): ``shardtune --help``
+    and a mistyped key answer at once; a command imports them when it runs."""
+    code = (
+        "import sys; from shardtune.cli import main; status = main(['train', 'examples/quickstart.yaml', "
+        "'training.nope=1']); print(status, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines() == ["2 []"], result.stderr
+    assert result.stderr.splitlines() == ["shardtune: error: training.nope: unknown key"]

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import yaml
@@ -25,12 +26,12 @@ from shardtune.bench.data import (
     write_alpaca_like_data,
     write_synthetic_data,
 )
+from shardtune.config import Routing
 from shardtune.errors import InputError
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     from shardtune.bench.shapes import SHAPES
-    from shardtune.model.init_routing import ROUTINGS
 
     parser = commands.add_parser("bench", help="throughput and memory on a real-shaped model (random weights)")
     parser.add_argument("--shape", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model directory")
@@ -50,7 +51,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--routing",
-        choices=ROUTINGS,
+        choices=typing.get_args(Routing),
         default="skewed",
         help="MoE router weights: skewed (a trained-like long tail, the default), balanced (an even expert load) "
         "or random (as drawn: a few experts take most tokens); see shardtune/model/init_routing.py",

@@ -4,8 +4,10 @@ weights, so nothing is downloaded. Any HF ``config.json`` (or a directory holdin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 from shardtune.errors import InputError
 
@@ -135,6 +137,9 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
     GLM-4.5 and DeepSeek-style models stay)."""
     if layers is not None and layers <= 0:
         raise InputError(f"--layers: must be positive, got {layers}")
+    # Here, not at the top: the command line's parser lists SHAPES, and transformers takes a second to import.
+    from transformers import AutoConfig
+
     if name in HUB_SHAPES:
         shape, differences = HUB_SHAPES[name]
         return shape_config(shape, layers, **{**differences, **overrides})

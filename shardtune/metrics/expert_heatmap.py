@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 from shardtune.errors import InputError
-from shardtune.metrics.expert_usage import read_usage, summarize
 
 
 def add_expert_usage_parser(commands: argparse._SubParsersAction) -> None:
@@ -35,6 +34,8 @@ def _step_range(text: str | None) -> tuple[int, float]:
 
 
 def cmd_expert_usage(args: argparse.Namespace) -> int:
+    from shardtune.metrics.expert_usage import read_usage, summarize  # imports torch: not for every command's parser
+
     source = Path(args.run)
     try:
         records = read_usage(source)

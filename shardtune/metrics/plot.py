@@ -16,7 +16,6 @@ from typing import Any
 
 from shardtune.errors import InputError
 from shardtune.metrics.expert_heatmap import write_heatmap
-from shardtune.metrics.expert_usage import read_usage, summarize
 from shardtune.metrics.schema import LOG_FILES, read_rows
 
 
@@ -126,6 +125,8 @@ def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
                             ("train", "step_time_s_min", ":")]),
          ("data wait per step (s)", [("train", "data_wait_s", "-")])],
     )  # fmt: skip
+    from shardtune.metrics.expert_usage import read_usage, summarize  # imports torch: not for every command's parser
+
     for label, run_logs in logs.items():
         try:
             records = read_usage(run_logs["run"])

@@ -42,7 +42,6 @@ from shardtune.model.moe import MoeBlock
 
 log = logging.getLogger(__name__)
 
-ROUTINGS = ("balanced", "skewed", "random")
 ATTENTION_OUTPUT_NAMES = ("o_proj",)
 _SIMULATED_TOKENS = 8192
 _BISECTION_STEPS = 24

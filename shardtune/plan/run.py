@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from shardtune.config import Config, with_overrides
-from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.plan.memory import MemoryEstimate, estimate_memory, usable_memory
 from shardtune.plan.shape import ModelShape
@@ -59,6 +58,8 @@ class RunPlan:
 
 def check_expert_parallel(config: Config, shape: ModelShape, cluster: Cluster) -> None:
     """``parallel.expert_parallel_size`` fits the cluster and the model, as training will check it."""
+    from shardtune.distributed.mesh import ParallelDims  # imports torch: not for every command's parser
+
     dims = ParallelDims(cluster.world_size, 0, cluster.gpus_per_node, "cuda", config.parallel.expert_parallel_size)
     dims.check_model([layer.num_experts for layer in shape.moe_layers], config.model.name_or_path)
 

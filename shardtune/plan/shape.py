@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from shardtune.config import Config, looks_local, model_path_problem
 from shardtune.errors import ConfigError
 
+# torch where it is used, not here: the command line imports this module to build its parser, and torch takes
+# seconds to import.
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
     from shardtune.model.load import Precision
@@ -142,6 +143,8 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
 
 def model_shape_on(config: Config, device: torch.device) -> ModelShape:
     """The shape of the model a run of ``config`` trains on ``device`` (this machine's: ``shardtune doctor``)."""
+    import torch
+
     from shardtune.model.load import Precision, build_model
 
     precision = Precision.resolve(config, device)
@@ -155,6 +158,8 @@ def model_shape_on(config: Config, device: torch.device) -> ModelShape:
 def gpu_precision(config: Config) -> Precision:
     """The precision of a run of ``config`` on the GPUs ``shardtune plan`` plans for: bf16-capable ones
     (A100, H100, H200, B200)."""
+    import torch
+
     from shardtune.model.load import Precision
 
     return Precision.resolve(config, torch.device("cuda"), bf16_supported=True)
@@ -196,6 +201,8 @@ def planned_model_config(config: Config) -> tuple[PretrainedConfig, str]:
 def planned_model_shape(config: Config) -> tuple[ModelShape, str]:
     """The shape of the model ``config`` trains, on the GPUs ``shardtune plan`` plans for, and where its
     architecture came from (``planned_model_config``)."""
+    import torch
+
     from shardtune.model.load import build_model
     from shardtune.train.preflight import check_model_config
 
