@@ -48,9 +48,9 @@ def close_unless_worker(env: DistributedEnv) -> None:
     Why: destroying it drops the process group's last reference but one, often a DDP reducer's, and freeing
     that later (the stopped run's frames go when its error has been reported) runs the backend's destructor in
     the main thread, which holds the GIL while it joins the backend's threads. One of them may still be
-    finishing a collective whose tensor Python holds (the preemption flag), and waits for the GIL to release
-    it: a deadlock, seen on a loaded CPU as a rank that ran out of memory, printed its line, and never exited,
-    while its peer waited in a collective with it until the hang watchdog restarted the run."""
+    finishing an all-reduce whose tensor Python also holds, and waits for the GIL to release it (py-spy showed
+    both threads): a deadlock, seen on a loaded CPU as a rank that ran out of memory, printed its line and never
+    exited, while its peer waited in a collective with it until the hang watchdog restarted the run."""
     if not running_as_worker():
         env.close()
 
