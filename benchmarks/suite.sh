@@ -32,7 +32,9 @@
 # checkout's package timed in turn with this one's, f8-code-*), float8-gemm (the float8 experts' grouped GEMM:
 # shardtune's Triton kernel against torch's, alternating on an 80 GB GPU; BENCH_ONLY: moe-kernels and run names),
 # device-wait (where the Qwen3-30B-A3B float8 step on one H200 waits with the host unslowed by the profiler, and
-# each step's GPU clock and power; BENCH_CODE: another checkout's package profiled the same way, wait-code). Each run's bench.json (and profile report, where one is taken) is copied to
+# each step's GPU clock and power; BENCH_CODE: another checkout's package profiled the same way, wait-code), shared-gemms
+# (LoRA's down-projections on one input as one GEMM: one layer with and without, and with BENCH_CODE whole steps
+# alternating with another checkout's package). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -510,6 +512,30 @@ device-wait)
         bench clocks-qwen3-48l "${qwen3[@]}" --steps 12 --warmup 3
         kill "$sampler"
         python3 "$here/gpu_clocks.py" "$work/clocks-qwen3-48l/shardtune" "$work/clocks.csv" | tee "$results/clocks-qwen3-48l.txt"
+    fi
+    ;;
+shared-gemms)
+    # LoRA's down-projections that read one input as one GEMM (shardtune/distributed/shared_input_gemms.py): one
+    # compiled layer with and without the rewrite (bf16, then float8 frozen linears), then, where BENCH_CODE names a
+    # checkout without it, whole steps alternating with it: Qwen3-30B-A3B LoRA attention, both float8 options, all 48
+    # layers (one H200), and Llama-3-8B LoRA on every linear layer in the default config. Against HF on one H200:
+    # `BENCH_OVERRIDES="--steps 12" BENCH_ONLY=f8-qwen3-attn benchmarks/suite.sh float8 DIR`.
+    if [[ -z ${BENCH_ONLY:-} || " $BENCH_ONLY " == *" layer "* ]]; then
+        python3 "$(dirname "$0")/shared_input_gemms.py" --out "$results/shared_input_gemms_bf16.txt"
+        python3 "$(dirname "$0")/shared_input_gemms.py" --float8-linear --out "$results/shared_input_gemms_float8.txt"
+    fi
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 12 --warmup 3 model.float8_experts=true
+        model.float8_linear=true)
+    llama=(--shape llama3-8b --seq 4096 --batch 2 --steps 10 --warmup 3)
+    if [[ -n ${BENCH_CODE:-} ]]; then
+        for round in 1 2; do
+            (cd "$BENCH_CODE" && bench "shared-qwen3-48l-before-$round" "${qwen3[@]}")
+            bench "shared-qwen3-48l-after-$round" "${qwen3[@]}"
+        done
+        for round in 1 2; do
+            (cd "$BENCH_CODE" && bench "shared-llama3-8b-before-$round" "${llama[@]}")
+            bench "shared-llama3-8b-after-$round" "${llama[@]}"
+        done
     fi
     ;;
 *)

@@ -103,3 +103,26 @@ def test_with_the_fused_gemms_the_loss_and_every_gradient_equal_eager(checkpoint
     assert loss == pytest.approx(eager_loss, rel=1e-6)
     for name, gradient in eager.items():
         torch.testing.assert_close(gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class SharedInput(torch.nn.Module):
+    """Three narrow linear layers and a wide one on one input, the third behind an autocast switch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.switched = (torch.nn.Linear(64, 8, bias=False) for _ in range(3))
+        self.wide = torch.nn.Linear(64, 32, bias=False)  # not narrow: its GEMM's time is not the input's reading
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = self.first(x).sum() + self.second(x).sum() + self.wide(x).sum()
+        with torch.autocast("cpu", enabled=False):
+            return total + self.switched(x).sum()
+
+
+def test_only_narrow_weights_on_the_same_side_of_an_autocast_switch_are_one_gemm():
+    torch._dynamo.reset()
+    module, backend = SharedInput(), FusedGroups()
+    compiled = torch.compile(module, backend=backend)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(compiled(x), module(x))
+    assert [[name.split("_")[-4] for name in group] for group in backend.groups] == [["first", "second"]]
