@@ -71,7 +71,7 @@ class LayerCompiler:
         """How long compiling took: called once, after the first step, which compiled every graph."""
         if self.graphs:
             log.info(
-                "torch.compile: %d graph(s) compiled in %.1f s; %d group(s) of LoRA down-projections (narrow "
-                "trainable GEMMs) reading one input computed as one GEMM each",
+                "torch.compile: %d graph(s) compiled in %.1f s; %d group(s) of narrow trainable GEMMs reading one "
+                "input (LoRA's down-projections) computed as one GEMM each",
                 self.graphs, self.seconds, self.fused_gemms,
             )  # fmt: skip
