@@ -40,12 +40,10 @@ def one_layer_model() -> torch.nn.Module:
     )  # fmt: skip
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation="eager")
+    # Adapters in fp32, as training keeps them: PEFT makes them so on a bf16 base (apply_lora).
     model = apply_lora(
         model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0, moe_targets=["attention", "routed_experts"])
     )
-    for name, param in model.named_parameters():
-        if "lora_" in name:
-            param.data = param.data.float()  # trainable weights in fp32, as training keeps them
     use_fused_experts(model, decoder_layers(model), "fused", device=torch.device("cuda"))
     return model.train()
 

@@ -33,43 +33,25 @@ from shardtune.model.lora import apply_lora
 
 TOKENS = 8192
 PROFILED = 5  # iterations whose kernels the profiler times
+# One decoder layer of each model, a small vocabulary: the sizes that differ are the models' own.
+ONE_LAYER = {"vocab_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 32, "tie_word_embeddings": False}
 SHAPES = {
     "qwen3-30b-a3b attention": (
-        Qwen3Config(
-            vocab_size=1024,
-            hidden_size=2048,
-            num_hidden_layers=1,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            intermediate_size=768,
-            tie_word_embeddings=False,
-        ),
+        Qwen3Config(**ONE_LAYER, hidden_size=2048, num_key_value_heads=4, head_dim=128, intermediate_size=768),
         ["q_proj", "k_proj", "v_proj", "o_proj"],
     ),
     "llama3-8b layer": (
-        LlamaConfig(
-            vocab_size=1024,
-            hidden_size=4096,
-            num_hidden_layers=1,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=14336,
-            tie_word_embeddings=False,
-        ),
+        LlamaConfig(**ONE_LAYER, hidden_size=4096, num_key_value_heads=8, intermediate_size=14336),
         "all-linear",
     ),
 }
 
 
 def one_layer(config, targets, float8_linear: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the LoRA model, its decoder layer) on the GPU, adapters in fp32."""
+    """(the LoRA model, its decoder layer) on the GPU, adapters in fp32 (``apply_lora``: PEFT's on a bf16 base)."""
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model = apply_lora(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0, target_modules=targets))
-    for name, param in model.named_parameters():
-        if "lora_" in name:
-            param.data = param.data.float()
     layers = decoder_layers(model)
     if float8_linear:
         use_float8_linears(layers, skip=set())

@@ -99,9 +99,9 @@ def _weight(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _group_key(node: torch.fx.Node, casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node]) -> tuple | None:
-    """What a fusable linear call reads, (input, weight dtype, input width), the input being the first cast of its
-    source to that dtype where it is a cast; None where the call cannot join a group: a bias, a weight that is not
-    a trainable narrow matrix, no traced value to check."""
+    """What a fusable linear call reads, (input, weight dtype), the input being the first cast of its source to
+    that dtype where it is a cast; None where the call cannot join a group: a bias, a weight that is not a
+    trainable narrow matrix, no traced value to check."""
     if len(node.args) > 2 and node.args[2] is not None or node.kwargs.get("bias") is not None:
         return None
     source, weight = node.args[0] if node.args else node.kwargs.get("input"), _weight(node)
@@ -115,7 +115,7 @@ def _group_key(node: torch.fx.Node, casts: dict[tuple[torch.fx.Node, torch.dtype
     cast = _dtype_cast(source)
     if cast is not None:  # all casts of one input to one dtype are one value: group them under the first
         source = casts[cast]
-    return (source, value.dtype, value.shape[1])
+    return (source, value.dtype)
 
 
 def _fuse(graph: torch.fx.Graph, source: torch.fx.Node, members: list[torch.fx.Node]) -> None:
@@ -125,6 +125,7 @@ def _fuse(graph: torch.fx.Graph, source: torch.fx.Node, members: list[torch.fx.N
         concatenated = graph.call_function(torch.cat, (weights,), {"dim": 0})
         product = graph.call_function(torch.nn.functional.linear, (source, concatenated))
         parts = graph.call_function(torch.split, (product, widths), {"dim": -1})
+        split = [graph.call_function(operator.getitem, (parts, index)) for index in range(len(members))]
     # The fake values dynamo records on each node, which inductor's passes read. Made without autograd: a fake
     # product recorded for backward would pass through the saved-tensor hooks active while the layer compiles
     # (a checkpoint's, which then counts two tensors more than its recomputation saves).
@@ -134,8 +135,6 @@ def _fuse(graph: torch.fx.Graph, source: torch.fx.Node, members: list[torch.fx.N
             source.meta["example_value"], concatenated.meta["example_value"]
         )
         parts.meta["example_value"] = torch.split(product.meta["example_value"], widths, dim=-1)
-    with graph.inserting_before(members[0]):
-        split = [graph.call_function(operator.getitem, (parts, index)) for index in range(len(members))]
     for part, member in zip(split, members, strict=True):
         part.meta.update(member.meta)
         member.replace_all_uses_with(part)
