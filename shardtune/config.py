@@ -315,6 +315,12 @@ class ParallelConfig(_Section):
         description="torch.compile each decoder layer (after checkpointing, before FSDP); auto: on CUDA, off on "
         "CPU; where compilation fails, one warning and the run goes on eagerly",
     )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto",
+        description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
+        "keep one shape; auto: on CUDA with parallel.compile in one process; layers that recompute activations "
+        "run without graphs",
+    )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
     expert_parallel_size: int = Field(
         1,
@@ -326,6 +332,23 @@ class ParallelConfig(_Section):
     def compiles_on(self, device_type: str) -> bool:
         """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
         return device_type == "cuda" if self.compile == "auto" else self.compile
+
+    def graphs_on(self, device_type: str, world_size: int) -> bool:
+        """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``)."""
+        if self.cuda_graphs is False:
+            return False
+        needs = None
+        if device_type != "cuda":
+            needs = "a CUDA GPU"
+        elif not self.compiles_on(device_type):
+            needs = "parallel.compile"
+        elif world_size > 1:
+            needs = f"one process (this run has {world_size})"
+        if needs is None:
+            return True
+        if self.cuda_graphs is True:
+            raise ConfigError(f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false")
+        return False
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

@@ -35,6 +35,7 @@ from shardtune.distributed.expert_parallel import (
     shard_experts,
     whole_expert_tensor,
 )
+from shardtune.distributed.layer_graphs import LayerGraphs
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
@@ -158,6 +159,8 @@ def parallelize(
             is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
+        if config.parallel.graphs_on(env.device.type, env.world_size):
+            graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)
     if plan.strategy == "ddp":
@@ -297,6 +300,25 @@ def _shard(
         distribute_expert_weights(model, {without_wrappers(name): value for name, value in full_state.items()}, dims)
     _broadcast_buffers(model, buffers, env)
     return model
+
+
+def graph_layers(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """``parallel.cuda_graphs``: the compiled layers that recompute nothing and run no hooks (a router seen
+    through a forward hook records in Python) replayed as CUDA graphs."""
+    graphed = [
+        layer
+        for layer in layers
+        if _outer_wrapper(model, layer) is layer
+        and not any(
+            hasattr(module, "_checkpoint_wrapped_module") or module._forward_hooks or module._forward_pre_hooks
+            for module in layer.modules()
+        )
+    ]
+    if graphed:
+        LayerGraphs(graphed)
+    others = len(layers) - len(graphed)
+    log.info("cuda graphs: %d of %d decoder layers, once training batches keep one shape%s", len(graphed),
+             len(layers), f" ({others} recompute activations or run hooks)" if others else "")  # fmt: skip
 
 
 def _outer_wrapper(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:

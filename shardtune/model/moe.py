@@ -171,6 +171,11 @@ class RoutingRecorder:
     _routed: list[tuple[MoeBlock, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _reported: int = 0
     _balance_gradient: torch.Tensor | None = None
+    # Layers replayed as CUDA graphs (``fix_addresses``): the real-token mask and the balance gradient at fixed
+    # addresses, and the sums reported while a layer is captured.
+    _real_buffer: torch.Tensor | None = None
+    _balance_buffer: torch.Tensor | None = None
+    _captured: list[torch.Tensor] | None = None
 
     # The recorder of the latest recording: self-routing blocks report to it. One recording at a time.
     current: ClassVar[RoutingRecorder | None] = None
@@ -212,6 +217,7 @@ class RoutingRecorder:
         self._real = None if real_tokens is None else real_tokens.reshape(-1).bool()
         self._reported = 0
         self._balance_gradient = None
+        self._fill_real_buffer()
         self._active = True
         RoutingRecorder.current = self
         try:
@@ -224,6 +230,46 @@ class RoutingRecorder:
                 self.records.append(RoutingRecord.of(block, sums, sum_real(probabilities, self._real)))
             self._routed = []
 
+    def fix_addresses(self, tokens: int) -> None:
+        """For decoder layers about to be captured as CUDA graphs (``shardtune.distributed.layer_graphs``), during
+        a recording of ``tokens`` tokens: from now on the real-token mask of a forward of that many tokens and
+        the balance gradient are kept in buffers of their own, rewritten in place, so that a replayed graph reads
+        this forward's. A replayed layer hands over the sums its capture reported (``capturing``), which each
+        replay rewrites."""
+        device = self.blocks[0].router.weight.device
+        self._real_buffer = torch.ones(tokens, device=device)  # float32, as the routing weights it is cast to
+        self._fill_real_buffer()
+        if self._reporting and self.trains_balance:
+            self._balance_buffer = torch.zeros(self.blocks[0].num_experts, device=device)
+
+    def _fill_real_buffer(self) -> None:
+        buffer = self._real_buffer
+        if buffer is None:
+            return
+        if self._real is None:
+            buffer.fill_(1.0)
+        elif self._real.shape == buffer.shape:
+            buffer.copy_(self._real)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards run now are not recorded (a CUDA graph's warm-up)."""
+        active, self._active = self._active, False
+        try:
+            yield
+        finally:
+            self._active = active
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[torch.Tensor]]:
+        """While a layer's forward is captured: what its blocks report is collected in the list yielded, not
+        recorded."""
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+
     def records_now(self) -> bool:
         """Whether a forward running now is recorded: not outside ``recording()`` (evaluation), nor
         checkpointing's recomputation during backward."""
@@ -234,6 +280,9 @@ class RoutingRecorder:
         (``real_tokens``). Blocks report in the order they run, which is the order of the layers."""
         if not self.records_now():
             return
+        if self._captured is not None:
+            self._captured.append(sums)
+            return
         block = self._reporting[self._reported % len(self._reporting)]
         self._reported += 1
         self.records.append(RoutingRecord.of(block, sums))
@@ -242,6 +291,8 @@ class RoutingRecorder:
         """Which tokens of the forward recorded are real, as 0/1 in the dtype of ``like``, a (tokens, ...)
         tensor of it."""
         tokens = like.shape[0]
+        if self._real_buffer is not None and self._real_buffer.shape[0] == tokens:
+            return self._real_buffer.to(like.dtype)
         real = like.new_ones(tokens) if self._real is None else self._real.to(like.dtype)
         if real.shape[0] != tokens:
             raise ValueError(f"{tokens} tokens in a forward or backward of a recording of {real.shape[0]}")
@@ -258,6 +309,8 @@ class RoutingRecorder:
             if not self.trains_balance:
                 raise ValueError("RoutingRecorder(trains_balance=False) has no balance gradient to give")
             self._balance_gradient = weight * load_balancing_gradient(self.records)
+            if self._balance_buffer is not None:
+                self._balance_gradient = self._balance_buffer.copy_(self._balance_gradient)
         return loss, weight * loss
 
     def balance_gradient(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,6 +319,8 @@ class RoutingRecorder:
         ``like``'s dtype; zeros before ``balance_objective``. Only the backward of the forward just
         recorded asks (its tokens are those of ``recording``)."""
         tokens, experts = like.shape[0], self.blocks[0].num_experts
+        if self._balance_buffer is not None and self._real_buffer is not None and self._real_buffer.shape[0] == tokens:
+            return self.real_tokens(like), self._balance_buffer.to(like.dtype)
         if self._balance_gradient is None:
             return like.new_zeros(tokens), like.new_zeros(experts)
         return self.real_tokens(like), self._balance_gradient.to(like.dtype)

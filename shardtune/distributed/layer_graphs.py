@@ -1,0 +1,342 @@
+"""``parallel.cuda_graphs``: the compiled decoder layers' forward and backward passes replayed as CUDA graphs.
+
+Why: a compiled layer still launches each of its kernels from Python, one call at a time. In the forward of a
+Qwen3-30B-A3B layer's attention half on one H200 that takes the host longer than the GPU takes to run the
+kernels, and the GPU waits about 9% of a step (benchmarks/RESULTS.md, twentieth pass). A CUDA graph launches
+a layer's hundred-odd kernels in one call.
+
+How (the way Megatron-LM and Transformer Engine graph their layers; ``torch.cuda.make_graphed_callables`` is
+the model): training forwards are watched; once two forwards in a row called every layer with the same
+arguments (the first compiled the layers), the next one, before its first layer runs, captures every layer's
+forward in order and every layer's backward in reverse order into one memory pool, and from then on each call
+of that shape replays its layer's graphs. Written here rather than taken from ``make_graphed_callables``:
+
+- the graphs are chained: a layer's input buffer is the previous layer's output buffer and its output-gradient
+  buffer the next layer's input-gradient buffer, so nothing is copied between layers; tensors every layer gets
+  (rotary cos/sin, the mask) share one buffer, filled once a forward;
+- parameters' gradients leave the graph as new tensors. ``make_graphed_callables`` hands out its graph's own
+  buffers: where a parameter has no gradient yet, autograd keeps that buffer as ``.grad``, and the next
+  micro-batch's replay overwrites the gradient accumulated so far;
+- the MoE blocks' routing record still reaches the ``RoutingRecorder`` (see ``fix_addresses`` there).
+
+A graph replays the kernels it recorded on the addresses it recorded: a call replays only if its tensors have
+the captured shapes, strides, dtypes and requires_grad and its other arguments are equal. Any other call
+(evaluation, a batch of another shape) runs the compiled layer as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardtune.errors import first_line
+from shardtune.model.moe import RoutingRecorder
+
+log = logging.getLogger("shardtune")
+
+# Training forwards with every layer called alike before the layers are captured: the first compiles them,
+# the second runs the compiled code once more (cuBLAS and cuDNN set up their plans) on the default stream.
+FORWARDS_BEFORE_CAPTURE = 2
+
+_VALUES = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What a decoder layer was called with, as far as a graph is concerned: the argument structure, per leaf
+    either a tensor's metadata or a plain value, where each tensor came from (``sources``), and the state
+    the compiled code depends on (training mode, grad mode, autocast)."""
+
+    spec: Any
+    leaves: tuple
+    # Per tensor leaf: ("output", k) the previous layer's k-th output, ("first", j) the first layer's j-th
+    # argument (the same tensor object), ("own",) anything else.
+    sources: tuple
+    state: tuple
+
+
+def describe_call(
+    module: torch.nn.Module, args: tuple, kwargs: dict, first_ids: list[int], previous_output_ids: list[int]
+) -> tuple[LayerCall | None, list]:
+    """(the call, its flat leaves); the call is None where it cannot be graphed (an object argument, such as a
+    key-value cache, or no grad)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if not (module.training and torch.is_grad_enabled()):
+        return None, leaves
+    described, sources = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            ident = id(leaf)
+            if ident in previous_output_ids:
+                sources.append(("output", previous_output_ids.index(ident)))
+            elif ident in first_ids:
+                sources.append(("first", first_ids.index(ident)))
+            else:
+                sources.append(("own",))
+        elif isinstance(leaf, _VALUES):
+            described.append((type(leaf), leaf))
+        else:
+            return None, leaves
+    device = "cuda"
+    state = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    return LayerCall(spec, tuple(described), tuple(sources), state), leaves
+
+
+@dataclass(eq=False)
+class LayerGraph:
+    """One decoder layer's captured forward and backward."""
+
+    call: LayerCall
+    inputs: list  # the flat leaves the forward graph reads (tensors at fixed addresses, values as captured)
+    params: list[torch.Tensor]  # the layer's trainable parameters
+    outputs: list[torch.Tensor]  # the forward's output leaves (fixed addresses)
+    out_spec: Any
+    forward_graph: torch.cuda.CUDAGraph
+    reported: list[torch.Tensor]  # the routing sums its MoE blocks reported while captured, rewritten by replays
+    backward_graph: torch.cuda.CUDAGraph | None = None
+    grad_outputs: list[torch.Tensor | None] = field(default_factory=list)  # per output leaf
+    grad_inputs: list[torch.Tensor | None] = field(default_factory=list)  # per tensor input leaf
+    param_grads: list[torch.Tensor | None] = field(default_factory=list)
+
+    def tensor_inputs(self) -> list[torch.Tensor]:
+        return [leaf for leaf in self.inputs if isinstance(leaf, torch.Tensor)]
+
+
+class _Replay(torch.autograd.Function):
+    """A captured layer as one autograd node: forward replays its forward graph, backward its backward graph."""
+
+    @staticmethod
+    def forward(ctx, graph: LayerGraph, filled: dict, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.graph = graph
+        buffers = graph.tensor_inputs()
+        for buffer, tensor in zip(buffers, tensors[: len(buffers)], strict=True):  # the parameters follow
+            if buffer.data_ptr() == tensor.data_ptr():
+                continue  # chained: the previous layer's output buffer
+            stamp = (id(tensor), tensor.data_ptr(), tensor._version)
+            if filled.get(buffer.data_ptr()) != stamp:  # a buffer every layer shares is filled once a forward
+                buffer.copy_(tensor)
+                filled[buffer.data_ptr()] = stamp
+        graph.forward_graph.replay()
+        outputs = tuple(output.detach() for output in graph.outputs)
+        constant = [out for out, grad in zip(outputs, graph.grad_outputs, strict=True) if grad is None]
+        ctx.mark_non_differentiable(*constant)
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        graph: LayerGraph = ctx.graph
+        for buffer, grad in zip(graph.grad_outputs, grads, strict=True):
+            if buffer is None:
+                continue
+            if grad is None:
+                buffer.zero_()
+            elif buffer.data_ptr() != grad.data_ptr():
+                buffer.copy_(grad)
+        graph.backward_graph.replay()
+        inputs = [None if grad is None else grad.detach() for grad in graph.grad_inputs]
+        present = [grad for grad in graph.param_grads if grad is not None]
+        # New tensors, in one multi-tensor kernel: autograd may keep what it is handed as .grad (see above).
+        fresh = iter(torch._foreach_mul(present, 1.0) if present else [])
+        params = [None if grad is None else next(fresh) for grad in graph.param_grads]
+        return (None, None, *inputs, *params)
+
+
+class LayerGraphs:
+    """Installed on the compiled decoder layers (``modules``: what the model calls) of a one-process CUDA run."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self.compiled: list[Callable[..., Any]] = []
+        for index, module in enumerate(modules):
+            self.compiled.append(module._compiled_call_impl)
+            module._compiled_call_impl = functools.partial(self._call, index)
+        self.params = [[p for p in module.parameters() if p.requires_grad] for module in modules]
+        self.seen: list[LayerCall | None] = [None] * len(modules)  # this forward's calls
+        self.previous: list[LayerCall | None] | None = None  # the last complete forward's calls
+        self.alike = 0  # complete forwards in a row whose calls were the same
+        self.first_ids: list[int] = []  # this forward's first call's tensors, by id
+        self.output_ids: list[int] = []  # the last layer call's output tensors, by id
+        self.graphs: list[LayerGraph] | None = None
+        self.pool: tuple | None = None  # the graphs' memory pool
+        self.failed = False
+        self.replaying = False
+        self.filled: dict[int, tuple] = {}
+        self.told_unlike = False
+
+    def _call(self, index: int, *args: Any, **kwargs: Any) -> Any:
+        if torch.cuda.is_current_stream_capturing():
+            return self.compiled[index](*args, **kwargs)
+        if index == 0:  # the first layer's tensors are its own sources: ("first", j)
+            self.output_ids = []
+            self.first_ids = [id(leaf) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        call, leaves = describe_call(self.modules[index], args, kwargs, self.first_ids, self.output_ids)
+        if index == 0:
+            self._begin_forward(call, leaves)
+        if self.replaying and self.graphs is not None and self.graphs[index].call == call:
+            graph = self.graphs[index]
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            outputs = _Replay.apply(graph, self.filled, *tensors, *graph.params)
+            self._report(graph)
+            self.output_ids = [id(output) for output in outputs]
+            return tree_unflatten(list(outputs), graph.out_spec)
+        if self.graphs is not None and call is not None and not self.told_unlike:
+            self.told_unlike = True
+            log.info("cuda graphs: a decoder layer was called with other inputs than when captured: such calls "
+                     "run without the graphs")  # fmt: skip
+        if self.graphs is None:
+            self.seen[index] = call
+        result = self.compiled[index](*args, **kwargs)
+        self.output_ids = [id(leaf) for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+        return result
+
+    def _begin_forward(self, call: LayerCall | None, leaves: list) -> None:
+        self.replaying = False
+        self.filled = {}
+        if call is None or self.failed:
+            return
+        if self.graphs is not None:
+            self.replaying = self.graphs[0].call == call
+            return
+        if all(seen is not None for seen in self.seen):
+            self.alike = self.alike + 1 if self.seen == self.previous else 1
+            self.previous = self.seen
+        else:
+            self.alike = 0
+        self.seen = [None] * len(self.modules)
+        if self.alike >= FORWARDS_BEFORE_CAPTURE and self.previous is not None and self.previous[0] == call:
+            self._capture(self.previous, leaves)
+            self.replaying = self.graphs is not None
+
+    def _report(self, graph: LayerGraph) -> None:
+        recorder = RoutingRecorder.current
+        if recorder is not None and recorder.records_now():
+            for sums in graph.reported:
+                recorder.report(sums)
+
+    def _capture(self, calls: list[LayerCall], first_leaves: list) -> None:
+        started = time.perf_counter()
+        recorder = RoutingRecorder.current
+        if recorder is not None and recorder.records_now():
+            first = next(leaf for leaf in first_leaves if isinstance(leaf, torch.Tensor))
+            recorder.fix_addresses(first.shape[:-1].numel())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                self._warm_up(calls, first_leaves, recorder)
+                graphs = self._capture_forwards(calls, first_leaves, recorder)
+                self._capture_backwards(graphs)
+        except Exception as error:  # an op that cannot be captured (a host sync), or memory
+            self.failed = True
+            log.warning(
+                "cuda graphs: capturing the decoder layers failed (%s: %s); they run without graphs (same results); "
+                "set parallel.cuda_graphs=false to skip the attempt",
+                type(error).__name__,
+                first_line(error),
+            )
+            return
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
+        self.graphs = graphs
+        log.info(
+            "cuda graphs: %d decoder layers captured (forward and backward) in %.1f s; training forwards of this "
+            "shape replay them",
+            len(graphs),
+            time.perf_counter() - started,
+        )
+
+    def _inputs(self, call: LayerCall, first: list, previous_outputs: list) -> list:
+        """Flat leaves for a layer's call: per tensor leaf, where it came from in the forward watched."""
+        leaves, tensor_index = [], 0
+        for described in call.leaves:
+            if len(described) == 2:  # a plain value
+                leaves.append(described[1])
+                continue
+            source = call.sources[tensor_index]
+            tensor_index += 1
+            if source[0] == "output":
+                tensor = previous_outputs[source[1]].detach()
+            elif source[0] == "first":
+                tensor = first[source[1]].detach()
+            else:
+                shape, stride, dtype, device, _ = described
+                tensor = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            leaves.append(tensor.requires_grad_(described[4]))
+        return leaves
+
+    def _warm_up(self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None) -> None:
+        """Each layer's forward and backward once on the capture stream, the layers chained, nothing recorded."""
+        first = [leaf for leaf in first_leaves if isinstance(leaf, torch.Tensor)]
+        outputs: list[torch.Tensor] = []
+        with recorder.paused() if recorder is not None else contextlib.nullcontext():
+            for index, call in enumerate(calls):
+                leaves = self._inputs(call, first, outputs)
+                args, kwargs = tree_unflatten(leaves, call.spec)
+                result = self.compiled[index](*args, **kwargs)
+                outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+                wanted = [output for output in outputs if output.requires_grad]
+                sources = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+                if wanted and sources + self.params[index]:
+                    torch.autograd.grad(wanted, sources + self.params[index], [torch.zeros_like(o) for o in wanted],
+                                        allow_unused=True)  # fmt: skip
+                outputs = [output.detach() for output in outputs]
+
+    def _capture_forwards(
+        self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None
+    ) -> list[LayerGraph]:
+        self.pool = pool = torch.cuda.graph_pool_handle()
+        # The first layer's tensors, at addresses of their own (its callers' tensors are new every forward).
+        first = [leaf.detach().clone() for leaf in first_leaves if isinstance(leaf, torch.Tensor)]
+        graphs: list[LayerGraph] = []
+        outputs: list[torch.Tensor] = []
+        for index, call in enumerate(calls):
+            leaves = self._inputs(call, first, outputs)
+            args, kwargs = tree_unflatten(leaves, call.spec)
+            graph = torch.cuda.CUDAGraph()
+            reporting = recorder.capturing() if recorder is not None else contextlib.nullcontext()
+            with reporting as reported, torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream()):
+                result = self.compiled[index](*args, **kwargs)
+            flat, out_spec = tree_flatten(result)
+            if not all(isinstance(leaf, torch.Tensor) for leaf in flat):
+                raise TypeError(f"{type(self.modules[index]).__name__} returned something other than tensors")
+            graphs.append(LayerGraph(call, leaves, self.params[index], flat, out_spec, graph, list(reported or [])))
+            outputs = flat
+        return graphs
+
+    def _capture_backwards(self, graphs: list[LayerGraph]) -> None:
+        after: LayerGraph | None = None
+        for graph in reversed(graphs):
+            # An output the next layer takes as an input that needs a gradient: its gradient buffer is that
+            # layer's input-gradient buffer.
+            chained: dict[int, torch.Tensor] = {}
+            if after is not None:
+                for source, leaf_grad in zip(after.call.sources, after.grad_inputs, strict=True):
+                    if source[0] == "output" and leaf_grad is not None:
+                        chained[source[1]] = leaf_grad
+            graph.grad_outputs = [
+                (chained.get(k) if k in chained else torch.zeros_like(output)) if output.requires_grad else None
+                for k, output in enumerate(graph.outputs)
+            ]
+            wanted = [output for output in graph.outputs if output.requires_grad]
+            buffers = [buffer for buffer in graph.grad_outputs if buffer is not None]
+            sources = [leaf for leaf in graph.tensor_inputs() if leaf.requires_grad]
+            grads: tuple = (None,) * (len(sources) + len(graph.params))
+            if wanted and sources + graph.params:
+                backward = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(backward, pool=self.pool, stream=torch.cuda.current_stream()):
+                    grads = torch.autograd.grad(wanted, sources + graph.params, buffers, allow_unused=True)
+                graph.backward_graph = backward
+            by_input = iter(grads[: len(sources)])
+            graph.grad_inputs = [next(by_input) if leaf.requires_grad else None for leaf in graph.tensor_inputs()]
+            graph.param_grads = list(grads[len(sources) :])
+            after = graph

@@ -1,0 +1,64 @@
+"""``parallel.cuda_graphs``: compiled decoder layers replayed as CUDA graphs train to the losses, gradients and
+routing records of the same layers run without graphs (GPU runs, marked gpu), and the option says clearly where
+it cannot be on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cli_runs import jsonl, train
+from tiny_models import write_tiny_model
+
+from shardtune.config import ParallelConfig
+from shardtune.errors import ConfigError
+
+ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+@pytest.mark.parametrize(
+    ("where", "overrides", "needs"),
+    [
+        ("cpu", {}, "a CUDA GPU"),
+        ("cuda", {"compile": False}, "parallel.compile"),
+    ],
+)
+def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, overrides, needs):
+    asked = ParallelConfig(cuda_graphs=True, **overrides)
+    with pytest.raises(ConfigError) as error:
+        asked.graphs_on(where, 1)
+    assert str(error.value) == f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false"
+    with pytest.raises(ConfigError, match=r"true needs one process \(this run has 2\)"):
+        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 2)
+    assert not ParallelConfig(**overrides).graphs_on(where, 1)  # auto: off there, silently
+    assert ParallelConfig().graphs_on("cuda", 1) and not ParallelConfig(cuda_graphs=False).graphs_on("cuda", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path):
+    """A MoE model with LoRA on attention and the routed experts, the load-balancing loss trained, padded rows
+    (the real-token mask matters) and two micro-batches a step (gradients accumulate over two replays)."""
+    model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    common = [
+        f"model.name_or_path={model}", "model.init=random", "training.gradient_checkpointing=false",
+        "data.pad_to=max_length", "data.max_length=64", "lora.target_modules=null",
+        "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01",
+        "training.gradient_accumulation_steps=2", "parallel.compile=true",
+    ]  # fmt: skip
+    plain = train(tmp_path, "plain", 1, *common, "parallel.cuda_graphs=false", steps=6, env=ON_GPU)
+    graphed = train(tmp_path, "graphed", 1, *common, steps=6, env=ON_GPU)
+    assert "cuda graphs" not in plain["log"]
+    assert "cuda graphs: 2 of 2 decoder layers" in graphed["log"]
+    # Two forwards a step: the first two compile and warm up, the third is captured and replayed.
+    assert graphed["log"].count("cuda graphs: 2 decoder layers captured (forward and backward)") == 1
+    assert "failed" not in graphed["log"] and "other inputs" not in graphed["log"]
+    assert graphed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for key in ("grad_norm", "moe_balance_loss"):
+        rows = [jsonl(run["out"] / "logs/train_log.jsonl") for run in (plain, graphed)]
+        assert [row.get(key) for row in rows[1]] == pytest.approx([row.get(key) for row in rows[0]], rel=1e-5)
+
+    def usage(run: dict) -> list:
+        rows = jsonl(run["out"] / "logs/expert_usage.jsonl")
+        return [[(layer["counts"], round(layer["entropy"], 5)) for layer in row["layers"]] for row in rows]
+
+    assert usage(graphed) == usage(plain)
