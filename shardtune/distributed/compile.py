@@ -49,8 +49,8 @@ class LayerCompiler:
         if self.failure is not None:
             return graph.forward
         started = time.perf_counter()
-        fused = fuse_shared_input_linears(graph)
         try:
+            fused = fuse_shared_input_linears(graph)
             with torch._functorch.config.patch(**_BACKWARD_NOW):
                 compiled = torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
         except Exception as error:  # whatever inductor, Triton or the C++ toolchain raised

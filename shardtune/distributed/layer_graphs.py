@@ -231,7 +231,12 @@ class LayerGraphs:
             recorder.fix_addresses(first.shape[:-1].numel())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # The warm-up's and the capture's backwards run on the capture stream, where the parameters' gradient
+        # accumulators were made on the default one: autograd warns, but they accumulate nothing there (the
+        # gradients are asked for by autograd.grad).
+        warns = torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch
         try:
+            warns(False)
             with torch.cuda.stream(stream):
                 self._warm_up(calls, first_leaves, recorder)
                 graphs = self._capture_forwards(calls, first_leaves, recorder)
@@ -246,6 +251,7 @@ class LayerGraphs:
             )
             return
         finally:
+            warns(True)
             torch.cuda.current_stream().wait_stream(stream)
         self.graphs = graphs
         log.info(

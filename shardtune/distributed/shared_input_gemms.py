@@ -128,12 +128,13 @@ def _fuse(graph: torch.fx.Graph, source: torch.fx.Node, members: list[torch.fx.N
         split = [graph.call_function(operator.getitem, (parts, index)) for index in range(len(members))]
     # The fake values dynamo records on each node, which inductor's passes read. Made without autograd: a fake
     # product recorded for backward would pass through the saved-tensor hooks active while the layer compiles
-    # (a checkpoint's, which then counts two tensors more than its recomputation saves).
+    # (a checkpoint's, which then counts two tensors more than its recomputation saves). The product's is made
+    # from the first call's value rather than computed: torch 2.11's linear on symbolic sizes (a graph compiled
+    # again for a new shape) asks for a concrete numel.
     with torch.no_grad():
         concatenated.meta["example_value"] = torch.cat([weight.meta["example_value"] for weight in weights])
-        product.meta["example_value"] = torch.nn.functional.linear(
-            source.meta["example_value"], concatenated.meta["example_value"]
-        )
+        first = members[0].meta["example_value"]
+        product.meta["example_value"] = first.new_empty((*first.shape[:-1], sum(widths)))
         parts.meta["example_value"] = torch.split(product.meta["example_value"], widths, dim=-1)
     for part, member in zip(split, members, strict=True):
         part.meta.update(member.meta)
