@@ -34,7 +34,9 @@
 # device-wait (where the Qwen3-30B-A3B float8 step on one H200 waits with the host unslowed by the profiler, and
 # each step's GPU clock and power; BENCH_CODE: another checkout's package profiled the same way, wait-code), shared-gemms
 # (LoRA's down-projections on one input as one GEMM: one layer with and without, and with BENCH_CODE whole steps
-# alternating with another checkout's package). Each run's bench.json (and profile report, where one is taken) is copied to
+# alternating with another checkout's package), cuda-graphs (the compiled decoder layers replayed as CUDA graphs against
+# the same layers without, alternating in one call: Qwen3-30B-A3B LoRA attention, both float8 options, all 48 layers, on
+# one H200; then the Qwen3-30B-A3B and GLM-4.5-Air float8 runs against HF; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -537,6 +539,23 @@ shared-gemms)
             bench "shared-llama3-8b-after-$round" "${llama[@]}"
         done
     fi
+    ;;
+cuda-graphs)
+    # parallel.cuda_graphs (shardtune/distributed/layer_graphs.py, on by default on one GPU): the layers replayed as
+    # CUDA graphs (graphs-on-*) against the same compiled layers launched from Python (graphs-off-*), alternating;
+    # then against HF in the same run, the default config (graphs on): graphs-qwen3-attn, graphs-glm-air-20l.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 10 --warmup 3 training.gradient_checkpointing=false
+        model.float8_experts=true model.float8_linear=true "${extra[@]}")
+    for round in 1 2; do
+        bench "graphs-on-$round" "${qwen3[@]}" parallel.cuda_graphs=true
+        bench "graphs-off-$round" "${qwen3[@]}" parallel.cuda_graphs=false
+    done
+    all=(model.float8_experts=true model.float8_linear=true)
+    bench graphs-qwen3-attn --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 12 --warmup 3 --baseline hf "${all[@]}" \
+        "${extra[@]}"
+    bench graphs-glm-air-20l --shape glm-4.5-air --layers 20 --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
+        "${all[@]}" "${extra[@]}"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

@@ -303,22 +303,20 @@ def _shard(
 
 
 def graph_layers(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
-    """``parallel.cuda_graphs``: the compiled layers that recompute nothing and run no hooks (a router seen
-    through a forward hook records in Python) replayed as CUDA graphs."""
+    """``parallel.cuda_graphs``: the compiled layers replayed as CUDA graphs, but those recomputed whole (their
+    checkpoint wrapper runs eagerly around the compiled layer; sublayers recomputed inside a layer's graph are
+    captured with it) and those that run hooks (a router seen through a forward hook records in Python)."""
     graphed = [
         layer
         for layer in layers
         if _outer_wrapper(model, layer) is layer
-        and not any(
-            hasattr(module, "_checkpoint_wrapped_module") or module._forward_hooks or module._forward_pre_hooks
-            for module in layer.modules()
-        )
+        and not any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules())
     ]
     if graphed:
         LayerGraphs(graphed)
     others = len(layers) - len(graphed)
     log.info("cuda graphs: %d of %d decoder layers, once training batches keep one shape%s", len(graphed),
-             len(layers), f" ({others} recompute activations or run hooks)" if others else "")  # fmt: skip
+             len(layers), f" ({others} recompute whole layers or run hooks)" if others else "")  # fmt: skip
 
 
 def _outer_wrapper(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:

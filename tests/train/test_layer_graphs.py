@@ -35,12 +35,19 @@ def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, ov
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
-def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path):
+@pytest.mark.parametrize("recompute", ["nothing", "attention"])
+def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path, recompute):
     """A MoE model with LoRA on attention and the routed experts, the load-balancing loss trained, padded rows
-    (the real-token mask matters) and two micro-batches a step (gradients accumulate over two replays)."""
+    (the real-token mask matters) and two micro-batches a step (gradients accumulate over two replays); with
+    each layer's attention recomputed inside its graph, too. The run's last evaluation (another shape, no
+    grad) runs the layers without the graphs."""
     model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    checkpointing = {
+        "nothing": ["training.gradient_checkpointing=false"],
+        "attention": ["training.gradient_checkpointing=true", "training.gradient_checkpointing_granularity=attention"],
+    }[recompute]
     common = [
-        f"model.name_or_path={model}", "model.init=random", "training.gradient_checkpointing=false",
+        f"model.name_or_path={model}", "model.init=random", *checkpointing,
         "data.pad_to=max_length", "data.max_length=64", "lora.target_modules=null",
         "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01",
         "training.gradient_accumulation_steps=2", "parallel.compile=true",
@@ -62,3 +69,16 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path)
         return [[(layer["counts"], round(layer["entropy"], 5)) for layer in row["layers"]] for row in rows]
 
     assert usage(graphed) == usage(plain)
+    evaluations = [jsonl(run["out"] / "logs/eval_log.jsonl") for run in (plain, graphed)]
+    assert evaluations[1][-1]["eval_loss"] == pytest.approx(evaluations[0][-1]["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_layers_recomputed_whole_run_without_cuda_graphs(tmp_path):
+    run = train(tmp_path, "whole", 1, "data.pad_to=max_length", "data.max_length=64", "parallel.compile=true",
+                "training.gradient_checkpointing=true", "training.gradient_checkpointing_granularity=layer",
+                steps=3, env=ON_GPU)  # fmt: skip
+    assert "cuda graphs: 0 of 4 decoder layers, once training batches keep one shape (4 recompute whole layers or " \
+           "run hooks)" in run["log"]  # fmt: skip
+    assert "captured" not in run["log"]
