@@ -318,8 +318,8 @@ class ParallelConfig(_Section):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
         description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
-        "keep one shape; auto: on CUDA with parallel.compile in one process; layers that recompute activations "
-        "run without graphs",
+        "keep one shape; auto: on CUDA with parallel.compile in one process, batches of one shape (data.pad_to: "
+        "max_length); layers recomputed whole run without graphs",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
     expert_parallel_size: int = Field(
@@ -333,8 +333,10 @@ class ParallelConfig(_Section):
         """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
         return device_type == "cuda" if self.compile == "auto" else self.compile
 
-    def graphs_on(self, device_type: str, world_size: int) -> bool:
-        """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``)."""
+    def graphs_on(self, device_type: str, world_size: int, one_shape: bool) -> bool:
+        """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``);
+        ``one_shape``: every training batch has one shape. Asked for without it, graphs are captured once two
+        forwards have one shape and given up at the first batch of another."""
         if self.cuda_graphs is False:
             return False
         needs = None
@@ -344,11 +346,9 @@ class ParallelConfig(_Section):
             needs = "parallel.compile"
         elif world_size > 1:
             needs = f"one process (this run has {world_size})"
-        if needs is None:
-            return True
-        if self.cuda_graphs is True:
+        if needs is not None and self.cuda_graphs is True:
             raise ConfigError(f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false")
-        return False
+        return needs is None and (one_shape or self.cuda_graphs is True)
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

@@ -168,10 +168,9 @@ class LayerGraphs:
         self.output_ids: list[int] = []  # the last layer call's output tensors, by id
         self.graphs: list[LayerGraph] | None = None
         self.pool: tuple | None = None  # the graphs' memory pool
-        self.failed = False
+        self.given_up = False
         self.replaying = False
         self.filled: dict[int, tuple] = {}
-        self.told_unlike = False
 
     def _call(self, index: int, *args: Any, **kwargs: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():
@@ -182,17 +181,15 @@ class LayerGraphs:
         call, leaves = describe_call(self.modules[index], args, kwargs, self.first_ids, self.output_ids)
         if index == 0:
             self._begin_forward(call, leaves)
-        if self.replaying and self.graphs is not None and self.graphs[index].call == call:
+        if self.replaying and self.graphs is not None and self.graphs[index].call != call:
+            self._release()
+        if self.replaying and self.graphs is not None:
             graph = self.graphs[index]
             tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
             outputs = _Replay.apply(graph, self.filled, *tensors, *graph.params)
             self._report(graph)
             self.output_ids = [id(output) for output in outputs]
             return tree_unflatten(list(outputs), graph.out_spec)
-        if self.graphs is not None and call is not None and not self.told_unlike:
-            self.told_unlike = True
-            log.info("cuda graphs: a decoder layer was called with other inputs than when captured: such calls "
-                     "run without the graphs")  # fmt: skip
         if self.graphs is None:
             self.seen[index] = call
         result = self.compiled[index](*args, **kwargs)
@@ -202,10 +199,10 @@ class LayerGraphs:
     def _begin_forward(self, call: LayerCall | None, leaves: list) -> None:
         self.replaying = False
         self.filled = {}
-        if call is None or self.failed:
-            return
+        if call is None or self.given_up:
+            return  # not a training forward (evaluation runs the compiled layers), or graphs given up
         if self.graphs is not None:
-            self.replaying = self.graphs[0].call == call
+            self.replaying = True  # unless a layer's call differs (_call)
             return
         if all(seen is not None for seen in self.seen):
             self.alike = self.alike + 1 if self.seen == self.previous else 1
@@ -216,6 +213,16 @@ class LayerGraphs:
         if self.alike >= FORWARDS_BEFORE_CAPTURE and self.previous is not None and self.previous[0] == call:
             self._capture(self.previous, leaves)
             self.replaying = self.graphs is not None
+
+    def _release(self) -> None:
+        """A training forward of another shape: the graphs go (their memory pool holds a step's activations,
+        which that forward would need again beside it), and the layers run without graphs from now on. Layers
+        this forward already replayed keep their graphs until its backward is over (autograd holds them)."""
+        log.info(
+            "cuda graphs: a training batch of another shape than the captured one; the decoder layers run without "
+            "graphs from now on (data.pad_to: max_length gives every batch one shape)"
+        )
+        self.graphs, self.given_up, self.replaying = None, True, False
 
     def _report(self, graph: LayerGraph) -> None:
         recorder = RoutingRecorder.current
@@ -242,7 +249,7 @@ class LayerGraphs:
                 graphs = self._capture_forwards(calls, first_leaves, recorder)
                 self._capture_backwards(graphs)
         except Exception as error:  # an op that cannot be captured (a host sync), or memory
-            self.failed = True
+            self.given_up = True
             log.warning(
                 "cuda graphs: capturing the decoder layers failed (%s: %s); they run without graphs (same results); "
                 "set parallel.cuda_graphs=false to skip the attempt",

@@ -159,7 +159,7 @@ def parallelize(
             is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
-        if config.parallel.graphs_on(env.device.type, env.world_size):
+        if config.parallel.graphs_on(env.device.type, env.world_size, config.data.pad_to == "max_length"):
             graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

@@ -25,12 +25,20 @@ ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
 def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, overrides, needs):
     asked = ParallelConfig(cuda_graphs=True, **overrides)
     with pytest.raises(ConfigError) as error:
-        asked.graphs_on(where, 1)
+        asked.graphs_on(where, 1, one_shape=True)
     assert str(error.value) == f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false"
     with pytest.raises(ConfigError, match=r"true needs one process \(this run has 2\)"):
-        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 2)
-    assert not ParallelConfig(**overrides).graphs_on(where, 1)  # auto: off there, silently
-    assert ParallelConfig().graphs_on("cuda", 1) and not ParallelConfig(cuda_graphs=False).graphs_on("cuda", 1)
+        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 2, one_shape=True)
+    assert not ParallelConfig(**overrides).graphs_on(where, 1, one_shape=True)  # auto: off there, silently
+
+
+def test_cuda_graphs_are_on_by_default_on_one_gpu_where_batches_keep_one_shape():
+    assert ParallelConfig().graphs_on("cuda", 1, one_shape=True)
+    # Batches padded to their longest row: a graph captured for one shape would keep its memory beside the others'.
+    assert not ParallelConfig().graphs_on("cuda", 1, one_shape=False)
+    assert ParallelConfig(cuda_graphs=True).graphs_on("cuda", 1, one_shape=False)  # asked for: tried anyway
+    assert not ParallelConfig(cuda_graphs=False).graphs_on("cuda", 1, one_shape=True)
+    assert not ParallelConfig().graphs_on("cuda", 2, one_shape=True)
 
 
 @pytest.mark.gpu
@@ -59,18 +67,22 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path,
     # Two forwards a step: the first two compile and warm up, the third is captured and replayed.
     assert graphed["log"].count("cuda graphs: 2 decoder layers captured (forward and backward)") == 1
     assert "failed" not in graphed["log"] and "other inputs" not in graphed["log"]
-    assert graphed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    # With the attention recomputed, two runs without graphs differ from the fourth step on (by 4.7e-6 of the
+    # loss, measured on one H200): its backward is not deterministic. Until then they are equal.
+    tolerance, exact_steps = {"nothing": 1e-6, "attention": 1e-4}[recompute], 3
+    assert graphed["losses"][:exact_steps] == plain["losses"][:exact_steps]
+    assert graphed["losses"] == pytest.approx(plain["losses"], rel=tolerance)
     for key in ("grad_norm", "moe_balance_loss"):
         rows = [jsonl(run["out"] / "logs/train_log.jsonl") for run in (plain, graphed)]
-        assert [row.get(key) for row in rows[1]] == pytest.approx([row.get(key) for row in rows[0]], rel=1e-5)
+        assert [row.get(key) for row in rows[1]] == pytest.approx([row.get(key) for row in rows[0]], rel=tolerance * 10)
 
     def usage(run: dict) -> list:
         rows = jsonl(run["out"] / "logs/expert_usage.jsonl")
         return [[(layer["counts"], round(layer["entropy"], 5)) for layer in row["layers"]] for row in rows]
 
-    assert usage(graphed) == usage(plain)
+    assert usage(graphed)[:exact_steps] == usage(plain)[:exact_steps]
     evaluations = [jsonl(run["out"] / "logs/eval_log.jsonl") for run in (plain, graphed)]
-    assert evaluations[1][-1]["eval_loss"] == pytest.approx(evaluations[0][-1]["eval_loss"], rel=1e-6)
+    assert evaluations[1][-1]["eval_loss"] == pytest.approx(evaluations[0][-1]["eval_loss"], rel=tolerance)
 
 
 @pytest.mark.gpu
