@@ -318,8 +318,8 @@ class ParallelConfig(_Section):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
         description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
-        "keep one shape; auto: on CUDA with parallel.compile in one process, batches of one shape (data.pad_to: "
-        "max_length); layers recomputed whole run without graphs",
+        "keep one shape; auto: on CUDA with parallel.compile in one process where batches keep one shape "
+        "(data.pad_to: max_length, or data.packing); layers recomputed whole run without graphs",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
     expert_parallel_size: int = Field(
@@ -335,8 +335,8 @@ class ParallelConfig(_Section):
 
     def graphs_on(self, device_type: str, world_size: int, one_shape: bool) -> bool:
         """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``);
-        ``one_shape``: every training batch has one shape. Asked for without it, graphs are captured once two
-        forwards have one shape and given up at the first batch of another."""
+        ``one_shape``: training batches keep one shape. Graphs are captured once two forwards have one shape and given
+        up at the first training batch of another."""
         if self.cuda_graphs is False:
             return False
         needs = None

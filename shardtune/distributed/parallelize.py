@@ -159,7 +159,9 @@ def parallelize(
             is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
-        if config.parallel.graphs_on(env.device.type, env.world_size, config.data.pad_to == "max_length"):
+        # Packed rows are filled up to max_length: in practice every batch but a short last one has one shape.
+        one_shape = config.data.pad_to == "max_length" or config.data.packing
+        if config.parallel.graphs_on(env.device.type, env.world_size, one_shape):
             graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)
