@@ -47,13 +47,15 @@ log = logging.getLogger("shardtune")
 FORWARDS_BEFORE_CAPTURE = 2
 
 _VALUES = (type(None), bool, int, float, str)
+# Only this thread's calls can spoil a capture: the run's other threads (heartbeat, data) are not stopped for it.
+_OWN_THREAD = {"capture_error_mode": "thread_local"}
 
 
 @dataclass(frozen=True)
 class LayerCall:
-    """What a decoder layer was called with, as far as a graph is concerned: the argument structure, per leaf
-    either a tensor's metadata or a plain value, where each tensor came from (``sources``), and the state
-    the compiled code depends on (training mode, grad mode, autocast)."""
+    """What a training forward (training mode, grad on) called a decoder layer with, as far as a graph is
+    concerned: the argument structure, per leaf either a tensor's metadata or a plain value, where each tensor
+    came from (``sources``), and the autocast state the compiled code was traced under."""
 
     spec: Any
     leaves: tuple
@@ -86,8 +88,7 @@ def describe_call(
             described.append((type(leaf), leaf))
         else:
             return None, leaves
-    device = "cuda"
-    state = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    state = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
     return LayerCall(spec, tuple(described), tuple(sources), state), leaves
 
 
@@ -106,9 +107,10 @@ class LayerGraph:
     grad_outputs: list[torch.Tensor | None] = field(default_factory=list)  # per output leaf
     grad_inputs: list[torch.Tensor | None] = field(default_factory=list)  # per tensor input leaf
     param_grads: list[torch.Tensor | None] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(init=False)  # the tensor inputs
 
-    def tensor_inputs(self) -> list[torch.Tensor]:
-        return [leaf for leaf in self.inputs if isinstance(leaf, torch.Tensor)]
+    def __post_init__(self) -> None:
+        self.buffers = [leaf for leaf in self.inputs if isinstance(leaf, torch.Tensor)]
 
 
 class _Replay(torch.autograd.Function):
@@ -117,7 +119,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graph: LayerGraph, filled: dict, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.graph = graph
-        buffers = graph.tensor_inputs()
+        buffers = graph.buffers
         for buffer, tensor in zip(buffers, tensors[: len(buffers)], strict=True):  # the parameters follow
             if buffer.data_ptr() == tensor.data_ptr():
                 continue  # chained: the previous layer's output buffer
@@ -160,7 +162,7 @@ class LayerGraphs:
         for index, module in enumerate(modules):
             self.compiled.append(module._compiled_call_impl)
             module._compiled_call_impl = functools.partial(self._call, index)
-        self.params = [[p for p in module.parameters() if p.requires_grad] for module in modules]
+        self.params: list[list[torch.Tensor]] = []  # per layer, its trainable parameters (at capture)
         self.seen: list[LayerCall | None] = [None] * len(modules)  # this forward's calls
         self.previous: list[LayerCall | None] | None = None  # the last complete forward's calls
         self.alike = 0  # complete forwards in a row whose calls were the same
@@ -236,6 +238,7 @@ class LayerGraphs:
         if recorder is not None and recorder.records_now():
             first = next(leaf for leaf in first_leaves if isinstance(leaf, torch.Tensor))
             recorder.fix_addresses(first.shape[:-1].numel())
+        self.params = [[p for p in module.parameters() if p.requires_grad] for module in self.modules]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         # The warm-up's and the capture's backwards run on the capture stream, where the parameters' gradient
@@ -317,7 +320,7 @@ class LayerGraphs:
             args, kwargs = tree_unflatten(leaves, call.spec)
             graph = torch.cuda.CUDAGraph()
             reporting = recorder.capturing() if recorder is not None else contextlib.nullcontext()
-            with reporting as reported, torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream()):
+            with reporting as reported, torch.cuda.graph(graph, pool, torch.cuda.current_stream(), **_OWN_THREAD):
                 result = self.compiled[index](*args, **kwargs)
             flat, out_spec = tree_flatten(result)
             if not all(isinstance(leaf, torch.Tensor) for leaf in flat):
@@ -337,19 +340,19 @@ class LayerGraphs:
                     if source[0] == "output" and leaf_grad is not None:
                         chained[source[1]] = leaf_grad
             graph.grad_outputs = [
-                (chained.get(k) if k in chained else torch.zeros_like(output)) if output.requires_grad else None
+                (chained[k] if k in chained else torch.zeros_like(output)) if output.requires_grad else None
                 for k, output in enumerate(graph.outputs)
             ]
             wanted = [output for output in graph.outputs if output.requires_grad]
             buffers = [buffer for buffer in graph.grad_outputs if buffer is not None]
-            sources = [leaf for leaf in graph.tensor_inputs() if leaf.requires_grad]
+            sources = [leaf for leaf in graph.buffers if leaf.requires_grad]
             grads: tuple = (None,) * (len(sources) + len(graph.params))
             if wanted and sources + graph.params:
                 backward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(backward, pool=self.pool, stream=torch.cuda.current_stream()):
+                with torch.cuda.graph(backward, self.pool, torch.cuda.current_stream(), **_OWN_THREAD):
                     grads = torch.autograd.grad(wanted, sources + graph.params, buffers, allow_unused=True)
                 graph.backward_graph = backward
             by_input = iter(grads[: len(sources)])
-            graph.grad_inputs = [next(by_input) if leaf.requires_grad else None for leaf in graph.tensor_inputs()]
+            graph.grad_inputs = [next(by_input) if leaf.requires_grad else None for leaf in graph.buffers]
             graph.param_grads = list(grads[len(sources) :])
             after = graph
