@@ -233,6 +233,53 @@ def test_routing_records_and_balance_gradient_equal_the_router_hooks(moe_dirs, a
         assert_same(own_grads[name], hooked_grads[name], name)
 
 
+def test_fixed_addresses_give_each_forward_its_own_mask_and_balance_gradient(moe_dirs):
+    """What CUDA graphs need of the recorder (``fix_addresses``, for ``shardtune.distributed.layer_graphs``): the
+    real-token mask and the balance gradient at one address each, rewritten by every recording, giving the records,
+    balance loss and gradients of a recorder without them; a forward being captured reports to the capture, not to
+    the records, and a paused recorder records nothing."""
+    model = fused_copy(build(moe_dirs["qwen3_moe"]))
+    inputs, labels = padded_batch()
+    mask = inputs["attention_mask"]
+    reference, reference_loss, reference_balance = record_and_balance(model, inputs, labels, weight=0.5)
+    reference_grads = grads_of(model)
+    model.zero_grad()
+
+    recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)), trains_balance=True)
+    tokens = torch.zeros(mask.numel())  # a (tokens,) fp32 tensor, as the routing weights are
+    with recorder.recording(None):  # a forward without padding fixes the addresses
+        recorder.fix_addresses(mask.numel())
+        real = recorder.real_tokens(tokens)
+        assert real.sum() == mask.numel()
+    gradients = []
+    for _ in range(2):
+        with recorder.recording(mask):
+            output = model(**inputs, labels=labels)
+        fixed = recorder.real_tokens(tokens)
+        assert fixed.data_ptr() == real.data_ptr() and torch.equal(fixed, mask.reshape(-1).float())
+        balance, term = recorder.balance_objective(0.5)
+        gradients.append(recorder.balance_gradient(tokens)[1])
+        (output.loss + term).backward()
+        assert_same_records(recorder.records, reference)
+        assert_same(balance.detach(), reference_balance)
+        assert_same(output.loss.detach(), reference_loss)
+        grads = grads_of(model)
+        for name in reference_grads:
+            assert_same(grads[name], reference_grads[name], name)
+        model.zero_grad()
+    assert gradients[0].data_ptr() == gradients[1].data_ptr()
+
+    with recorder.recording(mask):
+        with recorder.capturing() as captured:
+            model(**inputs)
+        assert len(captured) == 2 and recorder.records == []
+        with recorder.paused():
+            model(**inputs)
+        assert recorder.records == []
+        model(**inputs)
+        assert len(recorder.records) == 2
+
+
 @pytest.mark.parametrize("compiled", ["outside", "inside"])
 def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled):
     """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
