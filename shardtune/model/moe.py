@@ -216,7 +216,7 @@ class RoutingRecorder:
         self.records = []
         self._real = None if real_tokens is None else real_tokens.reshape(-1).bool()
         self._reported = 0
-        self._balance_gradient = None
+        self._balance_gradient = self._balance_buffer  # None, or the buffer a replayed graph reads
         self._fill_real_buffer()
         self._active = True
         RoutingRecorder.current = self
@@ -240,7 +240,7 @@ class RoutingRecorder:
         self._real_buffer = torch.ones(tokens, device=device)  # float32, as the routing weights it is cast to
         self._fill_real_buffer()
         if self._reporting and self.trains_balance:
-            self._balance_buffer = torch.zeros(self.blocks[0].num_experts, device=device)
+            self._balance_buffer = self._balance_gradient = torch.zeros(self.blocks[0].num_experts, device=device)
 
     def _fill_real_buffer(self) -> None:
         buffer = self._real_buffer
@@ -316,11 +316,9 @@ class RoutingRecorder:
     def balance_gradient(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For a self-routing block's backward, ``like`` a (tokens, ...) tensor of it: (which tokens are
         real, as 0/1, and the gradient of the objective with respect to its probability sum), in
-        ``like``'s dtype; zeros before ``balance_objective``. Only the backward of the forward just
-        recorded asks (its tokens are those of ``recording``)."""
+        ``like``'s dtype; zeros before ``balance_objective`` (with fixed addresses: the buffer, as last set).
+        Only the backward of the forward just recorded asks (its tokens are those of ``recording``)."""
         tokens, experts = like.shape[0], self.blocks[0].num_experts
-        if self._balance_buffer is not None and self._real_buffer is not None and self._real_buffer.shape[0] == tokens:
-            return self.real_tokens(like), self._balance_buffer.to(like.dtype)
         if self._balance_gradient is None:
             return like.new_zeros(tokens), like.new_zeros(experts)
         return self.real_tokens(like), self._balance_gradient.to(like.dtype)
