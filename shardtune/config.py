@@ -108,7 +108,11 @@ class DataConfig(_Section):
     on_bad_row: Literal["error", "skip"] = "error"
     subset_size: int | None = Field(None, gt=0)
     packing: bool = False
-    pad_to: Literal["longest", "max_length"] = "longest"
+    pad_to: Literal["longest", "max_length"] = Field(
+        "longest",
+        description="training batches padded to their longest row or to data.max_length; packed batches are always "
+        "padded to data.max_length",
+    )
     eval_path: str | None = None
     eval_split_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     cache_dir: str | None = Field(None, description="token store root; default $SHARDTUNE_CACHE or ~/.cache/shardtune")
@@ -123,6 +127,14 @@ class DataConfig(_Section):
     @property
     def weights(self) -> list[float]:
         return self.dataset_weights or [1.0] * len(self.paths)
+
+    @property
+    def batch_length(self) -> int | None:
+        """The length every training batch is padded to; None: each batch to its longest row. Packed rows are
+        filled up to max_length and padded the rest of the way (as torchtune's and axolotl's packing do): a few pad
+        tokens a row buy one shape for every batch, so compiled layers never meet a new length and CUDA graphs
+        replay."""
+        return self.max_length if self.pad_to == "max_length" or self.packing else None
 
     @property
     def resolved_cache_dir(self) -> Path:
@@ -319,7 +331,8 @@ class ParallelConfig(_Section):
         "auto",
         description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
         "keep one shape; auto: on CUDA with parallel.compile in one process where batches keep one shape "
-        "(data.pad_to: max_length, or data.packing); layers recomputed whole run without graphs",
+        "(data.pad_to: max_length, or data.packing) and attention is not flex_attention; layers recomputed whole run "
+        "without graphs",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
     expert_parallel_size: int = Field(
@@ -333,10 +346,10 @@ class ParallelConfig(_Section):
         """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
         return device_type == "cuda" if self.compile == "auto" else self.compile
 
-    def graphs_on(self, device_type: str, world_size: int, one_shape: bool) -> bool:
+    def graphs_on(self, device_type: str, world_size: int, one_shape: bool, attention: str) -> bool:
         """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``);
         ``one_shape``: training batches keep one shape. Graphs are captured once two forwards have one shape and given
-        up at the first training batch of another."""
+        up at the first training batch of another. ``attention``: the model's attention implementation."""
         if self.cuda_graphs is False:
             return False
         needs = None
@@ -346,6 +359,9 @@ class ParallelConfig(_Section):
             needs = "parallel.compile"
         elif world_size > 1:
             needs = f"one process (this run has {world_size})"
+        elif attention == "flex_attention":
+            # Its BlockMask holds the batch's mask in tensors a graph would read at their captured addresses.
+            needs = "model.attn_implementation other than flex_attention (auto picks it for packed batches on a GPU)"
         if needs is not None and self.cuda_graphs is True:
             raise ConfigError(f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false")
         return needs is None and (one_shape or self.cuda_graphs is True)

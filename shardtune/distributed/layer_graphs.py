@@ -66,13 +66,13 @@ class LayerCall:
 
 
 def describe_call(
-    module: torch.nn.Module, args: tuple, kwargs: dict, first_ids: list[int], previous_output_ids: list[int]
-) -> tuple[LayerCall | None, list]:
-    """(the call, its flat leaves); the call is None where it cannot be graphed (an object argument, such as a
-    key-value cache, or no grad)."""
-    leaves, spec = tree_flatten((args, kwargs))
+    module: torch.nn.Module, leaves: list, spec: Any, first_ids: list[int], previous_output_ids: list[int]
+) -> LayerCall | str | None:
+    """A call from its flat arguments (``tree_flatten((args, kwargs))``); None where it is not a training call (no
+    grad, or the module in eval mode); the type name of an argument a graph cannot replay (an object other than a
+    tensor or a plain value, such as a key-value cache) where there is one."""
     if not (module.training and torch.is_grad_enabled()):
-        return None, leaves
+        return None
     described, sources = [], []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -87,9 +87,9 @@ def describe_call(
         elif isinstance(leaf, _VALUES):
             described.append((type(leaf), leaf))
         else:
-            return None, leaves
+            return type(leaf).__name__
     state = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    return LayerCall(spec, tuple(described), tuple(sources), state), leaves
+    return LayerCall(spec, tuple(described), tuple(sources), state)
 
 
 @dataclass(eq=False)
@@ -97,7 +97,7 @@ class LayerGraph:
     """One decoder layer's captured forward and backward."""
 
     call: LayerCall
-    inputs: list  # the flat leaves the forward graph reads (tensors at fixed addresses, values as captured)
+    buffers: list[torch.Tensor]  # the tensors the forward graph reads, at fixed addresses (its tensor arguments)
     params: list[torch.Tensor]  # the layer's trainable parameters
     outputs: list[torch.Tensor]  # the forward's output leaves (fixed addresses)
     out_spec: Any
@@ -107,10 +107,6 @@ class LayerGraph:
     grad_outputs: list[torch.Tensor | None] = field(default_factory=list)  # per output leaf
     grad_inputs: list[torch.Tensor | None] = field(default_factory=list)  # per tensor input leaf
     param_grads: list[torch.Tensor | None] = field(default_factory=list)
-    buffers: list[torch.Tensor] = field(init=False)  # the tensor inputs
-
-    def __post_init__(self) -> None:
-        self.buffers = [leaf for leaf in self.inputs if isinstance(leaf, torch.Tensor)]
 
 
 class _Replay(torch.autograd.Function):
@@ -169,7 +165,6 @@ class LayerGraphs:
         self.first_ids: list[int] = []  # this forward's first call's tensors, by id
         self.output_ids: list[int] = []  # the last layer call's output tensors, by id
         self.graphs: list[LayerGraph] | None = None
-        self.pool: tuple | None = None  # the graphs' memory pool
         self.given_up = False
         self.replaying = False
         self.filled: dict[int, tuple] = {}
@@ -177,10 +172,11 @@ class LayerGraphs:
     def _call(self, index: int, *args: Any, **kwargs: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():
             return self.compiled[index](*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
         if index == 0:  # the first layer's tensors are its own sources: ("first", j)
             self.output_ids = []
-            self.first_ids = [id(leaf) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
-        call, leaves = describe_call(self.modules[index], args, kwargs, self.first_ids, self.output_ids)
+            self.first_ids = [id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        call = describe_call(self.modules[index], leaves, spec, self.first_ids, self.output_ids)
         if index == 0:
             self._begin_forward(call, leaves)
         if self.replaying and self.graphs is not None and self.graphs[index].call != call:
@@ -193,16 +189,21 @@ class LayerGraphs:
             self.output_ids = [id(output) for output in outputs]
             return tree_unflatten(list(outputs), graph.out_spec)
         if self.graphs is None:
-            self.seen[index] = call
+            self.seen[index] = call if isinstance(call, LayerCall) else None
         result = self.compiled[index](*args, **kwargs)
         self.output_ids = [id(leaf) for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
         return result
 
-    def _begin_forward(self, call: LayerCall | None, leaves: list) -> None:
+    def _begin_forward(self, call: LayerCall | str | None, leaves: list) -> None:
         self.replaying = False
         self.filled = {}
         if call is None or self.given_up:
             return  # not a training forward (evaluation runs the compiled layers), or graphs given up
+        if isinstance(call, str):
+            log.info("cuda graphs: the decoder layers are called with a %s, which a graph cannot replay; they run "
+                     "without graphs", call)  # fmt: skip
+            self.given_up = True
+            return
         if self.graphs is not None:
             self.replaying = True  # unless a layer's call differs (_call)
             return
@@ -249,8 +250,9 @@ class LayerGraphs:
             warns(False)
             with torch.cuda.stream(stream):
                 self._warm_up(calls, first_leaves, recorder)
-                graphs = self._capture_forwards(calls, first_leaves, recorder)
-                self._capture_backwards(graphs)
+                pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
+                graphs = self._capture_forwards(calls, first_leaves, recorder, pool)
+                self._capture_backwards(graphs, pool)
         except Exception as error:  # an op that cannot be captured (a host sync), or memory
             self.given_up = True
             log.warning(
@@ -308,9 +310,8 @@ class LayerGraphs:
                 outputs = [output.detach() for output in outputs]
 
     def _capture_forwards(
-        self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None
+        self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None, pool: tuple
     ) -> list[LayerGraph]:
-        self.pool = pool = torch.cuda.graph_pool_handle()
         # The first layer's tensors, at addresses of their own (its callers' tensors are new every forward).
         first = [leaf.detach().clone() for leaf in first_leaves if isinstance(leaf, torch.Tensor)]
         graphs: list[LayerGraph] = []
@@ -325,11 +326,12 @@ class LayerGraphs:
             flat, out_spec = tree_flatten(result)
             if not all(isinstance(leaf, torch.Tensor) for leaf in flat):
                 raise TypeError(f"{type(self.modules[index]).__name__} returned something other than tensors")
-            graphs.append(LayerGraph(call, leaves, self.params[index], flat, out_spec, graph, list(reported or [])))
+            buffers = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            graphs.append(LayerGraph(call, buffers, self.params[index], flat, out_spec, graph, list(reported or [])))
             outputs = flat
         return graphs
 
-    def _capture_backwards(self, graphs: list[LayerGraph]) -> None:
+    def _capture_backwards(self, graphs: list[LayerGraph], pool: tuple) -> None:
         after: LayerGraph | None = None
         for graph in reversed(graphs):
             # An output the next layer takes as an input that needs a gradient: its gradient buffer is that
@@ -349,7 +351,7 @@ class LayerGraphs:
             grads: tuple = (None,) * (len(sources) + len(graph.params))
             if wanted and sources + graph.params:
                 backward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(backward, self.pool, torch.cuda.current_stream(), **_OWN_THREAD):
+                with torch.cuda.graph(backward, pool, torch.cuda.current_stream(), **_OWN_THREAD):
                     grads = torch.autograd.grad(wanted, sources + graph.params, buffers, allow_unused=True)
                 graph.backward_graph = backward
             by_input = iter(grads[: len(sources)])

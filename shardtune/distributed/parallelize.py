@@ -159,9 +159,8 @@ def parallelize(
             is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
-        # Packed rows are filled up to max_length: in practice every batch but a short last one has one shape.
-        one_shape = config.data.pad_to == "max_length" or config.data.packing
-        if config.parallel.graphs_on(env.device.type, env.world_size, one_shape):
+        one_shape = config.data.batch_length is not None
+        if config.parallel.graphs_on(env.device.type, env.world_size, one_shape, model.config._attn_implementation):
             graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

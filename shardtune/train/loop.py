@@ -304,8 +304,6 @@ def _train(
     sinks: list[MetricSink] = open_sinks(config, output_dir, start_step) if env.is_main else []
     progress = Progress(total_steps, config.logging.progress_bar, enabled=env.is_main)
     pad_id = tokenizer.pad_token_id
-    # max_length: every batch has the same shape, so compiled layers never meet a new sequence length.
-    pad_to_length = config.data.max_length if config.data.pad_to == "max_length" else None
     eval_results: list[dict[str, float]] = []
     heartbeat, watchdog = start_heartbeat(
         output_dir, env.rank, env.world_size, config.hang_timeout_s, training.heartbeat_interval_s
@@ -357,7 +355,7 @@ def _train(
         interval.start_step()
         heartbeat.beat(step, "forward_backward")
         micro_batches = [
-            collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, pad_to_length)
+            collate([data.train.sequence(i) for i in indices], pad_id, config.data.packing, config.data.batch_length)
             for indices in rank_micro_batches(sampler.next_global_batch(), env.mesh, micro_batch_size)
         ]
         interval.data_ready(micro_batches)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TINY_DATA
 
-from shardtune.config import ModelConfig
+from shardtune.config import DataConfig, ModelConfig
 from shardtune.data.collate import collate
 from shardtune.data.formats import render_row
 from shardtune.data.packing import pack_examples, unpacked
@@ -54,6 +54,18 @@ def test_collate_packed_has_positions_and_no_mask(examples):
     assert batch.position_ids[short, n:].tolist() == list(range(longest - n))
     assert (batch.targets[short, n:] == IGNORE_INDEX).all()
     assert batch.num_tokens == sum(len(s[0]) for s in sequences)
+
+
+def test_training_batches_of_packed_sequences_all_have_max_length(examples):
+    """Packed rows fill up to max_length but rarely exactly: padded the rest of the way, every batch has one shape
+    (compiled layers meet one length; CUDA graphs replay). Unpacked examples keep data.pad_to's choice."""
+    packed = [tuple(np.array(part) for part in s) for s in pack_examples(examples, max_length=128)]
+    assert len({len(ids) for ids, _, _ in packed}) > 1
+    length = DataConfig(dataset_path="rows.jsonl", packing=True, max_length=128).batch_length
+    shapes = {tuple(collate(packed[i : i + 2], 3, True, length).input_ids.shape) for i in range(0, len(packed) - 1, 2)}
+    assert shapes == {(2, 128)}
+    assert DataConfig(dataset_path="rows.jsonl", max_length=128).batch_length is None
+    assert DataConfig(dataset_path="rows.jsonl", max_length=128, pad_to="max_length").batch_length == 128
 
 
 def test_packed_sequences_pad_to_max_length_with_isolated_positions(examples):

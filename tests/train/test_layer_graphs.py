@@ -4,12 +4,17 @@ it cannot be on."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from cli_runs import jsonl, train
+from conftest import TINY_MODEL
 from tiny_models import write_tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import ParallelConfig
+from shardtune.distributed.parallelize import graph_layers
 from shardtune.errors import ConfigError
 
 ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
@@ -25,38 +30,53 @@ ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
 def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, overrides, needs):
     asked = ParallelConfig(cuda_graphs=True, **overrides)
     with pytest.raises(ConfigError) as error:
-        asked.graphs_on(where, 1, one_shape=True)
+        asked.graphs_on(where, 1, one_shape=True, attention="sdpa")
     assert str(error.value) == f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false"
     with pytest.raises(ConfigError, match=r"true needs one process \(this run has 2\)"):
-        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 2, one_shape=True)
-    assert not ParallelConfig(**overrides).graphs_on(where, 1, one_shape=True)  # auto: off there, silently
+        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 2, one_shape=True, attention="sdpa")
+    assert not ParallelConfig(**overrides).graphs_on(where, 1, one_shape=True, attention="sdpa")  # auto: off, silently
 
 
 def test_cuda_graphs_are_on_by_default_on_one_gpu_where_batches_keep_one_shape():
-    assert ParallelConfig().graphs_on("cuda", 1, one_shape=True)
+    assert ParallelConfig().graphs_on("cuda", 1, one_shape=True, attention="sdpa")
     # Batches padded to their longest row: a graph captured for one shape would keep its memory beside the others'.
-    assert not ParallelConfig().graphs_on("cuda", 1, one_shape=False)
-    assert ParallelConfig(cuda_graphs=True).graphs_on("cuda", 1, one_shape=False)  # asked for: tried anyway
-    assert not ParallelConfig(cuda_graphs=False).graphs_on("cuda", 1, one_shape=True)
-    assert not ParallelConfig().graphs_on("cuda", 2, one_shape=True)
+    assert not ParallelConfig().graphs_on("cuda", 1, one_shape=False, attention="sdpa")
+    assert ParallelConfig(cuda_graphs=True).graphs_on("cuda", 1, one_shape=False, attention="sdpa")  # tried anyway
+    assert not ParallelConfig(cuda_graphs=False).graphs_on("cuda", 1, one_shape=True, attention="sdpa")
+    assert not ParallelConfig().graphs_on("cuda", 2, one_shape=True, attention="sdpa")
+
+
+def test_flex_attention_runs_without_cuda_graphs():
+    """Its BlockMask holds the batch's mask in tensors a graph would read at the captured addresses."""
+    assert not ParallelConfig().graphs_on("cuda", 1, one_shape=True, attention="flex_attention")
+    with pytest.raises(ConfigError) as error:
+        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 1, one_shape=True, attention="flex_attention")
+    assert str(error.value) == (
+        "parallel.cuda_graphs: true needs model.attn_implementation other than flex_attention (auto picks it for "
+        "packed batches on a GPU); set parallel.cuda_graphs: auto or false"
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
-@pytest.mark.parametrize("recompute", ["nothing", "attention"])
-def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path, recompute):
+@pytest.mark.parametrize(
+    ("recompute", "batches"), [("nothing", "padded"), ("attention", "padded"), ("nothing", "packed")]
+)
+def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path, recompute, batches):
     """A MoE model with LoRA on attention and the routed experts, the load-balancing loss trained, padded rows
     (the real-token mask matters) and two micro-batches a step (gradients accumulate over two replays); with
-    each layer's attention recomputed inside its graph, too. The run's last evaluation (another shape, no
-    grad) runs the layers without the graphs."""
+    each layer's attention recomputed inside its graph, too; and packed rows (padded to max_length, so graphs
+    are on by default; sdpa, whose mask is a tensor). The run's last evaluation (another shape, no grad) runs the
+    layers without the graphs."""
     model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
     checkpointing = {
         "nothing": ["training.gradient_checkpointing=false"],
         "attention": ["training.gradient_checkpointing=true", "training.gradient_checkpointing_granularity=attention"],
     }[recompute]
+    shape = {"padded": ["data.pad_to=max_length"], "packed": ["data.packing=true", "model.attn_implementation=sdpa"]}
     common = [
         f"model.name_or_path={model}", "model.init=random", *checkpointing,
-        "data.pad_to=max_length", "data.max_length=64", "lora.target_modules=null",
+        *shape[batches], "data.max_length=64", "lora.target_modules=null",
         "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01",
         "training.gradient_accumulation_steps=2", "parallel.compile=true",
     ]  # fmt: skip
@@ -66,7 +86,7 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path,
     assert "cuda graphs: 2 of 2 decoder layers" in graphed["log"]
     # Two forwards a step: the first two compile and warm up, the third is captured and replayed.
     assert graphed["log"].count("cuda graphs: 2 decoder layers captured (forward and backward)") == 1
-    assert "failed" not in graphed["log"] and "other inputs" not in graphed["log"]
+    assert "failed" not in graphed["log"] and "another shape" not in graphed["log"]
     # With the attention recomputed, two runs without graphs differ from the fourth step on (by 4.7e-6 of the
     # loss, measured on one H200): its backward is not deterministic. Until then they are equal.
     tolerance, exact_steps = {"nothing": 1e-6, "attention": 1e-4}[recompute], 3
@@ -94,3 +114,37 @@ def test_layers_recomputed_whole_run_without_cuda_graphs(tmp_path):
     assert "cuda graphs: 0 of 4 decoder layers, once training batches keep one shape (4 recompute whole layers or " \
            "run hooks)" in run["log"]  # fmt: skip
     assert "captured" not in run["log"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_a_training_batch_of_another_shape_gives_the_graphs_up(caplog):
+    """Captured at the third forward of one shape, replayed at the fourth; a batch of another shape gives the
+    graphs up, and the layers run without them from then on, also at the captured shape. Every loss and gradient
+    equals the same compiled layers never graphed."""
+    caplog.set_level("INFO", logger="shardtune")
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    config.use_cache = False
+    plain = AutoModelForCausalLM.from_config(config).cuda().train()
+    graphed = copy.deepcopy(plain)
+    for model in (plain, graphed):
+        for layer in model.model.layers:
+            layer.compile()
+    graph_layers(graphed, list(graphed.model.layers))
+    layers = len(graphed.model.layers)
+    for step, length in enumerate((32, 32, 32, 32, 48, 32, 32)):
+        ids = torch.randint(0, config.vocab_size, (2, length), device="cuda")
+        results = []
+        for model in (plain, graphed):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.item(), [param.grad for param in model.parameters()]))
+        (plain_loss, plain_grads), (graphed_loss, graphed_grads) = results
+        assert graphed_loss == pytest.approx(plain_loss, rel=1e-6), step
+        for plain_grad, graphed_grad in zip(plain_grads, graphed_grads, strict=True):
+            torch.testing.assert_close(graphed_grad, plain_grad, rtol=1e-5, atol=1e-7)
+        captured = caplog.text.count(f"cuda graphs: {layers} decoder layers captured")
+        given_up = caplog.text.count("cuda graphs: a training batch of another shape than the captured one")
+        assert (captured, given_up) == ((0, 0) if step < 2 else (1, 0) if step < 4 else (1, 1)), step
