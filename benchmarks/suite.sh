@@ -36,7 +36,10 @@
 # (LoRA's down-projections on one input as one GEMM: one layer with and without, and with BENCH_CODE whole steps
 # alternating with another checkout's package), cuda-graphs (the compiled decoder layers replayed as CUDA graphs against
 # the same layers without, alternating in one call: Qwen3-30B-A3B LoRA attention, both float8 options, all 48 layers, on
-# one H200; then the Qwen3-30B-A3B and GLM-4.5-Air float8 runs against HF; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# one H200; then the Qwen3-30B-A3B and GLM-4.5-Air float8 runs against HF, and Qwen3-30B-A3B's default config (bf16)
+# against HF; BENCH_ONLY: run names), gemm-share (issue 20's GEMM share of device time: two profiled steps of the MoE
+# shapes whose GEMMs outweigh their attention most, GLM-4.5-Air at 20 layers and Mixtral-8x7B, in the default config
+# and with both float8 options; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -556,6 +559,29 @@ cuda-graphs)
         "${extra[@]}"
     bench graphs-glm-air-20l --shape glm-4.5-air --layers 20 --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
         "${all[@]}" "${extra[@]}"
+    bench graphs-qwen3-attn-bf16 --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 12 --warmup 3 --baseline hf \
+        "${extra[@]}"
+    ;;
+gemm-share)
+    # Where the device time of the MoE steps most bound by their GEMMs goes (GEMMs, attention, the rest:
+    # shardtune.bench.profile_share), two profiled steps after warm-up. CUDA graphs off: the same kernels, each
+    # launched, and so traced, on its own.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    for precision in bf16 float8; do
+        options=()
+        [[ $precision == float8 ]] && options=(model.float8_experts=true model.float8_linear=true)
+        for shape in glm-air-20l mixtral; do
+            case $shape in
+            glm-air-20l) model=(--shape glm-4.5-air --layers 20) ;;
+            mixtral) model=(--shape mixtral-8x7b) ;;
+            esac
+            name=share-$shape-$precision
+            bench "$name" "${model[@]}" --seq 4096 --batch 2 --steps 2 --warmup 4 'logging.profile_steps=[3,4]' \
+                parallel.cuda_graphs=false "${options[@]}" "${extra[@]}" &&
+                python3 -m shardtune.bench.profile_share "$work/$name/shardtune/profile/rank0.trace.json.gz" |
+                tee "$results/$name.gemm.txt"
+        done
+    done
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2
