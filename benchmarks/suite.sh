@@ -37,7 +37,7 @@
 # alternating with another checkout's package), cuda-graphs (the compiled decoder layers replayed as CUDA graphs against
 # the same layers without, alternating in one call: Qwen3-30B-A3B LoRA attention, both float8 options, all 48 layers, on
 # one H200; then the Qwen3-30B-A3B and GLM-4.5-Air float8 runs against HF, and Qwen3-30B-A3B's default config (bf16)
-# against HF; BENCH_ONLY: run names), gemm-share (issue 20's GEMM share of device time: two profiled steps of the MoE
+# against HF, the routed-expert run (float8) and Mixtral-8x7B (default) against HF; BENCH_ONLY: run names), gemm-share (issue 20's GEMM share of device time: two profiled steps of the MoE
 # shapes whose GEMMs outweigh their attention most, GLM-4.5-Air at 20 layers and Mixtral-8x7B, in the default config
 # and with both float8 options; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
@@ -561,6 +561,9 @@ cuda-graphs)
         "${all[@]}" "${extra[@]}"
     bench graphs-qwen3-attn-bf16 --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 12 --warmup 3 --baseline hf \
         "${extra[@]}"
+    bench graphs-qwen3-experts --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
+        "${all[@]}" 'lora.moe_targets=[attention,routed_experts]' training.memory_budget_gib=79.5 "${extra[@]}"
+    bench graphs-mixtral --shape mixtral-8x7b --seq 4096 --batch 2 --steps 4 --warmup 3 --baseline hf "${extra[@]}"
     ;;
 gemm-share)
     # Where the device time of the MoE steps most bound by their GEMMs goes (GEMMs, attention, the rest:
