@@ -116,6 +116,35 @@ def test_layers_recomputed_whole_run_without_cuda_graphs(tmp_path):
     assert "captured" not in run["log"]
 
 
+def compiled_twins(use_cache: bool = False) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tiny model twice, each decoder layer compiled; the second one's layers graphed."""
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    config.use_cache = use_cache
+    plain = AutoModelForCausalLM.from_config(config).cuda().train()
+    graphed = copy.deepcopy(plain)
+    for model in (plain, graphed):
+        for layer in model.model.layers:
+            layer.compile()
+    graph_layers(graphed, list(graphed.model.layers))
+    return plain, graphed
+
+
+def assert_trains_alike(plain: torch.nn.Module, graphed: torch.nn.Module, length: int) -> None:
+    """One forward and backward of a random batch: the same loss and gradients."""
+    ids = torch.randint(0, plain.config.vocab_size, (2, length), device="cuda")
+    results = []
+    for model in (plain, graphed):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.item(), [param.grad for param in model.parameters()]))
+    (plain_loss, plain_grads), (graphed_loss, graphed_grads) = results
+    assert graphed_loss == pytest.approx(plain_loss, rel=1e-6)
+    for plain_grad, graphed_grad in zip(plain_grads, graphed_grads, strict=True):
+        torch.testing.assert_close(graphed_grad, plain_grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
 def test_a_training_batch_of_another_shape_gives_the_graphs_up(caplog):
@@ -123,28 +152,24 @@ def test_a_training_batch_of_another_shape_gives_the_graphs_up(caplog):
     graphs up, and the layers run without them from then on, also at the captured shape. Every loss and gradient
     equals the same compiled layers never graphed."""
     caplog.set_level("INFO", logger="shardtune")
-    torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(TINY_MODEL)
-    config.use_cache = False
-    plain = AutoModelForCausalLM.from_config(config).cuda().train()
-    graphed = copy.deepcopy(plain)
-    for model in (plain, graphed):
-        for layer in model.model.layers:
-            layer.compile()
-    graph_layers(graphed, list(graphed.model.layers))
+    plain, graphed = compiled_twins()
     layers = len(graphed.model.layers)
     for step, length in enumerate((32, 32, 32, 32, 48, 32, 32)):
-        ids = torch.randint(0, config.vocab_size, (2, length), device="cuda")
-        results = []
-        for model in (plain, graphed):
-            model.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            results.append((loss.item(), [param.grad for param in model.parameters()]))
-        (plain_loss, plain_grads), (graphed_loss, graphed_grads) = results
-        assert graphed_loss == pytest.approx(plain_loss, rel=1e-6), step
-        for plain_grad, graphed_grad in zip(plain_grads, graphed_grads, strict=True):
-            torch.testing.assert_close(graphed_grad, plain_grad, rtol=1e-5, atol=1e-7)
+        assert_trains_alike(plain, graphed, length)
         captured = caplog.text.count(f"cuda graphs: {layers} decoder layers captured")
         given_up = caplog.text.count("cuda graphs: a training batch of another shape than the captured one")
         assert (captured, given_up) == ((0, 0) if step < 2 else (1, 0) if step < 4 else (1, 1)), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_layers_called_with_an_object_a_graph_cannot_replay_run_without_graphs(caplog):
+    """A model that keeps a key-value cache while training hands each layer the cache object: one log line, no
+    capture, and the results of the layers never graphed."""
+    caplog.set_level("INFO", logger="shardtune")
+    plain, graphed = compiled_twins(use_cache=True)
+    for _ in range(4):
+        assert_trains_alike(plain, graphed, 32)
+    given_up = "cuda graphs: the decoder layers are called with a DynamicCache, which a graph cannot replay"
+    assert caplog.text.count(given_up) == 1
+    assert "captured" not in caplog.text
