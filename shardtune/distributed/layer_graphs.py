@@ -357,4 +357,7 @@ class LayerGraphs:
             by_input = iter(grads[: len(sources)])
             graph.grad_inputs = [next(by_input) if leaf.requires_grad else None for leaf in graph.buffers]
             graph.param_grads = list(grads[len(sources) :])
+            # The capture's autograd graph goes (the outputs keep their storage): it holds the parameters' gradient
+            # accumulators, made on the capture stream, and every later backward would wait on that stream for them.
+            graph.outputs = [output.detach() for output in graph.outputs]
             after = graph
