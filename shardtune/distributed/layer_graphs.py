@@ -177,6 +177,10 @@ class LayerGraphs:
             self.output_ids = []
             self.first_ids = [id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
         call = describe_call(self.modules[index], leaves, spec, self.first_ids, self.output_ids)
+        if isinstance(call, str) and not self.given_up:  # any layer's: none is captured without all of them
+            log.info("cuda graphs: the decoder layers are called with a %s, which a graph cannot replay; they run "
+                     "without graphs", call)  # fmt: skip
+            self.graphs, self.given_up, self.replaying = None, True, False
         if index == 0:
             self._begin_forward(call, leaves)
         if self.replaying and self.graphs is not None and self.graphs[index].call != call:
@@ -189,21 +193,17 @@ class LayerGraphs:
             self.output_ids = [id(output) for output in outputs]
             return tree_unflatten(list(outputs), graph.out_spec)
         if self.graphs is None:
-            self.seen[index] = call if isinstance(call, LayerCall) else None
+            self.seen[index] = call
         result = self.compiled[index](*args, **kwargs)
         self.output_ids = [id(leaf) for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
         return result
 
     def _begin_forward(self, call: LayerCall | str | None, leaves: list) -> None:
+        """A training forward's first layer call (an argument a graph cannot replay has given the graphs up)."""
         self.replaying = False
         self.filled = {}
         if call is None or self.given_up:
             return  # not a training forward (evaluation runs the compiled layers), or graphs given up
-        if isinstance(call, str):
-            log.info("cuda graphs: the decoder layers are called with a %s, which a graph cannot replay; they run "
-                     "without graphs", call)  # fmt: skip
-            self.given_up = True
-            return
         if self.graphs is not None:
             self.replaying = True  # unless a layer's call differs (_call)
             return
