@@ -39,7 +39,8 @@
 # one H200; then the Qwen3-30B-A3B and GLM-4.5-Air float8 runs against HF, and Qwen3-30B-A3B's default config (bf16)
 # against HF, the routed-expert run (float8) and Mixtral-8x7B (default) against HF; BENCH_ONLY: run names), gemm-share (issue 20's GEMM share of device time: two profiled steps of the MoE
 # shapes whose GEMMs outweigh their attention most, GLM-4.5-Air at 20 layers and Mixtral-8x7B, in the default config
-# and with both float8 options; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# and with both float8 options; BENCH_ONLY: run names), ddp-graphs (the CUDA graphs under DDP on 2 GPUs against the same
+# layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -564,6 +565,18 @@ cuda-graphs)
     bench graphs-qwen3-experts --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
         "${all[@]}" 'lora.moe_targets=[attention,routed_experts]' training.memory_budget_gib=79.5 "${extra[@]}"
     bench graphs-mixtral --shape mixtral-8x7b --seq 4096 --batch 2 --steps 4 --warmup 3 --baseline hf "${extra[@]}"
+    ;;
+ddp-graphs)
+    # parallel.cuda_graphs under DDP (2 GPUs): the layers replayed as CUDA graphs (ddp-graphs-on-*) against the same
+    # compiled layers launched from Python (ddp-graphs-off-*), alternating. Qwen3-30B-A3B LoRA on attention, 24
+    # layers, both float8 options: nothing recomputed on an 80 GB GPU, so every layer is graphed.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    qwen3=(--shape qwen3-30b-a3b --layers 24 --seq 4096 --batch 2 --steps 10 --warmup 3 --strategy ddp
+        model.float8_experts=true model.float8_linear=true "${extra[@]}")
+    for round in 1 2; do
+        bench "ddp-graphs-on-$round" "${qwen3[@]}" parallel.cuda_graphs=true
+        bench "ddp-graphs-off-$round" "${qwen3[@]}" parallel.cuda_graphs=false
+    done
     ;;
 gemm-share)
     # Where the device time of the MoE steps most bound by their GEMMs goes (GEMMs, attention, the rest:

@@ -330,8 +330,8 @@ class ParallelConfig(_Section):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
         description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
-        "keep one shape; auto: on CUDA with parallel.compile in one process where batches keep one shape "
-        "(data.pad_to: max_length, or data.packing) and attention is not flex_attention; layers recomputed whole run "
+        "keep one shape; auto: on CUDA with parallel.compile, one process or DDP (not FSDP), where batches keep one "
+        "shape (data.pad_to: max_length, or data.packing) and attention is not flex_attention; layers recomputed whole run "
         "without graphs",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
@@ -346,10 +346,11 @@ class ParallelConfig(_Section):
         """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
         return device_type == "cuda" if self.compile == "auto" else self.compile
 
-    def graphs_on(self, device_type: str, world_size: int, one_shape: bool, attention: str) -> bool:
+    def graphs_on(self, device_type: str, strategy: str, one_shape: bool, attention: str) -> bool:
         """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``);
-        ``one_shape``: training batches keep one shape. Graphs are captured once two forwards have one shape and given
-        up at the first training batch of another. ``attention``: the model's attention implementation."""
+        ``strategy``: the run's ("single", "ddp" or "fsdp"); ``one_shape``: training batches keep one shape. Graphs
+        are captured once two forwards have one shape and given up at the first training batch of another.
+        ``attention``: the model's attention implementation."""
         if self.cuda_graphs is False:
             return False
         needs = None
@@ -357,8 +358,10 @@ class ParallelConfig(_Section):
             needs = "a CUDA GPU"
         elif not self.compiles_on(device_type):
             needs = "parallel.compile"
-        elif world_size > 1:
-            needs = f"one process (this run has {world_size})"
+        elif strategy == "fsdp":
+            # FSDP gathers each layer's weights into new memory before the layer runs and frees them after: a graph
+            # would read them at the addresses of the capture.
+            needs = "one process or parallel.strategy: ddp (this run shards the weights with FSDP)"
         elif attention == "flex_attention":
             # Its BlockMask holds the batch's mask in tensors a graph would read at their captured addresses.
             needs = "model.attn_implementation other than flex_attention (auto picks it for packed batches on a GPU)"

@@ -98,6 +98,7 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
             "gradient_checkpointing": metrics["gradient_checkpointing"],
             "checkpointed_layers": metrics["checkpointed_layers"],
             "checkpointed_parts": metrics["checkpointed_parts"],
+            "cuda_graph_layers": metrics["cuda_graph_layers"],
             "loss": metrics["loss"],
             "expert_load": expert_load(run_dir / "logs" / USAGE_FILE, warmup),
             "losses": [row["loss"] for row in rows]}  # fmt: skip

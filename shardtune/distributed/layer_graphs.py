@@ -150,7 +150,9 @@ class _Replay(torch.autograd.Function):
 
 
 class LayerGraphs:
-    """Installed on the compiled decoder layers (``modules``: what the model calls) of a one-process CUDA run."""
+    """Installed on the compiled decoder layers (``modules``: what the model calls) of a CUDA run in one process or
+    under DDP (the parameters' gradients leave each replayed backward through autograd, where DDP's hooks reduce
+    them as they do without graphs)."""
 
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
@@ -361,3 +363,14 @@ class LayerGraphs:
             # accumulators, made on the capture stream, and every later backward would wait on that stream for them.
             graph.outputs = [output.detach() for output in graph.outputs]
             after = graph
+
+
+def replayed_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s decoder layers training forwards replay as CUDA graphs now (0: graphs off, not
+    captured yet, or given up), found through the calls ``LayerGraphs`` installed."""
+    for module in model.modules():
+        call = getattr(module, "_compiled_call_impl", None)
+        owner = getattr(getattr(call, "func", None), "__self__", None)
+        if isinstance(owner, LayerGraphs):
+            return len(owner.graphs) if owner.graphs is not None else 0
+    return 0

@@ -160,7 +160,7 @@ def parallelize(
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
         one_shape = config.data.batch_length is not None
-        if config.parallel.graphs_on(env.device.type, env.world_size, one_shape, model.config._attn_implementation):
+        if config.parallel.graphs_on(env.device.type, plan.strategy, one_shape, model.config._attn_implementation):
             graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

@@ -32,6 +32,7 @@ from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.data.store import SequenceArrays
 from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
+from shardtune.distributed.layer_graphs import replayed_layers
 from shardtune.distributed.parallelize import (
     clip_gradients,
     decoder_layers,
@@ -481,6 +482,7 @@ def _train(
         "gradient_checkpointing": training.gradient_checkpointing,
         "checkpointed_layers": checkpointing.count,
         "checkpointed_parts": checkpointing.counts(),
+        "cuda_graph_layers": replayed_layers(model),
         "loss": loss_kind,
         "strategy": plan.strategy,
         "trainable_params": trainable,

@@ -66,6 +66,7 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     wait = results["shardtune"]["data_wait_s_per_step"]
     assert wait == pytest.approx(sum(row["data_wait_s"] for row in rows[1:]) / 3)
     assert 0 < wait < results["shardtune"]["step_time_s"] and "shardtune data wait: " in printed
+    assert results["shardtune"]["cuda_graph_layers"] == 0  # a CPU run has no CUDA graphs
     for row in rows:
         assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / 1e12)
         assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / (peak_tflops * 1e12))

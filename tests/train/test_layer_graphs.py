@@ -22,36 +22,36 @@ ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 @pytest.mark.parametrize(
-    ("where", "overrides", "needs"),
+    ("where", "overrides", "strategy", "needs"),
     [
-        ("cpu", {}, "a CUDA GPU"),
-        ("cuda", {"compile": False}, "parallel.compile"),
+        ("cpu", {}, "single", "a CUDA GPU"),
+        ("cuda", {"compile": False}, "single", "parallel.compile"),
+        ("cuda", {}, "fsdp", "one process or parallel.strategy: ddp (this run shards the weights with FSDP)"),
     ],
 )
-def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, overrides, needs):
+def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, overrides, strategy, needs):
     asked = ParallelConfig(cuda_graphs=True, **overrides)
     with pytest.raises(ConfigError) as error:
-        asked.graphs_on(where, 1, one_shape=True, attention="sdpa")
+        asked.graphs_on(where, strategy, one_shape=True, attention="sdpa")
     assert str(error.value) == f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false"
-    with pytest.raises(ConfigError, match=r"true needs one process \(this run has 2\)"):
-        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 2, one_shape=True, attention="sdpa")
-    assert not ParallelConfig(**overrides).graphs_on(where, 1, one_shape=True, attention="sdpa")  # auto: off, silently
+    # auto: off, silently
+    assert not ParallelConfig(**overrides).graphs_on(where, strategy, one_shape=True, attention="sdpa")
 
 
-def test_cuda_graphs_are_on_by_default_on_one_gpu_where_batches_keep_one_shape():
-    assert ParallelConfig().graphs_on("cuda", 1, one_shape=True, attention="sdpa")
+def test_cuda_graphs_are_on_by_default_on_one_gpu_or_ddp_where_batches_keep_one_shape():
+    for strategy in ("single", "ddp"):
+        assert ParallelConfig().graphs_on("cuda", strategy, one_shape=True, attention="sdpa")
     # Batches padded to their longest row: a graph captured for one shape would keep its memory beside the others'.
-    assert not ParallelConfig().graphs_on("cuda", 1, one_shape=False, attention="sdpa")
-    assert ParallelConfig(cuda_graphs=True).graphs_on("cuda", 1, one_shape=False, attention="sdpa")  # tried anyway
-    assert not ParallelConfig(cuda_graphs=False).graphs_on("cuda", 1, one_shape=True, attention="sdpa")
-    assert not ParallelConfig().graphs_on("cuda", 2, one_shape=True, attention="sdpa")
+    assert not ParallelConfig().graphs_on("cuda", "single", one_shape=False, attention="sdpa")
+    assert ParallelConfig(cuda_graphs=True).graphs_on("cuda", "single", one_shape=False, attention="sdpa")  # tried
+    assert not ParallelConfig(cuda_graphs=False).graphs_on("cuda", "single", one_shape=True, attention="sdpa")
 
 
 def test_flex_attention_runs_without_cuda_graphs():
     """Its BlockMask holds the batch's mask in tensors a graph would read at the captured addresses."""
-    assert not ParallelConfig().graphs_on("cuda", 1, one_shape=True, attention="flex_attention")
+    assert not ParallelConfig().graphs_on("cuda", "single", one_shape=True, attention="flex_attention")
     with pytest.raises(ConfigError) as error:
-        ParallelConfig(cuda_graphs=True).graphs_on("cuda", 1, one_shape=True, attention="flex_attention")
+        ParallelConfig(cuda_graphs=True).graphs_on("cuda", "single", one_shape=True, attention="flex_attention")
     assert str(error.value) == (
         "parallel.cuda_graphs: true needs model.attn_implementation other than flex_attention (auto picks it for "
         "packed batches on a GPU); set parallel.cuda_graphs: auto or false"
@@ -85,6 +85,7 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path,
     graphed = train(tmp_path, "graphed", 1, *common, steps=6, env=ON_GPU)
     assert "cuda graphs" not in plain["log"]
     assert "cuda graphs: 2 of 2 decoder layers" in graphed["log"]
+    assert (plain["metrics"]["cuda_graph_layers"], graphed["metrics"]["cuda_graph_layers"]) == (0, 2)
     # Two forwards a step: the first two compile and warm up, the third is captured and replayed.
     assert graphed["log"].count("cuda graphs: 2 decoder layers captured (forward and backward)") == 1
     assert "failed" not in graphed["log"] and "another shape" not in graphed["log"]
@@ -104,6 +105,36 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path,
     assert usage(graphed)[:exact_steps] == usage(plain)[:exact_steps]
     evaluations = [jsonl(run["out"] / "logs/eval_log.jsonl") for run in (plain, graphed)]
     assert evaluations[1][-1]["eval_loss"] == pytest.approx(evaluations[0][-1]["eval_loss"], rel=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (SHARDTUNE_TEST_GPU=1)")
+def test_ddp_replays_the_layers_as_cuda_graphs_and_trains_like_one_process(tmp_path):
+    """Two processes under DDP: each replayed backward hands its parameters' gradients to autograd, where DDP's
+    hooks average them over the ranks as they do without graphs. The losses, gradient norms and balance losses of
+    the same DDP run without graphs, and of one process accumulating the same global batch."""
+    model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    common = [
+        f"model.name_or_path={model}", "model.init=random", "training.gradient_checkpointing=false",
+        "data.pad_to=max_length", "data.max_length=64", "lora.target_modules=null",
+        "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01", "parallel.compile=true",
+    ]  # fmt: skip
+    ddp = [*common, "parallel.strategy=ddp"]
+    both = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    one = train(tmp_path, "one", 1, *common, "training.gradient_accumulation_steps=2", steps=6, env=ON_GPU)
+    plain = train(tmp_path, "plain", 2, *ddp, "parallel.cuda_graphs=false", steps=6, env=both)
+    graphed = train(tmp_path, "graphed", 2, *ddp, steps=6, env=both)
+    assert graphed["metrics"]["strategy"] == "ddp" and graphed["metrics"]["world_size"] == 2
+    assert "cuda graphs: 2 of 2 decoder layers" in graphed["log"]
+    assert (plain["metrics"]["cuda_graph_layers"], graphed["metrics"]["cuda_graph_layers"]) == (0, 2)
+    # One step a forward on each rank: the first two compile and warm up, the third is captured and replayed.
+    assert graphed["losses"][:3] == plain["losses"][:3]
+    assert graphed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    assert graphed["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    rows = {name: jsonl(run["out"] / "logs/train_log.jsonl") for name, run in (("one", one), ("graphed", graphed))}
+    for key in ("grad_norm", "moe_balance_loss"):
+        graphed_values = [row[key] for row in rows["graphed"]]
+        assert graphed_values == pytest.approx([row[key] for row in rows["one"]], rel=1e-5), key
 
 
 @pytest.mark.gpu
