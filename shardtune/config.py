@@ -330,9 +330,9 @@ class ParallelConfig(_Section):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
         description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
-        "keep one shape; auto: on CUDA with parallel.compile, one process or DDP (not FSDP), where batches keep one "
-        "shape (data.pad_to: max_length, or data.packing) and attention is not flex_attention; layers recomputed whole run "
-        "without graphs",
+        "keep one shape; auto: on CUDA with parallel.compile, one process or DDP (not FSDP), where batches keep "
+        "one shape (data.pad_to: max_length, or data.packing) and attention is not flex_attention; layers recomputed "
+        "whole run without graphs",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
     expert_parallel_size: int = Field(
