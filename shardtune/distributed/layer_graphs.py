@@ -30,7 +30,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,17 +244,14 @@ class LayerGraphs:
         self.params = [[p for p in module.parameters() if p.requires_grad] for module in self.modules]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        # The warm-up's and the capture's backwards run on the capture stream, where the parameters' gradient
-        # accumulators were made on the default one: autograd warns, but they accumulate nothing there (the
-        # gradients are asked for by autograd.grad).
-        warns = torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch
+        # Per layer, what the warm-up and the capture read its trainable parameters through (see _stand_ins).
+        stand_ins = [[torch.nn.Parameter(p.detach(), requires_grad=True) for p in params] for params in self.params]
         try:
-            warns(False)
             with torch.cuda.stream(stream):
-                self._warm_up(calls, first_leaves, recorder)
+                self._warm_up(calls, first_leaves, recorder, stand_ins)
                 pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
-                graphs = self._capture_forwards(calls, first_leaves, recorder, pool)
-                self._capture_backwards(graphs, pool)
+                graphs = self._capture_forwards(calls, first_leaves, recorder, stand_ins, pool)
+                self._capture_backwards(graphs, stand_ins, pool)
         except Exception as error:  # an op that cannot be captured (a host sync), or memory
             self.given_up = True
             log.warning(
@@ -265,7 +262,6 @@ class LayerGraphs:
             )
             return
         finally:
-            warns(True)
             torch.cuda.current_stream().wait_stream(stream)
         self.graphs = graphs
         log.info(
@@ -294,7 +290,9 @@ class LayerGraphs:
             leaves.append(tensor.requires_grad_(described[4]))
         return leaves
 
-    def _warm_up(self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None) -> None:
+    def _warm_up(
+        self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None, stand_ins: list[list]
+    ) -> None:
         """Each layer's forward and backward once on the capture stream, the layers chained, nothing recorded."""
         first = [leaf for leaf in first_leaves if isinstance(leaf, torch.Tensor)]
         outputs: list[torch.Tensor] = []
@@ -302,18 +300,21 @@ class LayerGraphs:
             for index, call in enumerate(calls):
                 leaves = self._inputs(call, first, outputs)
                 args, kwargs = tree_unflatten(leaves, call.spec)
-                result = self.compiled[index](*args, **kwargs)
+                params = stand_ins[index]
+                with _stand_ins(self.modules[index], self.params[index], params):
+                    result = self.compiled[index](*args, **kwargs)
                 outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
                 wanted = [output for output in outputs if output.requires_grad]
                 sources = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-                if wanted and sources + self.params[index]:
-                    torch.autograd.grad(wanted, sources + self.params[index], [torch.zeros_like(o) for o in wanted],
+                if wanted and sources + params:
+                    torch.autograd.grad(wanted, sources + params, [torch.zeros_like(o) for o in wanted],
                                         allow_unused=True)  # fmt: skip
                 outputs = [output.detach() for output in outputs]
 
     def _capture_forwards(
-        self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None, pool: tuple
-    ) -> list[LayerGraph]:
+        self, calls: list[LayerCall], first_leaves: list, recorder: RoutingRecorder | None, stand_ins: list[list],
+        pool: tuple,
+    ) -> list[LayerGraph]:  # fmt: skip
         # The first layer's tensors, at addresses of their own (its callers' tensors are new every forward).
         first = [leaf.detach().clone() for leaf in first_leaves if isinstance(leaf, torch.Tensor)]
         graphs: list[LayerGraph] = []
@@ -323,7 +324,11 @@ class LayerGraphs:
             args, kwargs = tree_unflatten(leaves, call.spec)
             graph = torch.cuda.CUDAGraph()
             reporting = recorder.capturing() if recorder is not None else contextlib.nullcontext()
-            with reporting as reported, torch.cuda.graph(graph, pool, torch.cuda.current_stream(), **_OWN_THREAD):
+            with (
+                _stand_ins(self.modules[index], self.params[index], stand_ins[index]),
+                reporting as reported,
+                torch.cuda.graph(graph, pool, torch.cuda.current_stream(), **_OWN_THREAD),
+            ):
                 result = self.compiled[index](*args, **kwargs)
             flat, out_spec = tree_flatten(result)
             if not all(isinstance(leaf, torch.Tensor) for leaf in flat):
@@ -333,9 +338,9 @@ class LayerGraphs:
             outputs = flat
         return graphs
 
-    def _capture_backwards(self, graphs: list[LayerGraph], pool: tuple) -> None:
+    def _capture_backwards(self, graphs: list[LayerGraph], stand_ins: list[list], pool: tuple) -> None:
         after: LayerGraph | None = None
-        for graph in reversed(graphs):
+        for graph, params in zip(reversed(graphs), reversed(stand_ins), strict=True):
             # An output the next layer takes as an input that needs a gradient: its gradient buffer is that
             # layer's input-gradient buffer.
             chained: dict[int, torch.Tensor] = {}
@@ -350,19 +355,44 @@ class LayerGraphs:
             wanted = [output for output in graph.outputs if output.requires_grad]
             buffers = [buffer for buffer in graph.grad_outputs if buffer is not None]
             sources = [leaf for leaf in graph.buffers if leaf.requires_grad]
-            grads: tuple = (None,) * (len(sources) + len(graph.params))
-            if wanted and sources + graph.params:
+            grads: tuple = (None,) * (len(sources) + len(params))
+            if wanted and sources + params:
                 backward = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(backward, pool, torch.cuda.current_stream(), **_OWN_THREAD):
-                    grads = torch.autograd.grad(wanted, sources + graph.params, buffers, allow_unused=True)
+                    grads = torch.autograd.grad(wanted, sources + params, buffers, allow_unused=True)
                 graph.backward_graph = backward
             by_input = iter(grads[: len(sources)])
             graph.grad_inputs = [next(by_input) if leaf.requires_grad else None for leaf in graph.buffers]
             graph.param_grads = list(grads[len(sources) :])
-            # The capture's autograd graph goes (the outputs keep their storage): it holds the parameters' gradient
-            # accumulators, made on the capture stream, and every later backward would wait on that stream for them.
+            # The capture's autograd graph goes (the outputs keep their storage, the graphs the parameters' memory).
             graph.outputs = [output.detach() for output in graph.outputs]
             after = graph
+
+
+@contextlib.contextmanager
+def _stand_ins(module: torch.nn.Module, params: list[torch.Tensor], stand_ins: list[torch.Tensor]) -> Iterator[None]:
+    """``module`` runs with its trainable parameters (``params``) swapped for ``stand_ins``: new leaf tensors on the
+    same memory, whose gradients the captured backward asks for.
+
+    Why: autograd hands a parameter's gradient over on the stream its gradient accumulator was made on. DDP makes
+    the accumulators when it is built, on the default (legacy) stream, and keeps them, and a capture may not make
+    that stream wait on the capturing one ("operation would make the legacy stream depend on a capturing blocking
+    stream", measured on 2 H100s). Stand-ins get accumulators of their own on the capture stream, and the
+    parameters' own ones (DDP's hooks) only ever see the replays' gradients, on the default stream."""
+    by_id = {id(param): stand_in for param, stand_in in zip(params, stand_ins, strict=True)}
+    swapped = [
+        (owner, name, param)
+        for owner in module.modules()
+        for name, param in owner._parameters.items()
+        if param is not None and id(param) in by_id
+    ]
+    try:
+        for owner, name, param in swapped:
+            owner._parameters[name] = by_id[id(param)]
+        yield
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
 
 
 def replayed_layers(model: torch.nn.Module) -> int:
