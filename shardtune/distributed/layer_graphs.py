@@ -47,8 +47,6 @@ log = logging.getLogger("shardtune")
 FORWARDS_BEFORE_CAPTURE = 2
 
 _VALUES = (type(None), bool, int, float, str)
-# Only this thread's calls can spoil a capture: the run's other threads (heartbeat, data) are not stopped for it.
-_OWN_THREAD = {"capture_error_mode": "thread_local"}
 
 
 @dataclass(frozen=True)
@@ -327,7 +325,7 @@ class LayerGraphs:
             with (
                 _stand_ins(self.modules[index], self.params[index], stand_ins[index]),
                 reporting as reported,
-                torch.cuda.graph(graph, pool, torch.cuda.current_stream(), **_OWN_THREAD),
+                _capturing(graph, pool),
             ):
                 result = self.compiled[index](*args, **kwargs)
             flat, out_spec = tree_flatten(result)
@@ -358,7 +356,7 @@ class LayerGraphs:
             grads: tuple = (None,) * (len(sources) + len(params))
             if wanted and sources + params:
                 backward = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(backward, pool, torch.cuda.current_stream(), **_OWN_THREAD):
+                with _capturing(backward, pool):
                     grads = torch.autograd.grad(wanted, sources + params, buffers, allow_unused=True)
                 graph.backward_graph = backward
             by_input = iter(grads[: len(sources)])
@@ -367,6 +365,30 @@ class LayerGraphs:
             # The capture's autograd graph goes (the outputs keep their storage, the graphs the parameters' memory).
             graph.outputs = [output.detach() for output in graph.outputs]
             after = graph
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: tuple) -> Iterator[None]:
+    """``torch.cuda.graph`` on the current stream, into ``pool``. Where the capture fails, what torch's capture_end
+    then leaves undone is done here, so that the run goes on without graphs as if none had been tried. Measured
+    without it (torch 2.11, one H100): the pool stayed held, with every graph captured into it before, and the
+    default generator refused every later random op ("Offset increment outside graph capture encountered
+    unexpectedly"): dropout would have ended the run."""
+    device = torch.cuda.current_device()
+    try:
+        # Only this thread's calls can spoil the capture: the run's other threads (heartbeat, NCCL's watchdog)
+        # are not stopped for it.
+        with torch.cuda.graph(graph, pool, torch.cuda.current_stream(), capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        try:
+            graph.pool()  # the capture ended (the error came after it): the graph lets its pool go when it goes
+        except RuntimeError:  # it did not end: the allocator still counts it as capturing into the pool
+            torch._C._cuda_endAllocateToPool(device, pool)
+            torch._C._cuda_releasePool(device, pool)
+            generator = torch.cuda.default_generators[device]
+            generator.graphsafe_set_state(generator.clone_state())  # its own state, no longer marked capturing
+        raise
 
 
 @contextlib.contextmanager
