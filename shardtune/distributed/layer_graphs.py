@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -258,9 +259,14 @@ class LayerGraphs:
                 type(error).__name__,
                 first_line(error),
             )
-            return
         finally:
             torch.cuda.current_stream().wait_stream(stream)
+        if self.given_up:
+            # The graphs captured before the failure hold the pool: the failure's traceback kept them in a reference
+            # cycle (measured: one H100 kept the pool until a collection ran), and the pool must not wait for one.
+            gc.collect()
+            torch.cuda.empty_cache()
+            return
         self.graphs = graphs
         log.info(
             "cuda graphs: %d decoder layers captured (forward and backward) in %.1f s; training forwards of this "
