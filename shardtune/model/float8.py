@@ -239,7 +239,10 @@ class Float8Linear(torch.nn.Module):
         # Contiguous: a float8 GEMM takes its weight laid out along the summed dimension (the input gradient's,
         # W^T's columns), and the quantization would keep the transposed view's strides.
         values_t, scales_t = rowwise_float8(weight.t().contiguous())
-        self.weight = torch.nn.Parameter(values, requires_grad=False)
+        # The Linear's own parameter object, holding the float8 values, as use_float8_experts keeps the experts'
+        # (DDP's list of the parameters would keep a new one's bf16 weight alive).
+        linear.weight.data = values
+        self.weight = linear.weight
         self.bias = linear.bias
         self.register_buffer("weight_scale", scales, persistent=False)
         self.register_buffer("weight_t", values_t, persistent=False)

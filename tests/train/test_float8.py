@@ -214,6 +214,20 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def test_the_quantized_weights_stay_the_same_parameter_objects(qwen3_moe):
+    """DDP lists a model's parameters when it is built, before the weights are quantized (every rank quantizes rank
+    0's weights, which DDP's building sends), and keeps the list: a weight quantized into a new parameter object
+    would keep its bf16 tensor alive through it."""
+    model = fused_copy(build(qwen3_moe, ["attention"]))
+    listed = list(model.parameters())
+    use_float8(model, CPU, experts=True, linear=True)
+    assert [id(param) for param in model.parameters()] == [id(param) for param in listed]
+    quantized = [param for param in listed if param.dtype == FLOAT8]
+    swapped = [module for module in model.modules() if isinstance(module, Float8Linear)]
+    assert len(swapped) >= 8  # q, k, v and o of each of the 2 layers, at least
+    assert len(quantized) == 2 * 2 + len(swapped)  # gate_up_proj and down_proj of each layer's experts
+
+
 @pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]])
 def test_quantized_experts_keep_their_parameters_and_compute_within_float8s_precision(qwen3_moe, targets, caplog):
     caplog.set_level("INFO", logger="shardtune")
@@ -433,7 +447,9 @@ def test_a_float8_linear_layer_is_the_dequantized_product_and_keeps_its_state():
     linear = torch.nn.Linear(48, 32, bias=True).requires_grad_(False)
     linear.weight.copy_(torch.randn(32, 48, generator=generator) * 0.05)
     linear.bias.copy_(torch.randn(32, generator=generator))
-    layer = Float8Linear(linear)
+    weight = linear.weight.clone()
+    layer = Float8Linear(linear)  # its weight is the Linear's parameter, which now holds the float8 values
+    assert layer.weight is linear.weight
     assert layer.weight.dtype == layer.weight_t.dtype == FLOAT8 and not layer.weight.requires_grad
     assert layer.weight_t.shape == (48, 32) and layer.weight_t.is_contiguous()
     assert {name: tuple(t.shape) for name, t in layer.state_dict().items()} == {"weight": (32, 48), "bias": (32,)}
@@ -443,7 +459,7 @@ def test_a_float8_linear_layer_is_the_dequantized_product_and_keeps_its_state():
     rows = x.detach().reshape(-1, 48)
     expected = dequantized(*rowwise_float8(rows)) @ dequantized(layer.weight, layer.weight_scale).t() + linear.bias
     assert_relative(output.detach().reshape(-1, 32), expected, 1e-6)
-    exact = torch.nn.functional.linear(rows, linear.weight, linear.bias)
+    exact = torch.nn.functional.linear(rows, weight, linear.bias)
     assert 1e-3 < relative_error(output.detach().reshape(-1, 32), exact) < 1e-1  # float8's, not fp32's
     grad = torch.randn(2, 7, 32, generator=generator)
     output.backward(grad)
