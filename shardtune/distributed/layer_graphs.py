@@ -311,8 +311,18 @@ class LayerGraphs:
                 wanted = [output for output in outputs if output.requires_grad]
                 sources = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
                 if wanted and sources + params:
-                    torch.autograd.grad(wanted, sources + params, [torch.zeros_like(o) for o in wanted],
-                                        allow_unused=True)  # fmt: skip
+                    grads = torch.autograd.grad(wanted, sources + params, [torch.zeros_like(o) for o in wanted],
+                                                allow_unused=True)  # fmt: skip
+                    # A parameter the layer reads other than as its module's attribute would get no gradient
+                    # through its stand-in, and none from the replays: the graphs are given up instead.
+                    module = self.modules[index]
+                    names = [name for name, param in module.named_parameters() if param.requires_grad]
+                    missing = [name for name, grad in zip(names, grads[len(sources) :], strict=True) if grad is None]
+                    if missing:
+                        raise ValueError(
+                            f"decoder layer {index}'s parameter {missing[0]} got no gradient in the warm-up (unused, "
+                            "or read other than as its module's attribute)"
+                        )
                 outputs = [output.detach() for output in outputs]
 
     def _capture_forwards(

@@ -242,3 +242,24 @@ def test_a_capture_that_fails_leaves_memory_and_random_numbers_as_they_were(capl
     assert 0 < int(kept.count_nonzero()) < 1024
     for _ in range(2):
         assert_trains_alike(plain, graphed, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_a_trainable_parameter_without_a_gradient_gives_the_graphs_up(caplog):
+    """The capture reads each layer's trainable parameters through stand-ins: one that gets no gradient in the
+    warm-up (here unused; a layer could also read it other than as its module's attribute) gives the graphs up,
+    naming it, and the layers train without graphs to the results of the twin never graphed."""
+    caplog.set_level("INFO", logger="shardtune")
+    plain, graphed = compiled_twins()
+    for model in (plain, graphed):
+        model.model.layers[1].register_parameter("unused", torch.nn.Parameter(torch.zeros(4, device="cuda")))
+    for _ in range(4):
+        assert_trains_alike(plain, graphed, 32)
+    assert (
+        caplog.text.count(
+            "cuda graphs: capturing the decoder layers failed (ValueError: decoder layer 1's parameter unused got no "
+            "gradient in the warm-up (unused, or read other than as its module's attribute)); they run without graphs"
+        )
+        == 1
+    )
