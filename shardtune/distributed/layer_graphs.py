@@ -262,8 +262,8 @@ class LayerGraphs:
         finally:
             torch.cuda.current_stream().wait_stream(stream)
         if self.given_up:
-            # The graphs captured before the failure hold the pool: the failure's traceback kept them in a reference
-            # cycle (measured: one H100 kept the pool until a collection ran), and the pool must not wait for one.
+            # The graphs captured before the failure hold the pool, and the failure's traceback holds them in a
+            # reference cycle: without a collection, the GPU unit test found the pool still held on one H100.
             gc.collect()
             torch.cuda.empty_cache()
             return
