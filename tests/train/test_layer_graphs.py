@@ -15,6 +15,7 @@ from tiny_models import write_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import ParallelConfig
+from shardtune.distributed.layer_graphs import _stand_ins
 from shardtune.distributed.parallelize import graph_layers
 from shardtune.errors import ConfigError
 
@@ -56,6 +57,31 @@ def test_flex_attention_runs_without_cuda_graphs():
         "parallel.cuda_graphs: true needs model.attn_implementation other than flex_attention (auto picks it for "
         "packed batches on a GPU); set parallel.cuda_graphs: auto or false"
     )
+
+
+def test_the_capture_reads_the_trainable_parameters_through_stand_ins_that_take_their_gradients():
+    """What the warm-up and the capture run a layer under (CUDA aside): each trainable parameter, also one tied
+    between two modules, is swapped for its stand-in on the same memory; the stand-ins take the gradients, the
+    parameters none (DDP's accumulators never see the capture), and the layer gets its own parameters back."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    second.weight = first.weight  # tied
+    first.bias.requires_grad_(False)
+    layer = torch.nn.Sequential(first, torch.nn.Tanh(), second)
+    params = [param for param in layer.parameters() if param.requires_grad]
+    assert len(params) == 2  # the tied weight once, the second bias
+    stand_ins = [torch.nn.Parameter(param.detach(), requires_grad=True) for param in params]
+    x = torch.randn(3, 4)
+    with _stand_ins(layer, params, stand_ins):
+        assert first.weight is second.weight is stand_ins[0] and second.bias is stand_ins[1]
+        captured = layer(x).square().sum()
+    assert first.weight is second.weight is params[0] and second.bias is params[1]
+    grads = torch.autograd.grad(captured, stand_ins)
+    expected = torch.autograd.grad(layer(x).square().sum(), params)
+    for grad, reference in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, reference, rtol=0, atol=0)
+    assert all(param.grad is None for param in params)
+    assert [stand_in.data_ptr() for stand_in in stand_ins] == [param.data_ptr() for param in params]
 
 
 @pytest.mark.gpu
