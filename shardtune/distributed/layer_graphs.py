@@ -263,7 +263,8 @@ class LayerGraphs:
             torch.cuda.current_stream().wait_stream(stream)
         if self.given_up:
             # The graphs captured before the failure hold the pool, and the failure's traceback holds them in a
-            # reference cycle: without a collection, the GPU unit test found the pool still held on one H100.
+            # reference cycle: without a collection, the GPU unit test found the pool still held on one H100. The
+            # emptied cache then hands the pool's memory back at once.
             gc.collect()
             torch.cuda.empty_cache()
             return
@@ -304,14 +305,14 @@ class LayerGraphs:
             for index, call in enumerate(calls):
                 leaves = self._inputs(call, first, outputs)
                 args, kwargs = tree_unflatten(leaves, call.spec)
-                params = stand_ins[index]
-                with _stand_ins(self.modules[index], self.params[index], params):
+                standing_in = stand_ins[index]
+                with _stand_ins(self.modules[index], self.params[index], standing_in):
                     result = self.compiled[index](*args, **kwargs)
                 outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
                 wanted = [output for output in outputs if output.requires_grad]
                 sources = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-                if wanted and sources + params:
-                    grads = torch.autograd.grad(wanted, sources + params, [torch.zeros_like(o) for o in wanted],
+                if wanted and sources + standing_in:
+                    grads = torch.autograd.grad(wanted, sources + standing_in, [torch.zeros_like(o) for o in wanted],
                                                 allow_unused=True)  # fmt: skip
                     # A parameter the layer reads other than as its module's attribute would get no gradient
                     # through its stand-in, and none from the replays: the graphs are given up instead.
@@ -354,7 +355,7 @@ class LayerGraphs:
 
     def _capture_backwards(self, graphs: list[LayerGraph], stand_ins: list[list], pool: tuple) -> None:
         after: LayerGraph | None = None
-        for graph, params in zip(reversed(graphs), reversed(stand_ins), strict=True):
+        for graph, standing_in in zip(reversed(graphs), reversed(stand_ins), strict=True):
             # An output the next layer takes as an input that needs a gradient: its gradient buffer is that
             # layer's input-gradient buffer.
             chained: dict[int, torch.Tensor] = {}
@@ -369,11 +370,11 @@ class LayerGraphs:
             wanted = [output for output in graph.outputs if output.requires_grad]
             buffers = [buffer for buffer in graph.grad_outputs if buffer is not None]
             sources = [leaf for leaf in graph.buffers if leaf.requires_grad]
-            grads: tuple = (None,) * (len(sources) + len(params))
-            if wanted and sources + params:
+            grads: tuple = (None,) * (len(sources) + len(standing_in))
+            if wanted and sources + standing_in:
                 backward = torch.cuda.CUDAGraph()
                 with _capturing(backward, pool):
-                    grads = torch.autograd.grad(wanted, sources + params, buffers, allow_unused=True)
+                    grads = torch.autograd.grad(wanted, sources + standing_in, buffers, allow_unused=True)
                 graph.backward_graph = backward
             by_input = iter(grads[: len(sources)])
             graph.grad_inputs = [next(by_input) if leaf.requires_grad else None for leaf in graph.buffers]
@@ -433,12 +434,18 @@ def _stand_ins(module: torch.nn.Module, params: list[torch.Tensor], stand_ins: l
             owner._parameters[name] = param
 
 
-def replayed_layers(model: torch.nn.Module) -> int:
-    """How many of ``model``'s decoder layers training forwards replay as CUDA graphs now (0: graphs off, not
-    captured yet, or given up), found through the calls ``LayerGraphs`` installed."""
+def installed_graphs(model: torch.nn.Module) -> LayerGraphs | None:
+    """The ``LayerGraphs`` installed on ``model``'s decoder layers, found through the calls it installed; None."""
     for module in model.modules():
         call = getattr(module, "_compiled_call_impl", None)
         owner = getattr(getattr(call, "func", None), "__self__", None)
         if isinstance(owner, LayerGraphs):
-            return len(owner.graphs) if owner.graphs is not None else 0
-    return 0
+            return owner
+    return None
+
+
+def replayed_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s decoder layers training forwards replay as CUDA graphs now (0: graphs off, not
+    captured yet, or given up)."""
+    graphs = installed_graphs(model)
+    return len(graphs.graphs) if graphs is not None and graphs.graphs is not None else 0

@@ -15,11 +15,20 @@ from tiny_models import write_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import ParallelConfig
-from shardtune.distributed.layer_graphs import _stand_ins
+from shardtune.distributed.layer_graphs import _stand_ins, installed_graphs
 from shardtune.distributed.parallelize import graph_layers
 from shardtune.errors import ConfigError
 
 ON_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+def moe_run(model) -> list[str]:
+    """The runs' shared overrides: the tiny Qwen3-MoE ``model``, LoRA on attention and the routed experts, the
+    load-balancing loss trained, rows of 64 tokens, compiled layers."""
+    return [
+        f"model.name_or_path={model}", "model.init=random", "data.max_length=64", "lora.target_modules=null",
+        "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01", "parallel.compile=true",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -101,12 +110,7 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path,
         "attention": ["training.gradient_checkpointing=true", "training.gradient_checkpointing_granularity=attention"],
     }[recompute]
     shape = {"padded": ["data.pad_to=max_length"], "packed": ["data.packing=true", "model.attn_implementation=sdpa"]}
-    common = [
-        f"model.name_or_path={model}", "model.init=random", *checkpointing,
-        *shape[batches], "data.max_length=64", "lora.target_modules=null",
-        "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01",
-        "training.gradient_accumulation_steps=2", "parallel.compile=true",
-    ]  # fmt: skip
+    common = [*moe_run(model), *checkpointing, *shape[batches], "training.gradient_accumulation_steps=2"]
     plain = train(tmp_path, "plain", 1, *common, "parallel.cuda_graphs=false", steps=6, env=ON_GPU)
     graphed = train(tmp_path, "graphed", 1, *common, steps=6, env=ON_GPU)
     assert "cuda graphs" not in plain["log"]
@@ -140,11 +144,7 @@ def test_ddp_replays_the_layers_as_cuda_graphs_and_trains_like_one_process(tmp_p
     hooks average them over the ranks as they do without graphs. The losses, gradient norms and balance losses of
     the same DDP run without graphs, and of one process accumulating the same global batch."""
     model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
-    common = [
-        f"model.name_or_path={model}", "model.init=random", "training.gradient_checkpointing=false",
-        "data.pad_to=max_length", "data.max_length=64", "lora.target_modules=null",
-        "lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01", "parallel.compile=true",
-    ]  # fmt: skip
+    common = [*moe_run(model), "training.gradient_checkpointing=false", "data.pad_to=max_length"]
     ddp = [*common, "parallel.strategy=ddp"]
     both = {"CUDA_VISIBLE_DEVICES": "0,1"}
     one = train(tmp_path, "one", 1, *common, "training.gradient_accumulation_steps=2", steps=6, env=ON_GPU)
@@ -247,7 +247,7 @@ def test_a_capture_that_fails_leaves_memory_and_random_numbers_as_they_were(capl
     run, and the layers train without graphs to the results of the twin never graphed."""
     caplog.set_level("INFO", logger="shardtune")
     plain, graphed = compiled_twins()
-    graphs = graphed.model.layers[0]._compiled_call_impl.func.__self__
+    graphs = installed_graphs(graphed)
     compiled = graphs.compiled[1]
 
     def waits_on_the_host_when_captured(*args, **kwargs):
