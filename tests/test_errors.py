@@ -184,9 +184,22 @@ def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
     assert table(doctor.stdout)["0", "kernels"] == (FAIL, FLASH)
 
 
-def test_quack_grouped_gemm_where_it_cannot_run_is_one_line_before_anything_is_loaded(tmp_path):
-    expected = "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch"
-    assert_one_line(train(tmp_path, 1, "model.grouped_gemm=quack"), expected)
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "model.grouped_gemm=quack",
+            "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch",
+        ),
+        (
+            "parallel.cuda_graphs=true",
+            "parallel.cuda_graphs: true needs a CUDA GPU; set parallel.cuda_graphs: auto or false",
+        ),
+    ],
+    ids=["quack", "cuda-graphs"],
+)
+def test_a_kernel_asked_for_where_it_cannot_run_is_one_line_before_anything_is_loaded(tmp_path, override, expected):
+    assert_one_line(train(tmp_path, 1, override), expected)
     assert not (tmp_path / "run").exists()
 
 

@@ -159,9 +159,10 @@ def parallelize(
             is_moe = any(isinstance(module, FusedMoeBlock) for module in layer.modules())
             (layer if is_moe else _outer_wrapper(model, layer)).compile(backend=compiler)
         log.info("torch.compile on %d decoder layers", len(layers))
-        one_shape = config.data.batch_length is not None
-        if config.parallel.graphs_on(env.device.type, plan.strategy, one_shape, model.config._attn_implementation):
-            graph_layers(model, layers)
+    # Asked of every run, compiled or not: `parallel.cuda_graphs: true` where graphs cannot run is one clear line.
+    one_shape = config.data.batch_length is not None
+    if config.parallel.graphs_on(env.device.type, plan.strategy, one_shape, model.config._attn_implementation):
+        graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)
     if plan.strategy == "ddp":

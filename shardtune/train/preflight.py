@@ -155,9 +155,13 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
         from shardtune.model.float8 import require_float8
 
         require_float8(float8, device)
+    # The device, compile and attention, known now; the strategy (FSDP or not) is chosen once the model is built
+    # (`parallelize` asks again then).
+    config.parallel.graphs_on(device.type, "single", config.data.batch_length is not None, attention)
     found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
     found += "".join(f", {key.removeprefix('model.').replace('_', ' ')}" for key in float8)
-    return found + (", quack grouped GEMM" if config.model.grouped_gemm == "quack" else "")
+    found += ", quack grouped GEMM" if config.model.grouped_gemm == "quack" else ""
+    return found + (", CUDA graphs" if config.parallel.cuda_graphs is True else "")
 
 
 def check_writable(key: str, directory: Path) -> str:
