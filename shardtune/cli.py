@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
 
     export = commands.add_parser("export", help="a checkpoint -> PEFT adapter, merged model, or HF model")
-    export.add_argument("checkpoint", help="a checkpoint-<step> directory")
+    export.add_argument("checkpoint", help="a checkpoint-<step> directory, or with --merge a final/ adapter directory")
     export.add_argument("--out", required=True, help="directory to write")
     export.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
     export.add_argument(

@@ -16,14 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from shardtune.checkpoint.checkpointer import read_trainable_shards
-from shardtune.checkpoint.export import saved_run_config
-from shardtune.checkpoint.layout import not_a_checkpoint, read_step
-from shardtune.config import Config, load_config, looks_local
+from shardtune.checkpoint.trained_weights import TrainedWeights, find_trained_weights, load_trained_weights
+from shardtune.config import Config, looks_local
 from shardtune.distributed.env import DistributedEnv
-from shardtune.errors import ConfigError, DataError, InputError, first_line
+from shardtune.errors import ConfigError, DataError, InputError
 from shardtune.run_dir import write_atomic
 
 log = logging.getLogger("shardtune")
@@ -32,48 +28,6 @@ log = logging.getLogger("shardtune")
 # config that differs in one of them would load the tensors into another model (or fail deep in a load).
 WEIGHT_KEYS = ("model.name_or_path", "model.revision", "model.init", "lora.enabled")
 ADAPTER_KEYS = ("lora.r", "lora.lora_alpha", "lora.target_modules", "lora.moe_targets")
-
-
-@dataclass(frozen=True)
-class TrainedWeights:
-    """What ``--checkpoint`` names: a DCP checkpoint, or a ``final/`` adapter or model directory."""
-
-    path: Path
-    kind: str  # "checkpoint", "adapter" or "model"
-    step: int | None  # the training step the weights are from, when known
-    saved_config: Config | None  # the config the weights were trained with, when it is at hand
-
-
-def find_trained_weights(path: Path) -> TrainedWeights:
-    """``path`` as trained weights, or an ``InputError`` saying why it is none."""
-    if not path.exists():
-        raise InputError(f"--checkpoint {path}: no such file or directory")
-    if not path.is_dir():
-        raise InputError(f"--checkpoint {path}: not a directory (name a checkpoint-<step>/ or final/ directory)")
-    if (path / "manifest.json").exists():
-        problem = not_a_checkpoint(path)
-        if problem:
-            raise InputError(f"--checkpoint {path} {problem}")
-        return TrainedWeights(path, "checkpoint", read_step(path), load_config(path / "config.yaml", check_paths=False))
-    if (path / "adapter_config.json").is_file():
-        kind = "adapter"
-    elif (path / "config.json").is_file():
-        kind = "model"
-    else:
-        raise InputError(
-            f"--checkpoint {path}: neither a checkpoint (manifest.json) nor a final/ directory "
-            "(adapter_config.json or config.json)"
-        )
-    return TrainedWeights(path, kind, _final_step(path), saved_run_config(path))
-
-
-def _final_step(path: Path) -> int | None:
-    """A run's ``final/`` holds the weights of its last step, which its ``metrics.json`` records."""
-    metrics = path.parent / "metrics.json"
-    try:
-        return int(json.loads(metrics.read_text())["steps"]) if metrics.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _value(config: Config, key: str) -> Any:
@@ -187,33 +141,6 @@ def check_request(
     return EvalRequest(config, config_path, weights, data_file, result_path(weights, out, overwrite))
 
 
-def load_trained_weights(weights: TrainedWeights, model: torch.nn.Module) -> None:
-    """Put the trained tensors of ``weights`` into ``model`` (whole, on the CPU, not yet parallelized)."""
-    if weights.kind == "checkpoint":
-        read_trainable_shards(weights.path, model, "be evaluated")
-    elif weights.kind == "adapter":
-        _load_adapter(weights.path, model)
-    # A full model in final/ is the model itself: build_run_model loaded it (see run_eval).
-
-
-def _load_adapter(path: Path, model: torch.nn.Module) -> None:
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-
-    try:
-        result = set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"))
-    except RuntimeError as error:  # size mismatches
-        raise InputError(f"{path}: its adapter does not fit the config's model ({first_line(error)})") from None
-    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
-    missing = sorted(trainable.intersection(result.missing_keys))
-    unexpected = sorted(result.unexpected_keys)
-    if missing or unexpected:
-        detail = [f"{len(missing)} adapter tensor(s) missing (e.g. {missing[0]})"] if missing else []
-        if unexpected:
-            detail.append(f"{len(unexpected)} tensor(s) the model has no place for (e.g. {unexpected[0]})")
-        raise InputError(f"{path}: its adapter does not fit the config's model: {'; '.join(detail)}")
-
-
 def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     """Evaluate as ``request`` says on this process's rank; global rank 0 writes the result."""
     import transformers
@@ -244,7 +171,7 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     problem: list[str] | None = None
     if env.is_main:
         try:
-            load_trained_weights(weights, model)
+            load_trained_weights(weights, model, "be evaluated")
         except InputError as error:
             problem = error.lines
     # Rank 0 alone reads the weights: the others learn of its failure here rather than wait in parallelize.

@@ -179,5 +179,9 @@ def test_architecture_trains_under_fsdp_and_exports(arch, mode, tmp_path, archit
     assert eval_loss(merged.eval(), sharded["out"]) == pytest.approx(trained_loss, rel=1e-5)
     # The run's own final-merged/ (training.merge_final) is that export: the last checkpoint's adapter, one merge.
     merged_final = AutoModelForCausalLM.from_pretrained(sharded["out"] / "final-merged", dtype=torch.float32)
+    # And the run's final/ adapter merges to it too (a run that kept no checkpoint has only final/).
+    final_adapter = export(sharded["out"] / "final", tmp_path / "final-adapter-merged", "--merge")
+    merged_adapter = AutoModelForCausalLM.from_pretrained(final_adapter, dtype=torch.float32)
     for name, tensor in merged.state_dict().items():
         assert torch.equal(merged_final.state_dict()[name], tensor), name
+        assert torch.equal(merged_adapter.state_dict()[name], tensor), name

@@ -107,8 +107,10 @@ def save_final(
 def write_run_config(directory: Path, config: Config, adapter: bool) -> None:
     """The run's config as ``directory/config.yaml``, its model path made portable (``portable_model_name``).
     ``adapter``: the directory holds a LoRA adapter; a full model (full fine-tuning, or a merged adapter) says
-    ``lora.enabled: false``, since nothing is to be added to it."""
+    ``lora.enabled: false``, since nothing is to be added to it (and ``training.merge_final: false``, which
+    needs an adapter: the config must load for ``generate`` and ``eval``)."""
     model_section = config.model.model_copy(update={"name_or_path": portable_model_name(config.model.name_or_path)})
     lora = config.lora.model_copy(update={"enabled": adapter})
-    saved = config.model_copy(update={"model": model_section, "lora": lora})
+    training = config.training.model_copy(update={"merge_final": config.training.merge_final and adapter})
+    saved = config.model_copy(update={"model": model_section, "lora": lora, "training": training})
     (directory / "config.yaml").write_text(dump_config(saved))

@@ -81,6 +81,8 @@ def test_merge_final_on_two_fsdp_workers_equals_one_worker_and_peft(lora_run, tm
         merged[name] = logits(AutoModelForCausalLM.from_pretrained(run_dir / "final-merged"))
         reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run_dir / "final")
         torch.testing.assert_close(merged[name], logits(reference.merge_and_unload()), rtol=1e-6, atol=1e-6)
+        # Its config.yaml (a full model: no adapter, nothing to merge) loads where generate reads it.
+        assert main(["generate", str(run_dir / "final-merged"), "--instruction", "Hi", "--max-new-tokens", "2"]) == 0
     torch.testing.assert_close(merged["fsdp"], merged["single"], rtol=1e-5, atol=1e-5)
     # Training moved the model: the comparisons above could not pass with an adapter left out.
     assert (merged["single"] - logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir))).abs().max() > 1e-2
@@ -102,6 +104,24 @@ def test_export_refuses_an_incomplete_checkpoint(tmp_path, capsys):
     (tmp_path / "checkpoint-3").mkdir()
     assert main(["export", str(tmp_path / "checkpoint-3"), "--out", str(tmp_path / "x")]) == 2
     assert "not a complete checkpoint (no manifest.json)" in capsys.readouterr().err
+
+
+def test_a_final_adapter_exports_merged_and_nothing_else(lora_run, tmp_path, capsys):
+    """A run's final/ adapter merges as the run's own merge did, byte for byte; without --merge, and for a
+    full model, there is nothing to export: one line each, nothing written."""
+    final = lora_run / "final"
+    assert main(["export", str(final), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    assert capsys.readouterr().out.startswith("wrote merged model (base ")
+    weights = "model.safetensors"
+    assert (tmp_path / "merged" / weights).read_bytes() == (lora_run / "final-merged" / weights).read_bytes()
+    merged = tmp_path / "merged"
+    for source, options, line in (
+        (final, [], f"{final}: is a PEFT adapter already; add --merge for the base model with it merged"),
+        (merged, ["--merge"], f"{merged}: holds a full model already; from_pretrained loads it as it is"),
+    ):
+        assert main(["export", str(source), "--out", str(tmp_path / "again"), *options]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"shardtune: error: {line}"]
+        assert not (tmp_path / "again").exists()
 
 
 def test_final_adapter_of_a_checkpointed_run_holds_every_trained_tensor(tmp_path):
