@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_MODEL, write_jsonl
 from faulty_runs import command, worker_env
+from safetensors import safe_open
 from test_doctor import free_port, table
 
 from shardtune.doctor.report import FAIL
@@ -132,6 +133,29 @@ def test_truncated_model_weights_are_named_before_anything_is_written(tmp_path):
         result,
         f"model.name_or_path: {weights} is truncated: {size // 2} bytes, expected {size}; download or copy the "
         "model again",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_weights_missing_are_named_before_anything_is_written(tmp_path):
+    """A model directory with its config but no weight file, and one whose index lists a shard not there."""
+    bare = tmp_path / "bare"
+    shutil.copytree(TINY_MODEL, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert_one_line(
+        train(tmp_path, 2, f"model.name_or_path={bare}"),
+        f"model.name_or_path: {bare} holds no weights (no *.safetensors or pytorch_model*.bin file); download or "
+        "copy the model's weight files into it, or set model.init: random to train from random weights",
+    )
+    sharded = tmp_path / "sharded"
+    shutil.copytree(TINY_MODEL, sharded)
+    names = list(safe_open(sharded / "model.safetensors", "pt").keys())
+    weight_map = {name: "model.safetensors" if index % 2 else "model-00002-of-00002.safetensors"
+                  for index, name in enumerate(names)}  # fmt: skip
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert_one_line(
+        train(tmp_path, 1, f"model.name_or_path={sharded}"),
+        f"model.name_or_path: {sharded} lacks 1 of its 2 weight files (first: model-00002-of-00002.safetensors, "
+        "listed by its index); download or copy the model again",
     )
     assert not (tmp_path / "run").exists()
 

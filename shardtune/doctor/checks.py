@@ -9,7 +9,6 @@ that cannot run is itself a finding.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 from collections import Counter
@@ -226,12 +225,12 @@ def model_path_check(model: ModelConfig) -> list[Check]:
         return [Check("model", FAIL, f"model.name_or_path: directory not found: {name}", fix=fix)]
     weights: list[Path] = []
     if model.init == "pretrained":
-        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            # A sharded model's index names every shard: one missing is an interrupted download or copy.
-            shards = json.loads(index.read_text())["weight_map"].values()
-            weights = sorted({*weights, *(path / shard for shard in shards)})
+        from shardtune.train.preflight import weight_files
+
+        try:
+            weights = weight_files(path)
+        except InputError as error:
+            return [Check("model", FAIL, error.lines[0], fix=fix)]
         if not weights:
             return [Check("model", FAIL, f"{name}: no weights (*.safetensors or *.bin)", fix=fix)]
     for file in [path / "config.json", *weights]:

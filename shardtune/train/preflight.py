@@ -87,19 +87,48 @@ def check_model_config(config: Config, model_config: PretrainedConfig) -> Pretra
 
 
 def check_weights(config: Config) -> str:
-    """Every safetensors file of a local pretrained model is whole: its header reads and the file is as
-    long as the header says. A truncated download or copy fails here, naming the file, instead of deep
-    inside ``from_pretrained``."""
+    """A local pretrained model has its weights: a weight file at all, every file its safetensors index lists,
+    and every safetensors file whole (its header reads and the file is as long as the header says). A
+    download or copy cut short fails here, naming what is missing, instead of deep inside ``from_pretrained``."""
     model = config.model
     path = Path(model.name_or_path).expanduser()
     if model.init != "pretrained" or not looks_local(model.name_or_path) or not path.is_dir():
         return "not checked (random init, or weights from the hub)"
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
+    # Without these, from_pretrained fails after the run has started (a traceback on rank 0, the others waiting).
+    if not files:
+        raise ConfigError(
+            f"model.name_or_path: {path} holds no weights (no *.safetensors or pytorch_model*.bin file); download "
+            "or copy the model's weight files into it, or set model.init: random to train from random weights"
+        )
+    absent = [file.name for file in files if not file.is_file()]
+    if absent:
+        raise ConfigError(
+            f"model.name_or_path: {path} lacks {len(absent)} of its {len(files)} weight files (first: {absent[0]}, "
+            "listed by its index); download or copy the model again"
+        )
+    files = [file for file in files if file.suffix == ".safetensors"]
     for file in files:
         problem = safetensors_problem(file)
         if problem:
             raise ConfigError(f"model.name_or_path: {file} {problem}; download or copy the model again")
     return f"{len(files)} safetensors file(s) whole"
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of the local model directory ``path``: those it holds, and every shard its safetensors
+    index lists, there or not (one missing is a download or copy cut short)."""
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ConfigError(
+                f"model.name_or_path: {index} is not a safetensors index (no weight_map); download or copy it again"
+            ) from None
+        files = sorted({*files, *(path / shard for shard in shards)})
+    return files
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -199,7 +228,8 @@ def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Ca
 
     return [
         ("model config", model),
-        ("weights", lambda: check_weights(config)),
+        # A directory that holds no causal LM has no weights worth naming.
+        ("weights", lambda: check_weights(config) if model_type else "not checked (no model config)"),
         ("precision", lambda: check_precision(config, device)),
         ("kernels", kernels),
         ("output dir", lambda: check_writable("training.output_dir", Path(config.training.output_dir))),
