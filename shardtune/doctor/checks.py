@@ -232,7 +232,7 @@ def model_path_check(model: ModelConfig) -> list[Check]:
         except InputError as error:
             return [Check("model", FAIL, error.lines[0], fix=fix)]
         if not weights:
-            return [Check("model", FAIL, f"{name}: no weights (*.safetensors or *.bin)", fix=fix)]
+            return [Check("model", FAIL, f"{name}: no weights (*.safetensors or pytorch_model*.bin)", fix=fix)]
     for file in [path / "config.json", *weights]:
         reason = "not found" if not file.exists() else unreadable(file)
         if reason:
