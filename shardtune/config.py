@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from shardtune.checkpoint.layout import not_a_checkpoint
 from shardtune.errors import ConfigError
@@ -286,19 +286,28 @@ class TrainingConfig(_Section):
 
 MOE_LORA_TARGETS = ("attention", "dense_mlp", "shared_experts", "routed_experts", "router")
 DEFAULT_MOE_TARGETS = ["attention"]
+# The MoE groups whose weights PEFT adapts directly (target_parameters): there is no layer input to drop out.
+PARAMETER_TARGETS = ("routed_experts", "router")
 
 
 class LoraConfig(_Section):
     enabled: bool = True
     r: int = Field(16, gt=0)
     lora_alpha: float = Field(32.0, gt=0)
-    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] | None = Field(
         None, description="module names (PEFT); null: all-linear for dense models, lora.moe_targets for MoE models"
     )
     moe_targets: list[Literal[MOE_LORA_TARGETS]] = Field(  # type: ignore[valid-type]
         DEFAULT_MOE_TARGETS,
         description=f"MoE models, when target_modules is null: any of {', '.join(MOE_LORA_TARGETS)}",
+    )
+    lora_dropout: float | None = Field(
+        None,
+        validate_default=True,  # null resolves to a number by the targets
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapted layers' inputs; null: 0.05, or 0 when lora.moe_targets names "
+        f"{' or '.join(PARAMETER_TARGETS)} (weights PEFT adapts directly, with no layer input to drop out)",
     )
     shared_expert_adapter: bool = Field(
         False,
@@ -315,7 +324,31 @@ class LoraConfig(_Section):
         # Compared with the default, not "was it written": a saved config.yaml spells out every key.
         if self.target_modules is not None and self.moe_targets != DEFAULT_MOE_TARGETS:
             raise ValueError("moe_targets: set either target_modules or moe_targets, not both")
+        if self.shared_expert_adapter and not self.adapts_routed_experts:
+            raise ValueError(
+                "shared_expert_adapter: needs routed_experts in lora.moe_targets, with target_modules null"
+            )
         return self
+
+    @field_validator("lora_dropout")
+    @classmethod
+    def _dropout_where_there_is_an_input(cls, dropout: float | None, info: ValidationInfo) -> float:
+        # Declared after target_modules and moe_targets, so both are in info.data here (when valid).
+        direct = [] if info.data.get("target_modules") is not None else info.data.get("moe_targets", [])
+        direct = [group for group in direct if group in PARAMETER_TARGETS]
+        if dropout is None:
+            return 0.0 if direct else 0.05
+        if direct and dropout > 0:
+            raise ValueError(
+                f"must be 0 with lora.moe_targets {', '.join(direct)}: PEFT adapts those weights directly, so there "
+                f"is no layer input to drop out (got {dropout}; leave it unset or set 0)"
+            )
+        return dropout
+
+    @property
+    def adapts_routed_experts(self) -> bool:
+        """Whether LoRA adapts an MoE model's routed experts (moe_targets, with target_modules null)."""
+        return self.target_modules is None and "routed_experts" in self.moe_targets
 
 
 class ParallelConfig(_Section):

@@ -301,8 +301,18 @@ def tiny_model_with(tmp_path: Path, **settings) -> Path:
             "training.loss_chunk_tokens: not for {softcapped}: it transforms its logits after the LM head "
             "(final_logit_softcapping), which a fused or chunked loss would skip; turn training.loss_chunk_tokens off",
         ),
+        (
+            ["lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "lora.lora_dropout=0.1"],
+            "lora.lora_dropout: must be 0 with lora.moe_targets routed_experts: PEFT adapts those weights directly, "
+            "so there is no layer input to drop out (got 0.1; leave it unset or set 0)",
+        ),
+        (
+            ["lora.target_modules=null", "lora.shared_expert_adapter=true"],
+            "lora.shared_expert_adapter: needs routed_experts in lora.moe_targets, with target_modules null",
+        ),
     ],
-    ids=["bf16-contradiction", "cpu-offload-ddp", "cpu-offload-auto", "logit-softcapping"],
+    ids=["bf16-contradiction", "cpu-offload-ddp", "cpu-offload-auto", "logit-softcapping", "expert-dropout",
+         "shared-adapter"],
 )
 def test_config_only_contradictions_stop_before_anything_is_written(tmp_path, overrides, line):
     softcapped = tiny_model_with(tmp_path, final_logit_softcapping=30.0)

@@ -21,8 +21,6 @@ from shardtune.config import DEFAULT_MOE_TARGETS, LoraConfig
 from shardtune.errors import ConfigError
 from shardtune.model.moe import MoeBlock, find_moe_blocks
 
-PARAMETER_TARGETS = ("routed_experts", "router")
-
 
 def moe_lora_targets(
     layers: list[torch.nn.Module], blocks: list[MoeBlock], groups: list[str]
@@ -126,12 +124,6 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
             )
         target_modules = modules or None
         as_given = targets_as_given()
-        if target_parameters and config.lora_dropout > 0:
-            chosen = ", ".join(group for group in config.moe_targets if group in PARAMETER_TARGETS)
-            raise ConfigError(
-                f"lora.lora_dropout: must be 0 with lora.moe_targets {chosen}: PEFT adapts those weights "
-                f"directly, so there is no layer input to drop out (got {config.lora_dropout})"
-            )
     lora_config = peft.LoraConfig(
         r=config.r,
         lora_alpha=config.lora_alpha,
@@ -140,9 +132,6 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
         target_parameters=target_parameters or None,
         task_type="CAUSAL_LM",
     )
-    routed = bool(blocks) and config.target_modules is None and "routed_experts" in config.moe_targets
-    if config.shared_expert_adapter and not routed:
-        raise ConfigError("lora.shared_expert_adapter: needs routed_experts in lora.moe_targets")
     try:
         # PEFT keeps adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype): they are
         # the only weights that change, so they get full-precision updates.

@@ -187,8 +187,12 @@ def test_lora_defaults_and_bad_target_choices(moe_dirs, tiny_model_dir):
         apply_lora(dense, LoraConfig(moe_targets=["attention", "router"]))
     with pytest.raises(ConfigError, match="lora.moe_targets: Qwen3MoeForCausalLM has no shared_experts"):
         apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(moe_targets=["shared_experts"], lora_dropout=0))
-    with pytest.raises(ConfigError, match="lora.lora_dropout: must be 0 with lora.moe_targets routed_experts"):
-        apply_lora(build(moe_dirs["qwen3_moe"]), LoraConfig(moe_targets=["attention", "routed_experts"]))
+    # Dropout left unset is 0.05 where every adapter has a layer input, and 0 with adapted expert weights.
+    routed = LoraConfig(moe_targets=["attention", "routed_experts"])
+    assert (routed.lora_dropout, LoraConfig().lora_dropout) == (0.0, 0.05)
+    adapted = apply_lora(build(moe_dirs["qwen3_moe"]), routed)
+    lora_a = [name for name, _ in adapted.named_parameters() if "lora_A" in name]
+    assert any(".experts." in name for name in lora_a) and any(".q_proj." in name for name in lora_a)
     with pytest.raises(ValueError, match="set either target_modules or moe_targets"):
         LoraConfig(target_modules=["q_proj"], moe_targets=["attention", "router"])
     # A saved config spells out the default groups next to explicit modules: that loads.
