@@ -77,3 +77,10 @@ def first_line(error: BaseException) -> str:
     or its type's name when it has none: what a one-line error quotes of its cause."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def first_and_last_line(error: BaseException) -> str:
+    """``first_line``, and the message's last line after it when there are several: where a library ends a long
+    message with its reason (datasets' and Arrow's "Couldn't cast ... because column names don't match")."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return first_line(error) if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardtune.errors import DataError
+from shardtune.errors import DataError, first_and_last_line
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -236,8 +236,11 @@ def _load_dataset(spec: SourceSpec, datasets: Any) -> Any:
         return datasets.load_dataset(path, name=spec.subset, split=spec.split)
     except (datasets.exceptions.DatasetsError, ValueError, FileNotFoundError, ConnectionError) as exc:
         # Unknown dataset, split or subset, no network, unparsable data files: all fixed by the user.
-        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
-        raise DataError(f"{spec.label}: {exc}{cause}") from None
+        cause = f" ({first_and_last_line(exc.__cause__)})" if exc.__cause__ is not None else ""
+        hint = ""
+        if os.path.isdir(path) and isinstance(exc, datasets.exceptions.DatasetGenerationError):
+            hint = "; the data files of a directory must share one format and the same columns, else name one file"
+        raise DataError(f"{spec.label}: {first_and_last_line(exc)}{cause}{hint}") from None
 
 
 def _iter_datasets(spec: SourceSpec, datasets: Any) -> Generator[Row | BadRow, None, None]:

@@ -229,6 +229,20 @@ def test_unknown_split_of_a_directory(tmp_path: Path, datasets_cache: Path):
     assert caught.value.lines == [f"{directory}[validation]: Unknown split \"validation\". Should be one of ['train']."]
 
 
+def test_a_directory_of_files_with_other_columns_is_one_line(tmp_path: Path, datasets_cache: Path):
+    directory = tmp_path / "my_dataset"
+    directory.mkdir()
+    write_jsonl(directory / "a.jsonl", [{"instruction": "a", "output": "b"}])
+    write_jsonl(directory / "b.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])
+    with pytest.raises(DataError) as caught:
+        read(directory)
+    assert caught.value.lines == [
+        f"{directory}[train]: An error occurred while generating the dataset (Couldn't cast ... because column "
+        "names don't match); the data files of a directory must share one format and the same columns, else name "
+        "one file"
+    ]
+
+
 def test_unreachable_hub_dataset_is_a_data_error(datasets_cache: Path):
     # conftest sets HF_HUB_OFFLINE, so this never touches the network; the id is named with split and subset.
     with pytest.raises(DataError, match=r"^no-such-org/no-such-dataset\[train, subset=en\]: "):
