@@ -22,7 +22,7 @@ from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
-from shardtune.errors import EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, InputError, RunFault
+from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.local import close_unless_worker, say_once
 from shardtune.launch.slurm import add_slurm_parser
@@ -90,7 +90,7 @@ def _train_here(config: Config) -> int:
     from pathlib import Path
 
     from shardtune.distributed.env import DistributedEnv
-    from shardtune.out_of_memory import failed_as_a_peer_ran_out_of_memory
+    from shardtune.peer_stop import peer_stop_status
     from shardtune.run_dir import prepare_output_dir
     from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
@@ -136,11 +136,12 @@ def _train_here(config: Config) -> int:
         return 0
     except (KeyboardInterrupt, Exception) as error:
         # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it;
-        # likewise after a peer ran out of memory, which said so itself.
+        # likewise after a peer stopped alone (out of memory, rank 0's W&B login), which said so itself.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
-            if not failed_as_a_peer_ran_out_of_memory(error, env):
+            status = peer_stop_status(error, env)
+            if status is None:
                 raise
-            return EXIT_OUT_OF_MEMORY
+            return status
         say_once([INTERRUPTED_LINE], every_rank_says_it=True)
         return EXIT_INTERRUPTED
     finally:
@@ -185,13 +186,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_here(request: EvalRequest) -> int:
     from shardtune.distributed.env import DistributedEnv
+    from shardtune.errors import OutOfMemory
     from shardtune.evaluate import run_eval
-    from shardtune.out_of_memory import (
-        EVAL_ADVICE,
-        failed_as_a_peer_ran_out_of_memory,
-        is_out_of_memory,
-        stop_out_of_memory,
-    )
+    from shardtune.out_of_memory import EVAL_ADVICE, is_out_of_memory, out_of_memory_line
+    from shardtune.peer_stop import peer_stop_status
 
     env = DistributedEnv.from_environment(
         request.config.parallel.timeout_s, request.config.parallel.expert_parallel_size
@@ -201,11 +199,12 @@ def _eval_here(request: EvalRequest) -> int:
         run_eval(request, env)
     except Exception as error:
         if is_out_of_memory(error):
-            raise stop_out_of_memory(error, env, "in evaluation", EVAL_ADVICE) from None
-        # A peer that ran out of memory said so itself; this rank's collective failed as it left.
-        if not failed_as_a_peer_ran_out_of_memory(error, env):
-            raise
-        return EXIT_OUT_OF_MEMORY
+            error = OutOfMemory(out_of_memory_line(error, env.rank, "in evaluation", EVAL_ADVICE))
+        # A peer that stopped alone said so itself; this rank's collective failed as it left.
+        status = peer_stop_status(error, env)
+        if status is None:
+            raise error from None
+        return status
     finally:
         close_unless_worker(env)
     return 0

@@ -1,9 +1,6 @@
-"""A rank out of device memory (``is_out_of_memory``) in ``train`` or ``eval``: the one line it stops with,
-and how its peers learn of it.
-
-The rank may be the only one to run out while the others wait in a collective with it. Before it leaves, it
-puts its line in the rendezvous store; a peer whose collective then fails finds it there and stops quietly with
-the same status (``failed_as_a_peer_ran_out_of_memory``), so the run ends with that one line and no traceback.
+"""A rank out of device memory (``is_out_of_memory``) in ``train`` or ``eval``: the one line it stops with. The rank
+may be the only one to run out while the others wait in a collective with it: they learn of it as of any rank that
+stops alone (``shardtune.peer_stop``).
 """
 
 from __future__ import annotations
@@ -12,11 +9,7 @@ import re
 
 import torch
 
-from shardtune.distributed.env import DistributedEnv
-from shardtune.errors import OutOfMemory, RunFault, first_line
-
-# The rendezvous store's key under which a rank that ran out of memory leaves its line for the others.
-OUT_OF_MEMORY_KEY = "shardtune/out_of_memory"
+from shardtune.errors import first_line
 
 TRAINING_ADVICE = (
     "Lower training.per_device_train_batch_size or data.max_length, set training.gradient_checkpointing: auto (the "
@@ -49,20 +42,3 @@ def out_of_memory_line(error: RuntimeError, rank: int, where: str, advice: str) 
     said = re.match(r".*?(?:is free\.|$)", first_line(error)).group(0)
     return f"rank {rank}: out of memory {where}: {said} {advice}"
 
-
-def stop_out_of_memory(error: RuntimeError, env: DistributedEnv, where: str, advice: str) -> OutOfMemory:
-    """The error to raise for ``error``, once its line is in the store for the peers (see the module)."""
-    line = out_of_memory_line(error, env.rank, where, advice)
-    env.store().set(OUT_OF_MEMORY_KEY, line)
-    return OutOfMemory(line)
-
-
-def failed_as_a_peer_ran_out_of_memory(error: Exception, env: DistributedEnv) -> bool:
-    """Whether ``error`` of this rank is part of another rank's out-of-memory stop (that rank said so): a
-    collective that failed as it left. A fault this rank reports itself (``RunFault``) never is."""
-    if isinstance(error, RunFault):
-        return False
-    try:
-        return env.store().check([OUT_OF_MEMORY_KEY])
-    except Exception:  # the store went with the launcher, or never was: nothing to go on
-        return False

@@ -35,11 +35,15 @@ class Result:
         return [line for line in self.stderr.splitlines() if line.startswith("shardtune: error: ")]
 
 
-def shardtune(*args: str, single_core: bool = False) -> Result:
-    """``python -m shardtune ARGS``, as a user types it; ``single_core``: this process and its workers see one core."""
+def shardtune(*args: str, single_core: bool = False, env: dict[str, str | None] | None = None) -> Result:
+    """``python -m shardtune ARGS``, as a user types it; ``single_core``: this process and its workers see one core;
+    ``env``: variables set (or, given None, removed) for it."""
     one_core = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if single_core else None
+    variables = worker_env()
+    for name, value in (env or {}).items():
+        variables.pop(name, None) if value is None else variables.__setitem__(name, value)
     result = subprocess.run(
-        [sys.executable, "-m", "shardtune", *args], cwd=REPO, env=worker_env(), capture_output=True, text=True,
+        [sys.executable, "-m", "shardtune", *args], cwd=REPO, env=variables, capture_output=True, text=True,
         timeout=300, preexec_fn=one_core,
     )  # fmt: skip
     return Result(result.returncode, result.stdout, result.stderr)
@@ -225,6 +229,40 @@ def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
 def test_a_kernel_asked_for_where_it_cannot_run_is_one_line_before_anything_is_loaded(tmp_path, override, expected):
     assert_one_line(train(tmp_path, 1, override), expected)
     assert not (tmp_path / "run").exists()
+
+
+def test_wandb_without_credentials_is_one_line_from_rank_0_and_no_worker_waits(tmp_path):
+    pytest.importorskip("wandb")
+    # No API key anywhere wandb looks (the variable, ~/.netrc, wandb's settings under HOME), and online mode.
+    no_login = {"HOME": str(tmp_path), "WANDB_API_KEY": None, "WANDB_MODE": None, "WANDB_CONFIG_DIR": None,
+                "NETRC": None}  # fmt: skip
+    result = train(tmp_path, 2, "logging.wandb.enabled=true", env=no_login)
+    assert_one_line(
+        result,
+        "logging.wandb: wandb.init failed (No API key configured. Use `wandb login` to log in.); log in on the node "
+        "of global rank 0 (`wandb login`, or WANDB_API_KEY), or set logging.wandb.mode=offline and `wandb sync` the "
+        "run later",
+    )
+
+
+def test_a_metrics_package_not_installed_is_a_preflight_line(monkeypatch):
+    from importlib import util
+
+    from shardtune.config import Config
+    from shardtune.errors import ConfigError
+    from shardtune.metrics.sinks import check_logging_packages
+
+    config = Config.model_validate({"model": {"name_or_path": "m"}, "data": {"dataset_path": "d.jsonl"},
+                                    "logging": {"tensorboard": True, "wandb": {"enabled": True}}})  # fmt: skip
+    assert check_logging_packages(config) == "JSONL, tensorboard, wandb"
+    installed = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name: None if name in ("tensorboard", "wandb") else installed(name))
+    with pytest.raises(ConfigError) as caught:
+        check_logging_packages(config)
+    assert caught.value.lines == [
+        "logging.tensorboard: true needs the tensorboard package: pip install 'shardtune[tensorboard]'",
+        "logging.wandb.enabled: true needs the wandb package: pip install 'shardtune[wandb]'",
+    ]
 
 
 def test_no_usable_row_counts_the_reasons_once_for_two_workers(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardtune.config import Config
+from shardtune.errors import ConfigError, first_line
 from shardtune.metrics.schema import LOG_FILES, is_number, make_row, parse_rows
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,8 @@ class JsonlSink:
 
 class TensorBoardSink:
     def __init__(self, log_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise RuntimeError(
-                "logging.tensorboard: true needs the tensorboard package: pip install 'shardtune[tensorboard]'"
-            ) from exc
+        from torch.utils.tensorboard import SummaryWriter  # installed: check_logging_packages
+
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
@@ -78,20 +75,24 @@ class TensorBoardSink:
 
 class WandbSink:
     def __init__(self, config: Config, output_dir: Path):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise RuntimeError("logging.wandb.enabled: true needs wandb: pip install 'shardtune[wandb]'") from exc
+        import wandb  # installed: check_logging_packages
+
         settings = config.logging.wandb
-        self.run = wandb.init(
-            project=settings.project,
-            entity=settings.entity,
-            name=settings.name,
-            tags=settings.tags,
-            mode=settings.mode,
-            dir=str(output_dir),
-            config=config.to_dict(),
-        )
+        try:
+            self.run = wandb.init(
+                project=settings.project,
+                entity=settings.entity,
+                name=settings.name,
+                tags=settings.tags,
+                mode=settings.mode,
+                dir=str(output_dir),
+                config=config.to_dict(),
+            )
+        except wandb.errors.Error as error:  # no API key, a wrong one, the server out of reach
+            raise ConfigError(
+                f"logging.wandb: wandb.init failed ({first_line(error)}); log in on the node of global rank 0 "
+                "(`wandb login`, or WANDB_API_KEY), or set logging.wandb.mode=offline and `wandb sync` the run later"
+            ) from None
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         # Numbers only: per-layer lists (expert usage), host names and unknown MFU stay in the JSONL logs.
@@ -100,6 +101,24 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def check_logging_packages(config: Config) -> str:
+    """The packages of the metric sinks the config asks for are installed (a preflight check: before the run writes
+    anything, on every rank, though only global rank 0 opens the sinks)."""
+    import importlib.util
+
+    wanted = {"logging.tensorboard": ("tensorboard", "tensorboard")} if config.logging.tensorboard else {}
+    if config.logging.wandb.enabled:
+        wanted["logging.wandb.enabled"] = ("wandb", "wandb")
+    missing = [
+        f"{key}: true needs the {package} package: pip install 'shardtune[{extra}]'"
+        for key, (package, extra) in wanted.items()
+        if importlib.util.find_spec(package) is None
+    ]
+    if missing:
+        raise ConfigError(missing)
+    return "JSONL" + "".join(f", {package}" for package, _ in wanted.values())
 
 
 def open_sinks(config: Config, output_dir: Path, resume_step: int = 0) -> list[MetricSink]:

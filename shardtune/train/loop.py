@@ -46,7 +46,7 @@ from shardtune.distributed.parallelize import (
 )
 from shardtune.distributed.storage import is_builder
 from shardtune.doctor.report import size
-from shardtune.errors import ConfigError
+from shardtune.errors import ConfigError, OutOfMemory
 from shardtune.faults import install_faults
 from shardtune.metrics.flops import peak_flops, routed_expert_trainable, run_token_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
@@ -59,7 +59,7 @@ from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
-from shardtune.out_of_memory import EVAL_ADVICE, TRAINING_ADVICE, is_out_of_memory, stop_out_of_memory
+from shardtune.out_of_memory import EVAL_ADVICE, TRAINING_ADVICE, is_out_of_memory, out_of_memory_line
 from shardtune.plan.memory import micro_batch_tokens
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
@@ -225,10 +225,11 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
                 raise
             heartbeat = run.heartbeat
             if heartbeat is None:
-                raise stop_out_of_memory(error, env, "while loading the model", TRAINING_ADVICE) from None
+                line = out_of_memory_line(error, env.rank, "while loading the model", TRAINING_ADVICE)
+                raise OutOfMemory(line) from None
             where = f"in step {heartbeat.step} ({heartbeat.phase.replace('_', ' ')})"
             advice = EVAL_ADVICE if heartbeat.phase.startswith("eval") else TRAINING_ADVICE
-            raise stop_out_of_memory(error, env, where, advice) from None
+            raise OutOfMemory(out_of_memory_line(error, env.rank, where, advice)) from None
 
 
 def _train(

@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from shardtune.config import Config, looks_local
 from shardtune.data.prepare import PreparedData
 from shardtune.errors import ConfigError, DataError, InputError, first_line
+from shardtune.metrics.sinks import check_logging_packages
 from shardtune.train.loss import logit_transforms
 
 # Where configs of different families keep the number of positions the model was built for.
@@ -232,6 +233,7 @@ def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Ca
         ("weights", lambda: check_weights(config) if model_type else "not checked (no model config)"),
         ("precision", lambda: check_precision(config, device)),
         ("kernels", kernels),
+        ("logging", lambda: check_logging_packages(config)),
         ("output dir", lambda: check_writable("training.output_dir", Path(config.training.output_dir))),
         ("cache dir", lambda: check_writable("data.cache_dir", config.data.resolved_cache_dir)),
     ]
