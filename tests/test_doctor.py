@@ -205,11 +205,15 @@ def test_srun_tasks_check_without_a_launching_command(tmp_path):
     assert outputs[1][0] == b""
 
 
-def test_missing_model_shard_fails(tmp_path):
+def test_a_missing_model_shard_is_one_failed_row(tmp_path):
+    """The weights row names the shard its index lists and the directory lacks; the model row (can this node read
+    the files) passes on what is there instead of failing on the same shard a second time."""
     from conftest import TINY_MODEL
 
-    from shardtune.config import ModelConfig
+    from shardtune.config import load_config
     from shardtune.doctor.checks import model_path_check
+    from shardtune.errors import ConfigError
+    from shardtune.train.preflight import check_weights
 
     model = tmp_path / "model"
     model.mkdir()
@@ -217,8 +221,15 @@ def test_missing_model_shard_fails(tmp_path):
     (model / "model-00001-of-00002.safetensors").write_bytes(b"x")
     weight_map = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (row,) = model_path_check(ModelConfig(name_or_path=str(model)))
-    assert (row.status, row.detail) == (FAIL, f"{model / 'model-00002-of-00002.safetensors'}: not found")
+    config = load_config(REPO / "examples/quickstart.yaml", [f"model.name_or_path={model}"])
+    (row,) = model_path_check(config.model)
+    assert (row.status, row.detail) == (OK, f"{model}: 2 files readable (config.json, 1 weight file, 0 KiB)")
+    with pytest.raises(ConfigError) as caught:
+        check_weights(config)
+    assert caught.value.lines == [
+        f"model.name_or_path: {model} lacks 1 of its 2 weight files (first: model-00002-of-00002.safetensors, listed "
+        "by its index); download or copy the model again"
+    ]
 
 
 @pytest.mark.parametrize(

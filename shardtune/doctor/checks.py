@@ -8,6 +8,7 @@ that cannot run is itself a finding.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -223,23 +224,22 @@ def model_path_check(model: ModelConfig) -> list[Check]:
     fix = "point model.name_or_path at a model directory that every node can read"
     if not path.is_dir():
         return [Check("model", FAIL, f"model.name_or_path: directory not found: {name}", fix=fix)]
+    # What is missing (config.json, weight files, an index's shards) the "model config" and "weights" rows name,
+    # once; this row: whether this node can read the files that are there.
     weights: list[Path] = []
     if model.init == "pretrained":
         from shardtune.train.preflight import weight_files
 
-        try:
-            weights = weight_files(path)
-        except InputError as error:
-            return [Check("model", FAIL, error.lines[0], fix=fix)]
-        if not weights:
-            return [Check("model", FAIL, f"{name}: no weights (*.safetensors or pytorch_model*.bin)", fix=fix)]
-    for file in [path / "config.json", *weights]:
-        reason = "not found" if not file.exists() else unreadable(file)
+        with contextlib.suppress(InputError):  # an index without a weight_map: the weights row names it
+            weights = [file for file in weight_files(path) if file.exists()]
+    files = [file for file in [path / "config.json", *weights] if file.exists()]
+    for file in files:
+        reason = unreadable(file)
         if reason:
             return [Check("model", FAIL, f"{file}: {reason}", fix=fix)]
     total = sum(file.stat().st_size for file in weights)
-    detail = f"{name}: config.json and {plural(len(weights), 'weight file')} ({size(total)}) readable"
-    return [Check("model", OK, detail)]
+    detail = f"{name}: {plural(len(files), 'file')} readable (config.json, {plural(len(weights), 'weight file')}, "
+    return [Check("model", OK, f"{detail}{size(total)})")]
 
 
 def data_check(data: DataConfig) -> list[Check]:
