@@ -28,6 +28,7 @@ from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
 from shardtune.plan.shape import model_shape_on
 from shardtune.run_dir import previous_run_problem
+from shardtune.run_lock import current_holder, in_use_line
 
 
 def guarded(name: str, check: Callable[[], list[Check]]) -> list[Check]:
@@ -281,8 +282,11 @@ def resume_check(training: TrainingConfig) -> list[Check]:
 
 
 def previous_run_check(training: TrainingConfig) -> list[Check]:
-    """A fresh run refuses an output directory that holds another run (a FAIL row; none when free)."""
-    problem = previous_run_problem(training)
+    """A fresh run refuses an output directory that holds another run, and any run one that another run is
+    writing now (a FAIL row; none when free)."""
+    output_dir = Path(training.output_dir)
+    holder = current_holder(output_dir)
+    problem = in_use_line(output_dir, holder) if holder else previous_run_problem(training)
     return [] if problem is None else [Check("previous run", FAIL, problem)]  # the line says what to change
 
 

@@ -7,18 +7,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from cli_runs import jsonl
 from conftest import REPO
-from test_checkpoints import interrupt_after, train
+from test_checkpoints import ENV, command, interrupt_after, train
 from torch.distributed.checkpoint import FileSystemReader
 
 from shardtune.checkpoint.layout import resume_conflicts
 from shardtune.config import load_config
+from shardtune.run_lock import current_holder
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
@@ -89,6 +92,44 @@ def runs(tmp_path_factory):
     (resumed / "metrics.json").unlink()
     train(tmp_path, resumed, 1, *common, "training.save_steps=3", "training.resume_from_checkpoint=auto")
     return {"tmp": tmp_path, "straight": straight, "resumed": resumed, "first_segment": first_segment}
+
+
+def test_a_second_run_in_a_directory_in_use_stops_with_one_line_and_takes_over_once_the_first_is_gone(tmp_path):
+    """Two runs in one directory at once: the second (resuming it, and with overwrite_output_dir, which would
+    delete) stops with one line naming the first and changes nothing; once the first is killed (-9: nothing of it
+    let go by hand), a resume takes the directory over, and leaves no lock behind when it ends."""
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        command(tmp_path, out, 1, "training.max_steps=100000", "training.save_steps=2", "training.save_total_limit=2"),
+        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoints(out):
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-3000:]
+            time.sleep(0.2)
+        holder = json.loads((out / ".shardtune.lock").read_text())
+        assert (holder["host"], holder["pid"]) == (os.uname().nodename, first.pid)
+        second = train(
+            tmp_path, out, 1, "training.resume_from_checkpoint=auto", "training.overwrite_output_dir=true", expect=2
+        ).stderr
+        assert [line for line in second.splitlines() if line.startswith("shardtune: error: ")] == [
+            f"shardtune: error: training.output_dir: {out} is in use by another run (host {holder['host']}, pid "
+            f"{holder['pid']}, started {holder['started']}); wait for it to end, or choose another output_dir"
+        ]
+        assert "Traceback" not in second and first.poll() is None  # the first trains on, its files in place
+        assert (out / "config.yaml").is_file() and checkpoints(out)
+        # What shardtune doctor's "previous run" row reports.
+        assert current_holder(out) == f"host {holder['host']}, pid {holder['pid']}, started {holder['started']}"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    assert current_holder(out) is None
+    last = int(checkpoints(out)[-1].split("-")[1])
+    resumed = train(tmp_path, out, 1, "training.resume_from_checkpoint=auto", f"training.max_steps={last + 1}").stderr
+    assert f"checkpoint-{last} (step {last}" in resumed
+    assert steps(out / "logs/train_log.jsonl")[-1] == last + 1
+    assert not (out / ".shardtune.lock").exists()
 
 
 def test_metrics_after_a_resume_count_the_whole_run(runs):
