@@ -47,6 +47,11 @@ def setup_logging(is_main: bool) -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # huggingface_hub prints its warnings (a hub out of reach, its retries) with a handler of its own: without
+    # this, the root logger's handler printed each a second time.
+    import huggingface_hub.utils.logging
+
+    huggingface_hub.utils.logging.disable_propagation()
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 

@@ -265,6 +265,16 @@ def test_a_metrics_package_not_installed_is_a_preflight_line(monkeypatch):
     ]
 
 
+def test_a_hub_warning_is_printed_once():
+    """huggingface_hub's own warnings (the hub out of reach: a line for each of its retries) are printed once."""
+    script = (
+        "import logging; from shardtune.cli import setup_logging; setup_logging(True); "
+        "logging.getLogger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stderr.splitlines() == ["Retrying in 1s [Retry 1/5]."], result.stderr
+
+
 def test_no_usable_row_counts_the_reasons_once_for_two_workers(tmp_path):
     data = tmp_path / "rows.jsonl"
     write_jsonl(data, [
