@@ -208,13 +208,18 @@ def _eval_here(request: EvalRequest) -> int:
     try:
         run_eval(request, env)
     except Exception as error:
-        if is_out_of_memory(error):
-            error = OutOfMemory(out_of_memory_line(error, env.rank, "in evaluation", EVAL_ADVICE))
+        stop = (
+            OutOfMemory(out_of_memory_line(error, env.rank, "in evaluation", EVAL_ADVICE))
+            if is_out_of_memory(error)
+            else error
+        )
         # A peer that stopped alone said so itself; this rank's collective failed as it left.
-        status = peer_stop_status(error, env)
-        if status is None:
-            raise error from None
-        return status
+        status = peer_stop_status(stop, env)
+        if status is not None:
+            return status
+        if stop is error:
+            raise
+        raise stop from None
     finally:
         close_unless_worker(env)
     return 0

@@ -108,17 +108,18 @@ def check_logging_packages(config: Config) -> str:
     anything, on every rank, though only global rank 0 opens the sinks)."""
     import importlib.util
 
-    wanted = {"logging.tensorboard": ("tensorboard", "tensorboard")} if config.logging.tensorboard else {}
+    wanted = {"logging.tensorboard": "tensorboard"} if config.logging.tensorboard else {}
     if config.logging.wandb.enabled:
-        wanted["logging.wandb.enabled"] = ("wandb", "wandb")
+        wanted["logging.wandb.enabled"] = "wandb"
+    # Each package's name is also the name of shardtune's extra that installs it.
     missing = [
-        f"{key}: true needs the {package} package: pip install 'shardtune[{extra}]'"
-        for key, (package, extra) in wanted.items()
+        f"{key}: true needs the {package} package: pip install 'shardtune[{package}]'"
+        for key, package in wanted.items()
         if importlib.util.find_spec(package) is None
     ]
     if missing:
         raise ConfigError(missing)
-    return "JSONL" + "".join(f", {package}" for package, _ in wanted.values())
+    return "JSONL" + "".join(f", {package}" for package in wanted.values())
 
 
 def open_sinks(config: Config, output_dir: Path, resume_step: int = 0) -> list[MetricSink]:
