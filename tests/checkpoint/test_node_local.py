@@ -71,7 +71,7 @@ def succeeded(results: list[subprocess.CompletedProcess]) -> str:
     return results[0].stderr
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.variants), "fsdp"])
 def test_each_node_commits_its_own_shards_and_resumes(tmp_path, strategy):
     common = [f"parallel.strategy={strategy}", "lora.lora_dropout=0", "training.save_steps=2"]
     straight = tmp_path / "straight"

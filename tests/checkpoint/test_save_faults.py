@@ -26,7 +26,13 @@ def uninterrupted(tmp_path_factory):
     return tmp_path / "run"
 
 
-@pytest.mark.parametrize("point", ["save.shards", "save.written"], ids=["before-its-shards", "after-its-shards"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        pytest.param("save.shards", id="before-its-shards"),
+        pytest.param("save.written", id="after-its-shards", marks=pytest.mark.variants),
+    ],
+)
 def test_rank_killed_during_a_save_fails_the_job_and_the_restart_resumes_from_the_previous_checkpoint(
     tmp_path, point, uninterrupted
 ):

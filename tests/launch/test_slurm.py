@@ -218,7 +218,7 @@ def test_two_node_job_trains_like_one_process(cluster, tmp_path, cache_dir, sing
         # What Slurm sends before the time limit (--signal=USR1@...), here at once: SIGUSR1 to every task.
         pytest.param([], id="to-the-tasks"),
         # To the batch shell only: its trap passes the signal on to the tasks through srun.
-        pytest.param(["--batch"], id="to-the-batch-shell"),
+        pytest.param(["--batch"], id="to-the-batch-shell", marks=pytest.mark.variants),
     ],
 )
 def test_signalled_job_checkpoints_requeues_and_resumes(
