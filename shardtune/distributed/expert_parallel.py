@@ -16,14 +16,13 @@ them into any EP size and world size.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.checkpoint.names import without_wrappers
 from shardtune.distributed.mesh import ParallelDims
@@ -237,24 +236,25 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class _SequentialGathersNote(logging.Filter):
-    """torch notes, once per tensor and rank, that gathering a DTensor sharded over (ep, expert_dp) takes two
-    all-gathers and that flattening the mesh would take one. The whole experts are gathered only for the final
-    save and an export, once per tensor: the note would be dozens of lines on every rank for no gain."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "sequential all_gather operations will be performed" not in record.getMessage()
-
-
-logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_SequentialGathersNote())
-
-
 def whole_expert_tensor(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims) -> torch.Tensor:
     """The whole layer's tensor in its own layout (a collective over the world under EP, as FSDP's full state
     dict is over its mesh)."""
     viewed = expert_view(tensor, kind, num_experts, dims)
-    whole = viewed.full_tensor() if isinstance(viewed, DTensor) else viewed
+    whole = _gathered(viewed) if isinstance(viewed, DTensor) else viewed
     return whole.reshape(whole.shape[0], -1) if kind == "lora_B" else whole
+
+
+def _gathered(tensor: DTensor) -> torch.Tensor:
+    """``tensor.full_tensor()``, one mesh dimension at a time, the inner shards first. Asked to gather both
+    dimensions of ``expert_state_mesh`` at once, torch 2.11 flattens the two into one and cannot (``ep`` comes
+    first there but is the inner dimension of the ranks: "Mesh dim indices should be in ascending order"; the
+    final save of an EP run on 2 H100s stopped on it); torch 2.13 gathers them one after the other anyway. The
+    whole experts are gathered only for the final save and an export, once per tensor."""
+    placements = list(tensor.placements)
+    for dim in reversed(range(len(placements))):
+        placements[dim] = Replicate()
+        tensor = tensor.redistribute(tensor.device_mesh, placements)
+    return tensor.to_local()
 
 
 def distribute_expert_weights(

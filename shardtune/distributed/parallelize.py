@@ -255,7 +255,11 @@ def _shard(
     materialized: bool,
 ) -> torch.nn.Module:
     dims = env.mesh
-    full_state = model.state_dict() if materialized else {}
+    # Rank 0's whole weights wait in host memory while the shards are made: random weights drawn on its GPU would
+    # otherwise share it with this rank's shards (Qwen3-30B-A3B on 2 H100s: 61 GB drawn + 30 GB of shards, out of
+    # memory), where pretrained weights are read into host memory anyway. The model is at most one GPU's size here:
+    # it was drawn on one.
+    full_state = {name: value.cpu() for name, value in model.state_dict().items()} if materialized else {}
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()} if materialized else {}
     if materialized:
         with _keeping_ties():
@@ -268,6 +272,14 @@ def _shard(
         log.info("expert parallel: %d MoE layers; %s", blocks, dims.describe())
     mixed = MixedPrecisionPolicy(
         param_dtype=compute_dtype if compute_dtype != torch.float32 else None, reduce_dtype=torch.float32
+    )
+    # The experts take their inputs as the block gives them: the routing weights in fp32 (the fused block casts the
+    # tokens to its compute dtype itself). FSDP's cast of a unit's inputs to the parameters' dtype would round those
+    # weights to bf16, and torch 2.11's FSDP skips that cast when a checkpointed layer recomputes (it unshards in
+    # its pre-backward hook then): the recomputation saw fp32 where the forward had saved bf16, and backward
+    # stopped (CheckpointError; Qwen3-30B-A3B, FSDP over 2 H100s).
+    experts_policy = MixedPrecisionPolicy(
+        param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype, cast_forward_inputs=False
     )
     options = {
         "mp_policy": mixed,
@@ -282,7 +294,8 @@ def _shard(
         # gradients sum over those ranks and are divided by the world size, as the dense weights' are
         # averaged over it: each rank's loss is scaled for an average over all ranks (see the loop).
         experts = block.block.get_submodule("experts")
-        fully_shard(experts, mesh=dims.expert_mesh if dims.ep_enabled else dims.dense_mesh, **options)
+        mesh = dims.expert_mesh if dims.ep_enabled else dims.dense_mesh
+        fully_shard(experts, mesh=mesh, **{**options, "mp_policy": experts_policy})
         if dims.ep_enabled:
             experts.set_gradient_divide_factor(float(dims.world_size))
             if env.device.type == "cpu" and dims.expert_dp_size > 1:

@@ -801,3 +801,29 @@ def test_lora_on_routed_experts_keeps_no_rows_of_its_own_for_backward(moe_dirs, 
     # Either set of rows kept would break the bound.
     smallest_rows = pairs * min(hidden, width) * bf16
     assert sum(size for size, _ in kept.values()) <= bound < sum(size for size, _ in kept.values()) + smallest_rows
+
+
+def test_fsdp_hands_the_routed_experts_their_fp32_routing_weights(moe_dirs, world, tmp_path):
+    """Under FSDP with bf16 parameters, the routed experts get the routing weights as the router made them, in fp32:
+    FSDP's cast of a unit's inputs rounded them to bf16, and torch 2.11's FSDP left that cast out when a checkpointed
+    layer recomputed, so backward met fp32 where the forward had saved bf16 and stopped (Qwen3-30B-A3B, 2 H100s)."""
+    from conftest import REPO
+
+    from shardtune.config import load_config
+    from shardtune.distributed.parallelize import parallelize
+    from shardtune.distributed.strategy import ParallelPlan
+    from shardtune.train.loop import build_run_model
+
+    overrides = [f"model.name_or_path={moe_dirs['qwen3_moe']}", "model.init=random", "model.dtype=bfloat16",
+                 "lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "parallel.strategy=fsdp",
+                 f"training.output_dir={tmp_path}"]  # fmt: skip
+    config = load_config(REPO / "examples/quickstart.yaml", overrides)
+    model, blocks = build_run_model(config, world)
+    model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.bfloat16, materialized=True)
+    seen = []
+    for block in blocks:  # after FSDP's own pre-forward hook: what the experts' forward receives
+        experts = block.block.get_submodule("experts")
+        experts.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[2].dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=torch.randint(3, 1000, (2, 16))).logits.float().sum().backward()
+    assert seen == [(torch.bfloat16, torch.float32)] * len(blocks)
