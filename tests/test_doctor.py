@@ -29,8 +29,8 @@ ENV.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 # Checked by the command before it starts workers, then by one worker per node.
 FRONT_CHECKS = ["rendezvous port", "workers", "network interface"]
 NODE_CHECKS = [
-    "devices", "backends", "model", "data", "model config", "weights", "precision", "kernels", "output dir",
-    "cache dir", "memory", "disk",
+    "devices", "backends", "model", "data", "model config", "weights", "precision", "kernels", "logging",
+    "output dir", "cache dir", "memory", "disk",
 ]  # fmt: skip
 
 

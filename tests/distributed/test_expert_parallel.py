@@ -249,7 +249,11 @@ def test_sizes_that_do_not_fit_are_config_errors_naming_the_key():
     [
         (["parallel.strategy=ddp"], "parallel.expert_parallel_size: 2 needs parallel.strategy: fsdp or auto"),
         (["model.experts_implementation=grouped_mm"], "needs model.experts_implementation: fused"),
-        (["lora.shared_expert_adapter=true"], "cannot train lora.shared_expert_adapter"),
+        (
+            ["lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]",
+             "lora.shared_expert_adapter=true"],
+            "cannot train lora.shared_expert_adapter",
+        ),
     ],
 )
 def test_settings_expert_parallelism_cannot_run_are_config_errors(overrides, error):
