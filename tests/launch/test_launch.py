@@ -110,6 +110,8 @@ def _wait_for(path_glob: Path, count: int, timeout: float = 300) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
+# The soak (tests/launch/test_soak.py) kills workers at random steps and checks the restarts too.
+@pytest.mark.variants
 def test_a_killed_worker_is_restarted_and_training_resumes(tmp_path):
     steps = ["training.max_steps=8", "training.save_steps=2"]
     reference = single_process(tmp_path, tmp_path / "single", *steps)
