@@ -9,7 +9,8 @@
 # references of the 2-GPU runs), h200x2 (DDP scaling, FSDP2 full fine-tuning), h200-profile (where a step's
 # time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-speed (batch 4, packed batches of one
 # shape), h200x2-ddp (DDP against one GPU of the same machine), h200x2-default (the default config's DDP
-# scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs), x4-scaling / x8-scaling and
+# scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs, LoRA on attention and the routed
+# experts, then on attention alone), h200x2-ep-probe (where an EP 2 step goes, 12 layers), x4-scaling / x8-scaling and
 # x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
 # adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
@@ -169,6 +170,26 @@ h200x2-ep)
     bench ep-air12-fsdp --shape glm-4.5-air --layers 12 "${ep[@]}" --nproc 2 --strategy fsdp
     bench ep-air12-ep2 --shape glm-4.5-air --layers 12 "${ep[@]}" --nproc 2 --strategy fsdp \
         parallel.expert_parallel_size=2
+    # LoRA on attention alone (the MoE default): the routed experts are frozen, so FSDP alone gathers them
+    # and reduces nothing for them, where EP 2 moves tokens instead.
+    attn=(--seq 4096 --batch 2 --gradient-checkpointing --steps 8 --warmup 4 "${extra[@]}")
+    bench ep-qwen3-attn-1of2 --shape qwen3-30b-a3b "${attn[@]}" --nproc 1
+    bench ep-qwen3-attn-fsdp --shape qwen3-30b-a3b "${attn[@]}" --nproc 2 --strategy fsdp
+    bench ep-qwen3-attn-ep2 --shape qwen3-30b-a3b "${attn[@]}" --nproc 2 --strategy fsdp \
+        parallel.expert_parallel_size=2
+    ;;
+h200x2-ep-probe)
+    # Where an EP 2 step goes (issue 23), 12 layers: EP 2 with two profiled warm-up steps (read its trace with
+    # python benchmarks/device_gaps.py WORK/ep12-ep2-profile/shardtune/profile/rank0.trace.json.gz, WORK being
+    # BENCH_WORK, /tmp/shardtune-bench by default),
+    # FSDP alone, EP 2 uncompiled, and one GPU of the machine.
+    probe=(--shape qwen3-30b-a3b --layers 12 --seq 4096 --batch 2 --gradient-checkpointing --steps 6 --warmup 5
+        'lora.moe_targets=[attention,routed_experts]')
+    bench ep12-ep2-profile "${probe[@]}" --nproc 2 --strategy fsdp parallel.expert_parallel_size=2 \
+        'logging.profile_steps=[3,4]'
+    bench ep12-fsdp "${probe[@]}" --nproc 2 --strategy fsdp
+    bench ep12-ep2-eager "${probe[@]}" --nproc 2 --strategy fsdp parallel.expert_parallel_size=2 parallel.compile=false
+    bench ep12-1of2 "${probe[@]}" --nproc 1
     ;;
 h200x2-scaling)
     bench 4096-1of2 "${mistral[@]}" --seq 4096 --batch 2 --steps 8 --warmup 4 --nproc 1 "${compiled[@]}"

@@ -70,14 +70,16 @@ class ExpertDispatch:
         counts = torch.diff(bounds.long())  # rows per expert; the experts of rank k are run k
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
-        # The one host sync of a dispatch: all-to-all takes its split sizes as Python ints.
+        # The one host sync of a dispatch: all-to-all takes its split sizes as Python ints (the step of an EP 2
+        # run on 2 GPUs waits on the host at every MoE layer for it: benchmarks/RESULTS.md, issue 23).
         sizes = torch.cat([counts.view(ep, local).sum(1), received_counts.view(ep, local).sum(1)]).tolist()
         send_splits, receive_splits = sizes[:ep], sizes[ep:]
         received = AllToAll.apply(rows, receive_splits, send_splits, self.group)
         received_weights = AllToAll.apply(row_weights, receive_splits, send_splits, self.group)
         # Received rows come by source rank, each source's sorted by expert: sort them by local expert.
         local_ids = torch.arange(local, device=rows.device).repeat(ep)
-        expert_of_received = torch.repeat_interleave(local_ids, received_counts)
+        # The output's size given, repeat_interleave needs no second host sync to find it.
+        expert_of_received = torch.repeat_interleave(local_ids, received_counts, output_size=sum(receive_splits))
         _, order = torch.sort(expert_of_received, stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         by_expert = Permute.apply(received, order, inverse)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from cli_runs import jsonl, train
 from conftest import REPO
 from safetensors.torch import load_file
@@ -225,6 +226,39 @@ def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp
     for report in reports:  # each rank's output and gradients are those of the whole block on its tokens
         assert report["output_matches"] and report["input_grad_matches"] and report["expert_grads_match"]
     assert reports[0]["expert_grad_abs_sum"] > 0 and reports[1]["expert_grad_abs_sum"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_a_dispatch_waits_on_the_device_once(world):
+    # all-to-all takes its split sizes from the host: one sync a dispatch is the price, and every MoE layer of
+    # an EP run pays it in forward and recomputation. A second one (repeat_interleave finding its output's
+    # size) doubled the times the host waited.
+    import warnings
+
+    import torch.distributed as dist
+
+    from shardtune.distributed.expert_parallel import ExpertDispatch
+
+    experts, hidden = 8, 64
+    expert_ids = torch.sort(torch.randint(0, experts, (256,), device="cuda")).values
+    bounds = torch.searchsorted(expert_ids, torch.arange(experts + 1, device="cuda"), out_int32=True)
+    rows = torch.randn(256, hidden, device="cuda", requires_grad=True)
+    weights = torch.rand(256, device="cuda", requires_grad=True)
+    dispatch = ExpertDispatch(dist.group.WORLD, ep_size=1, local_experts=experts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            received, received_weights, received_bounds, receive_back = dispatch.send(rows, weights, bounds)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [warning for warning in caught if "synchronizing" in str(warning.message)]
+    assert len(syncs) == 1, [str(warning.message) for warning in syncs]
+    assert torch.equal(received, rows) and torch.equal(received_bounds, bounds)
+    (receive_back(received * 2) * received_weights[:, None]).sum().backward()
+    assert torch.allclose(rows.grad, 2 * weights.detach()[:, None].expand_as(rows))
 
 
 def test_the_mesh_lays_ep_groups_on_consecutive_ranks():
