@@ -41,4 +41,3 @@ def out_of_memory_line(error: RuntimeError, rank: int, where: str, advice: str) 
     was free), and what to change."""
     said = re.match(r".*?(?:is free\.|$)", first_line(error)).group(0)
     return f"rank {rank}: out of memory {where}: {said} {advice}"
-

@@ -359,8 +359,14 @@ def tiny_model_with(tmp_path: Path, **settings) -> Path:
             "lora.shared_expert_adapter: needs routed_experts in lora.moe_targets, with target_modules null",
         ),
     ],
-    ids=["bf16-contradiction", "cpu-offload-ddp", "cpu-offload-auto", "logit-softcapping", "expert-dropout",
-         "shared-adapter"],
+    ids=[
+        "bf16-contradiction",
+        "cpu-offload-ddp",
+        "cpu-offload-auto",
+        "logit-softcapping",
+        "expert-dropout",
+        "shared-adapter",
+    ],
 )
 def test_config_only_contradictions_stop_before_anything_is_written(tmp_path, overrides, line):
     softcapped = tiny_model_with(tmp_path, final_logit_softcapping=30.0)

@@ -284,8 +284,11 @@ def test_sizes_that_do_not_fit_are_config_errors_naming_the_key():
         (["parallel.strategy=ddp"], "parallel.expert_parallel_size: 2 needs parallel.strategy: fsdp or auto"),
         (["model.experts_implementation=grouped_mm"], "needs model.experts_implementation: fused"),
         (
-            ["lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]",
-             "lora.shared_expert_adapter=true"],
+            [
+                "lora.target_modules=null",
+                "lora.moe_targets=[attention,routed_experts]",
+                "lora.shared_expert_adapter=true",
+            ],
             "cannot train lora.shared_expert_adapter",
         ),
     ],
