@@ -233,7 +233,7 @@ def model_path_check(model: ModelConfig) -> list[Check]:
 
         with contextlib.suppress(InputError):  # an index without a weight_map: the weights row names it
             weights = [file for file in weight_files(path) if file.exists()]
-    files = [file for file in [path / "config.json", *weights] if file.exists()]
+    files = [file for file in [path / "config.json"] if file.exists()] + weights
     for file in files:
         reason = unreadable(file)
         if reason:
