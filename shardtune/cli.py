@@ -229,11 +229,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.generate import generate_response
 
     setup_logging(True)
-    print(
-        generate_response(
-            args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base, args.system, args.format
-        )
+    answer = generate_response(
+        args.model_dir, args.instruction, args.input, args.max_new_tokens, args.base, args.system, args.format
     )
+    print(answer)
+    if not answer:  # an empty line alone reads as a failure
+        print(
+            "shardtune: the answer is empty: the model ended it before any text (its end-of-sequence token, or "
+            "special tokens only); a model trained longer, or another prompt, may answer",
+            file=sys.stderr,
+        )
     return 0
 
 

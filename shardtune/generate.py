@@ -118,6 +118,8 @@ def generate_response(
     format: str | None = None,
 ) -> str:
     """Greedy answer to ``instruction`` (the text to continue, for a ``text``-format model)."""
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens: must be at least 1, got {max_new_tokens}")
     model_dir = Path(model_dir)
     _check_model_dir(model_dir)
     format = data_format(model_dir, format)

@@ -191,3 +191,31 @@ def test_generate_bad_input_is_one_line_with_exit_status_2(tmp_path: Path, capsy
         lines = capsys.readouterr().err.strip().splitlines()
         assert status == 2 and len(lines) == 1 and lines[0].startswith("shardtune: error: "), (args, lines)
         assert expected in lines[0], (args, lines)
+
+
+def test_an_empty_answer_says_so_and_max_new_tokens_below_1_is_one_line(tmp_path: Path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from shardtune.cli import main
+
+    # Zero embeddings (tied to the output layer): every logit is 0, greedy decoding picks token 0, <unk>, a special
+    # token that decoding drops: the answer is empty.
+    silent = tmp_path / "silent"
+    shutil.copytree(TINY_MODEL, silent)
+    weights = load_file(silent / "model.safetensors")
+    save_file({name: torch.zeros_like(value) for name, value in weights.items()}, silent / "model.safetensors")
+    capsys.readouterr()
+    answered = main(["generate", str(silent), "--instruction", QUESTION, "--format", "alpaca", "--max-new-tokens", "3"])
+    assert answered == 0
+    printed = capsys.readouterr()
+    assert printed.out == "\n"
+    assert printed.err.strip().splitlines() == [
+        "shardtune: the answer is empty: the model ended it before any text (its end-of-sequence token, or special "
+        "tokens only); a model trained longer, or another prompt, may answer"
+    ]
+    for count in ("0", "-5"):
+        status = main(["generate", str(silent), "--instruction", QUESTION, "--max-new-tokens", count])
+        assert status == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"shardtune: error: --max-new-tokens: must be at least 1, got {count}"
+        ]
