@@ -96,6 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from shardtune.bench.report import format_report, summarize_hf, summarize_shardtune
     from shardtune.bench.shapes import shape_config
     from shardtune.launch.elastic import default_nproc
+    from shardtune.launch.local import check_worker_count
 
     for name in ("seq", "batch", "steps", "lora_r"):
         if getattr(args, name) <= 0:
@@ -109,10 +110,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise InputError(f"--epoch-examples: generates its examples; not with --data {args.data}")
         if args.baseline != "none":
             raise InputError("--epoch-examples: the HF baseline runs a fixed number of steps; not with --baseline")
+    nproc = default_nproc() if args.nproc is None else args.nproc
+    check_worker_count(nproc, "--nproc")  # the run it starts warns where CPU workers outnumber the cores
     model_config = shape_config(args.shape, layers=args.layers)
     out: Path = args.out or Path("runs") / f"bench-{Path(args.shape).name}"
     out.mkdir(parents=True, exist_ok=True)
-    nproc = args.nproc or default_nproc()
     model_dir = write_model_dir(out / "model", model_config, args.tokenizer)
     data_path, data_format = write_data(args, out, sequences=(args.warmup + args.steps) * args.batch * nproc)
     config_path = out / "config.yaml"

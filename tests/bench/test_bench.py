@@ -161,6 +161,10 @@ def test_bench_bad_input(tmp_path, capsys):
     assert "--shape gpt-17: neither a named shape (llama3.2-1b, llama3-8b, mistral-7b" in capsys.readouterr().err
     assert main(["bench", "--shape", "llama-tiny", "--seq", "0", "--out", str(tmp_path)]) == 2
     assert "--seq: must be positive, got 0" in capsys.readouterr().err
+    # 0 workers is no default: one line, and nothing written
+    assert main(["bench", "--shape", "llama-tiny", "--nproc", "0", "--out", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["shardtune: error: --nproc: must be at least 1, got 0"]
+    assert not (tmp_path / "none").exists()
     assert main(["bench", "--shape", "llama-tiny", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
     assert (
         f"--data {tmp_path / 'none.jsonl'}: neither synthetic, alpaca-like nor an existing file"
