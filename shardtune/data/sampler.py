@@ -25,9 +25,10 @@ class GlobalBatchSampler:
     def __init__(self, num_examples: int, global_batch_size: int, seed: int):
         if num_examples < global_batch_size:
             raise ConfigError(
-                f"training.per_device_train_batch_size: the training set has {num_examples} examples, "
-                f"fewer than one global batch of {global_batch_size} "
-                "(per-device batch size x gradient accumulation x world size)"
+                f"training.per_device_train_batch_size: the training set has {num_examples:,} examples, "
+                f"fewer than one global batch of {global_batch_size:,} "
+                "(per-device batch size x gradient accumulation x world size); lower "
+                "training.per_device_train_batch_size or training.gradient_accumulation_steps, or add examples"
             )
         self.num_examples = num_examples
         self.global_batch_size = global_batch_size

@@ -53,5 +53,10 @@ def test_cursor_from_another_dataset_is_refused():
 
 
 def test_too_little_data_for_one_batch_is_a_config_error():
-    with pytest.raises(ConfigError, match="training set has 3 examples, fewer than one global batch of 8"):
-        GlobalBatchSampler(3, 8, seed=0)
+    with pytest.raises(ConfigError) as raised:
+        GlobalBatchSampler(2280, 16000, seed=0)
+    assert str(raised.value) == (
+        "training.per_device_train_batch_size: the training set has 2,280 examples, fewer than one global batch of "
+        "16,000 (per-device batch size x gradient accumulation x world size); lower "
+        "training.per_device_train_batch_size or training.gradient_accumulation_steps, or add examples"
+    )
