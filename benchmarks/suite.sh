@@ -167,6 +167,8 @@ h200x2-ep)
     bench ep-qwen3-1of2 --shape qwen3-30b-a3b "${ep[@]}" --nproc 1
     bench ep-qwen3-fsdp --shape qwen3-30b-a3b "${ep[@]}" --nproc 2 --strategy fsdp
     bench ep-qwen3-ep2 --shape qwen3-30b-a3b "${ep[@]}" --nproc 2 --strategy fsdp parallel.expert_parallel_size=2
+    # DDP: the whole model on each GPU, where it fits (the planner: 68.95 of 71.64 GiB on an 80 GB GPU), no gathers
+    bench ep-qwen3-ddp --shape qwen3-30b-a3b "${ep[@]}" --nproc 2 --strategy ddp
     bench ep-air12-fsdp --shape glm-4.5-air --layers 12 "${ep[@]}" --nproc 2 --strategy fsdp
     bench ep-air12-ep2 --shape glm-4.5-air --layers 12 "${ep[@]}" --nproc 2 --strategy fsdp \
         parallel.expert_parallel_size=2
