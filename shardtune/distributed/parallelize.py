@@ -13,6 +13,7 @@ from rank 0 over the process group. Host memory per node stays at about one copy
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -278,9 +279,7 @@ def _shard(
     # weights to bf16, and torch 2.11's FSDP skips that cast when a checkpointed layer recomputes (it unshards in
     # its pre-backward hook then): the recomputation saw fp32 where the forward had saved bf16, and backward
     # stopped (CheckpointError; Qwen3-30B-A3B, FSDP over 2 H100s).
-    experts_policy = MixedPrecisionPolicy(
-        param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype, cast_forward_inputs=False
-    )
+    experts_policy = dataclasses.replace(mixed, cast_forward_inputs=False)
     options = {
         "mp_policy": mixed,
         "reshard_after_forward": config.parallel.reshard_after_forward,
