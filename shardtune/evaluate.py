@@ -178,7 +178,7 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     failed = env.all_gather_objects(problem)[0]
     if failed:
         raise InputError(failed if env.is_main else [])  # every rank exits 2; rank 0 says why, once
-    plan = plan_parallelism(model, config, env)
+    plan = plan_parallelism(model, config, env, precision)
     log.info("%s", plan.describe(env.world_size))
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
     install_faults(env.rank).attach(model)

@@ -55,15 +55,12 @@ def device_memory(env: DistributedEnv) -> int | None:
     return torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
 
 
-def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv) -> ParallelPlan:
-    """The strategy for ``model`` on ``env``'s devices, by ``choose_parallelism``'s rule."""
-    params = list(model.parameters())
+def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv, precision: Precision) -> ParallelPlan:
+    """The strategy for ``model`` (built with ``precision``) on ``env``'s devices, by ``choose_parallelism``'s
+    rule."""
+    shape = read_model_shape(model, config, precision)
     return choose_parallelism(
-        sum(p.numel() * p.element_size() for p in params),
-        sum(p.numel() for p in params if p.requires_grad),
-        config,
-        env.world_size,
-        device_memory(env),
+        shape, config, env.world_size, device_memory(env), config.parallel.compiles_on(env.device.type)
     )
 
 
@@ -408,14 +405,24 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     return total
 
 
-def full_state_dict(model: torch.nn.Module, dims: ParallelDims) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights on rank 0's CPU (a collective for sharded models); None elsewhere."""
+def full_state_dict(
+    model: torch.nn.Module, dims: ParallelDims, trainable_only: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """The model's weights, whole, on rank 0's CPU (a collective for sharded models); None elsewhere.
+
+    ``trainable_only``: the trained tensors alone. A LoRA adapter's save needs no more, and gathering the
+    frozen base too would copy the whole model through rank 0's host memory (58 GiB and over a minute for
+    Qwen3-30B-A3B; more than a host holds for the largest MoE models) to write a few hundred MB."""
     if isinstance(model, FSDPModule):
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(model, options=options)
         if dims.ep_enabled:
             # FSDP gathered each rank's run of experts; the whole layer's come from every EP group's.
             sharded = {without_wrappers(name): value for name, value in model.state_dict().items()}
+            trained = {without_wrappers(name) for name, p in model.named_parameters() if p.requires_grad}
             for name, (kind, num_experts) in expert_state_names(model).items():
+                if trainable_only and name not in trained:
+                    continue
                 whole = whole_expert_tensor(sharded[name], kind, num_experts, dims).cpu()
                 if dims.is_main:
                     state[next(key for key in state if without_wrappers(key) == name)] = whole

@@ -55,8 +55,9 @@ def memory_checks(config: Config, env: DistributedEnv, shape: ModelShape) -> lis
     what the CPU holds (everything on a CPU run; offloaded state; rank 0's loaded weights)."""
     cuda = env.device.type == "cuda"
     capacity = torch.cuda.get_device_properties(env.device).total_memory if cuda else None
-    plan = choose_parallelism(shape.stored_bytes, shape.trainable, config, env.world_size, capacity)
-    estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type), capacity)
+    compiled = config.parallel.compiles_on(env.device.type)
+    plan = choose_parallelism(shape, config, env.world_size, capacity, compiled)
+    estimate = estimate_memory(config, shape, plan, compiled, capacity)
     parts = ", ".join(f"{name} {size(value)}" for name, value in estimate.parts())
     checkpointing = describe_checkpointing(config, estimate.checkpointed)
     breakdown = (

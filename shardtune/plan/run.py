@@ -66,8 +66,9 @@ def check_expert_parallel(config: Config, shape: ModelShape, cluster: Cluster) -
 
 def plan_run(config: Config, shape: ModelShape, cluster: Cluster) -> RunPlan:
     """``config`` on ``cluster``: the strategy by training's own rule, and the peak memory per GPU."""
-    parallel = choose_parallelism(shape.stored_bytes, shape.trainable, config, cluster.world_size, cluster.gpu_memory)
-    memory = estimate_memory(config, shape, parallel, config.parallel.compiles_on("cuda"), cluster.gpu_memory)
+    compiled = config.parallel.compiles_on("cuda")
+    parallel = choose_parallelism(shape, config, cluster.world_size, cluster.gpu_memory, compiled)
+    memory = estimate_memory(config, shape, parallel, compiled, cluster.gpu_memory)
     return RunPlan(config, cluster, shape, parallel, memory)
 
 

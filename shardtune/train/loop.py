@@ -266,7 +266,7 @@ def _train(
     trainable, total = count_parameters(model)
     routed_trainable = routed_expert_trainable(moe_blocks)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    plan = plan_parallelism(model, config, env)
+    plan = plan_parallelism(model, config, env, precision)
     log.info("%s", plan.describe(env.world_size))
     vocab, tokens = head_vocab(model), micro_batch_tokens(config)
     compiler = LayerCompiler()
@@ -442,8 +442,15 @@ def _train(
     progress.close()
 
     with saving(total_steps, "final_save"):
-        state = full_state_dict(model, env.mesh)  # a collective when the weights are sharded
+        # A collective when the weights are sharded. An adapter's files need only the trained tensors; merging
+        # a random init's adapter also needs its base weights, which are in no file.
+        adapter_only = config.lora.enabled and not (training.merge_final and config.model.init == "random")
+        state = full_state_dict(model, env.mesh, trainable_only=adapter_only)
         if env.is_main:
+            if state is not None:
+                gathered = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+                which = "the trained weights" if adapter_only else "every weight"
+                log.info("final save: gathered %s to rank 0 (%s)", which, size(gathered))
             save_final(unwrap(model), tokenizer, output_dir / "final", precision.compute, state, config)
             log.info("saved %s to %s", "LoRA adapter" if config.lora.enabled else "model", output_dir / "final")
             if training.merge_final:

@@ -170,3 +170,18 @@ def test_fsdp_holds_half_the_parameters(runs):
     assert ddp[0] == ddp[1]
     for rank_bytes in fsdp:
         assert rank_bytes == pytest.approx(ddp[0] / 2, rel=0.02)
+
+
+def test_an_fsdp_adapter_save_gathers_the_trained_weights_alone(runs):
+    """The final save of a LoRA run under FSDP gathers the adapter to rank 0, not the frozen base as well
+    (the whole model through one host's memory, for a file of the adapter's size)."""
+    trained = sum(
+        t.numel() * 4
+        for t in load_file(runs[("lora", "single")]["out"] / "final" / "adapter_model.safetensors").values()
+    )
+    lora = re.findall(r"final save: gathered (.+) to rank 0 \(([\d.]+) (KiB|MiB)\)", runs[("lora", "fsdp")]["log"])
+    assert [(which, unit) for which, _, unit in lora] == [("the trained weights", "KiB" if trained < 2**20 else "MiB")]
+    scale = 2**10 if lora[0][2] == "KiB" else 2**20
+    assert float(lora[0][1]) * scale == pytest.approx(trained, rel=0.01)
+    full = re.findall(r"final save: gathered (.+) to rank 0", runs[("full", "fsdp")]["log"])
+    assert full == ["every weight"]
