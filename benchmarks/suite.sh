@@ -10,7 +10,8 @@
 # time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-speed (batch 4, packed batches of one
 # shape), h200x2-ddp (DDP against one GPU of the same machine), h200x2-default (the default config's DDP
 # scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs, LoRA on attention and the routed
-# experts, then on attention alone), h200x2-ep-probe (where an EP 2 step goes, 12 layers), x4-scaling / x8-scaling and
+# experts, then on attention alone), h200x2-ep-probe (where an EP 2 step goes, 12 layers), h200x2-moe-ddp (auto's DDP for an adapter against FSDP and one
+# GPU: Qwen3-30B-A3B LoRA on attention and the routed experts), x4-scaling / x8-scaling and
 # x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
 # adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
@@ -179,6 +180,19 @@ h200x2-ep)
     bench ep-qwen3-attn-fsdp --shape qwen3-30b-a3b "${attn[@]}" --nproc 2 --strategy fsdp
     bench ep-qwen3-attn-ep2 --shape qwen3-30b-a3b "${attn[@]}" --nproc 2 --strategy fsdp \
         parallel.expert_parallel_size=2
+    ;;
+h200x2-moe-ddp)
+    # parallel.strategy auto for an adapter on 2 GPUs: DDP wherever a DDP step's memory estimate fits, against FSDP
+    # (which gathers the frozen experts every step) and one GPU of the same machine. Qwen3-30B-A3B, LoRA on attention
+    # and the routed experts, seq 4096, batch 2 a GPU; checkpointing auto, and every layer (the only DDP setting
+    # that fits an 80 GB GPU; on one, moe-auto is DDP recomputing what it must).
+    moe=(--shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 8 --warmup 4 'lora.moe_targets=[attention,routed_experts]')
+    bench moe-auto "${moe[@]}" --nproc 2
+    bench moe-ddp "${moe[@]}" --nproc 2 --strategy ddp
+    bench moe-fsdp "${moe[@]}" --nproc 2 --strategy fsdp
+    bench moe-1of2 "${moe[@]}" --nproc 1
+    bench moe-ddp-every "${moe[@]}" --nproc 2 --strategy ddp --gradient-checkpointing
+    bench moe-1of2-every "${moe[@]}" --nproc 1 --gradient-checkpointing
     ;;
 h200x2-ep-probe)
     # Where an EP 2 step goes (issue 23), 12 layers: EP 2 with two profiled warm-up steps (read its trace with
