@@ -26,6 +26,7 @@ from shardtune.config import Config, add_config_arguments, dump_config, load_con
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
 from shardtune.run_dir import previous_run_problem
+from shardtune.run_lock import current_holder, in_use_line
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE
 
 DEFAULT_PORT = 29500
@@ -299,7 +300,13 @@ def job_from_args(args: argparse.Namespace, config: Config) -> SlurmJob:
 
 
 def check_run_dir_is_free(config: Config) -> None:
-    """Refuse now, not after the job waited in the queue, what ``shardtune train`` would refuse at its start."""
+    """Refuse now, not after the job waited in the queue, what ``shardtune train`` would refuse at its start: a
+    run still training there (its lock; the job's script would also replace that run's), or a finished one the
+    config neither continues nor replaces."""
+    output_dir = Path(config.training.output_dir)
+    holder = current_holder(output_dir)
+    if holder:
+        raise InputError(in_use_line(output_dir, holder))
     problem = previous_run_problem(config.training)
     if problem:
         raise InputError(problem)

@@ -113,6 +113,32 @@ def test_a_directory_holding_a_run_is_refused_before_the_queue(tmp_path, capsys)
     assert slurm(tmp_path, *keep, "training.resume_from_checkpoint=auto") == 0  # continuing it is fine
 
 
+def test_a_directory_a_run_is_training_in_is_refused_before_the_queue(tmp_path, capsys):
+    """A job continuing a run that is still training would find the directory locked only once it left the queue,
+    and writing its script would replace the running job's."""
+    from shardtune.run_lock import RunLock
+
+    run = tmp_path / "run"
+    script = run / "slurm" / "job.sbatch"
+    script.parent.mkdir(parents=True)
+    script.write_text("the running job's script")
+    lock = RunLock.take(run)
+    try:
+        assert slurm(tmp_path, "--nodes", "2", "training.resume_from_checkpoint=auto") == 2
+        error = capsys.readouterr().err
+        assert re.fullmatch(
+            rf"shardtune: error: training.output_dir: {re.escape(str(run))} is in use by another run \(host "
+            rf"{re.escape(socket.gethostname())}, pid {os.getpid()}, started [\dT:+-]+\); wait for it to end, or "
+            r"choose another output_dir\n",
+            error,
+        )
+        assert script.read_text() == "the running job's script"
+    finally:
+        lock.release()
+    assert slurm(tmp_path, "--nodes", "2", "training.resume_from_checkpoint=auto") == 0  # once it has ended
+    assert script.read_text().startswith("#!")
+
+
 def test_submit_without_sbatch_says_so_and_leaves_the_script(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert slurm(tmp_path, "--nodes", "2", "--submit") == 2
