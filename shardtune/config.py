@@ -364,8 +364,8 @@ class ParallelConfig(_Section):
         "auto",
         description="replay each compiled decoder layer's forward and backward as CUDA graphs once training batches "
         "keep one shape; auto: on CUDA with parallel.compile, one process or DDP (not FSDP), where batches keep "
-        "one shape (data.pad_to: max_length, or data.packing) and attention is not flex_attention; layers recomputed "
-        "whole run without graphs",
+        "one shape (data.pad_to: max_length, or data.packing) and flex_attention, if it is the attention, has packed "
+        "batches; layers recomputed whole run without graphs",
     )
     timeout_s: float = Field(1800.0, gt=0, description="timeout of every collective and wait")
     expert_parallel_size: int = Field(
@@ -379,11 +379,11 @@ class ParallelConfig(_Section):
         """Whether decoder layers are compiled on this device type ("auto": on CUDA only, where it pays)."""
         return device_type == "cuda" if self.compile == "auto" else self.compile
 
-    def graphs_on(self, device_type: str, strategy: str, one_shape: bool, attention: str) -> bool:
+    def graphs_on(self, device_type: str, strategy: str, one_shape: bool, attention: str, packed: bool) -> bool:
         """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``);
         ``strategy``: the run's ("single", "ddp" or "fsdp"); ``one_shape``: training batches keep one shape. Graphs
         are captured once two forwards have one shape and given up at the first training batch of another.
-        ``attention``: the model's attention implementation."""
+        ``attention``: the model's attention implementation; ``packed``: training batches are packed rows."""
         if self.cuda_graphs is False:
             return False
         needs = None
@@ -395,9 +395,11 @@ class ParallelConfig(_Section):
             # FSDP gathers each layer's weights into new memory before the layer runs and frees them after: a graph
             # would read them at the addresses of the capture.
             needs = "one process or parallel.strategy: ddp (this run shards the weights with FSDP)"
-        elif attention == "flex_attention":
-            # Its BlockMask holds the batch's mask in tensors a graph would read at their captured addresses.
-            needs = "model.attn_implementation other than flex_attention (auto picks it for packed batches on a GPU)"
+        elif attention == "flex_attention" and not packed:
+            # Packed rows get shardtune's BlockMask, whose mask function reads a buffer each batch refills
+            # (``shardtune.model.packed_attention``); transformers' mask of padded rows closes over a new tensor
+            # every batch, which a graph would read at its captured address.
+            needs = "data.packing where model.attn_implementation is flex_attention"
         if needs is not None and self.cuda_graphs is True:
             raise ConfigError(f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false")
         return needs is None and (one_shape or self.cuda_graphs is True)

@@ -33,10 +33,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.nn.attention.flex_attention import BlockMask
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from shardtune.errors import first_line
 from shardtune.model.moe import RoutingRecorder
@@ -48,6 +49,45 @@ log = logging.getLogger("shardtune")
 FORWARDS_BEFORE_CAPTURE = 2
 
 _VALUES = (type(None), bool, int, float, str)
+
+
+class MaskParts(NamedTuple):
+    """A FlexAttention ``BlockMask`` as parts a graph can replay: its block tensors become tensor arguments like
+    any other (copied into the captured ones before a replay), the rest plain values, its mask function compared
+    by identity (``shardtune.model.packed_attention`` keeps one per batch shape, reading a buffer of its own)."""
+
+    tensor_names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    value_names: tuple[str, ...]
+    values: tuple
+
+
+def masks_as_parts(tree: Any) -> Any:
+    """``tree`` with every ``BlockMask`` in it as its ``MaskParts``."""
+
+    def parts(leaf: Any) -> Any:
+        if not isinstance(leaf, BlockMask):
+            return leaf
+        fields = sorted(vars(leaf).items())
+        tensors = [(name, value) for name, value in fields if isinstance(value, torch.Tensor)]
+        values = [(name, value) for name, value in fields if not isinstance(value, torch.Tensor)]
+        return MaskParts(*zip(*tensors, strict=True), *(zip(*values, strict=True) if values else ((), ())))
+
+    return tree_map(parts, tree)
+
+
+def parts_as_masks(tree: Any) -> Any:
+    """``tree`` with every ``MaskParts`` in it as the ``BlockMask`` it stands for."""
+
+    def mask(leaf: Any) -> Any:
+        if not isinstance(leaf, MaskParts):
+            return leaf
+        rebuilt = BlockMask.__new__(BlockMask)
+        vars(rebuilt).update(zip(leaf.tensor_names, leaf.tensors, strict=True))
+        vars(rebuilt).update(zip(leaf.value_names, leaf.values, strict=True))
+        return rebuilt
+
+    return tree_map(mask, tree, is_leaf=lambda node: isinstance(node, MaskParts))
 
 
 @dataclass(frozen=True)
@@ -83,7 +123,7 @@ def describe_call(
                 sources.append(("first", first_ids.index(ident)))
             else:
                 sources.append(("own",))
-        elif isinstance(leaf, _VALUES):
+        elif isinstance(leaf, _VALUES) or callable(leaf):  # a mask function (``MaskParts``): by identity
             described.append((type(leaf), leaf))
         else:
             return type(leaf).__name__
@@ -173,7 +213,7 @@ class LayerGraphs:
     def _call(self, index: int, *args: Any, **kwargs: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():
             return self.compiled[index](*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten(masks_as_parts((args, kwargs)))
         if index == 0:  # the first layer's tensors are its own sources: ("first", j)
             self.output_ids = []
             self.first_ids = [id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -304,7 +344,7 @@ class LayerGraphs:
         with recorder.paused() if recorder is not None else contextlib.nullcontext():
             for index, call in enumerate(calls):
                 leaves = self._inputs(call, first, outputs)
-                args, kwargs = tree_unflatten(leaves, call.spec)
+                args, kwargs = parts_as_masks(tree_unflatten(leaves, call.spec))
                 standing_in = stand_ins[index]
                 with _stand_ins(self.modules[index], self.params[index], standing_in):
                     result = self.compiled[index](*args, **kwargs)
@@ -336,7 +376,7 @@ class LayerGraphs:
         outputs: list[torch.Tensor] = []
         for index, call in enumerate(calls):
             leaves = self._inputs(call, first, outputs)
-            args, kwargs = tree_unflatten(leaves, call.spec)
+            args, kwargs = parts_as_masks(tree_unflatten(leaves, call.spec))
             graph = torch.cuda.CUDAGraph()
             reporting = recorder.capturing() if recorder is not None else contextlib.nullcontext()
             with (

@@ -159,7 +159,8 @@ def parallelize(
         log.info("torch.compile on %d decoder layers", len(layers))
     # Asked of every run, compiled or not: `parallel.cuda_graphs: true` where graphs cannot run is one clear line.
     one_shape = config.data.batch_length is not None
-    if config.parallel.graphs_on(env.device.type, plan.strategy, one_shape, model.config._attn_implementation):
+    attention = model.config._attn_implementation
+    if config.parallel.graphs_on(env.device.type, plan.strategy, one_shape, attention, config.data.packing):
         graph_layers(model, layers)
     if plan.strategy == "fsdp":
         return _shard(model, layers, config, env, compute_dtype, materialized)

@@ -30,6 +30,7 @@ from shardtune.data.collate import Batch
 from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.distributed.parallelize import unwrap
 from shardtune.errors import ConfigError
+from shardtune.model.packed_attention import packed_block_mask
 
 # (logits, targets) -> the summed loss, with the logits overwritten by their gradient: ``softmax_gradient_``.
 SoftmaxGradient = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -112,6 +113,8 @@ def summed_token_loss(
         if chunk_tokens == "auto":
             chunk_tokens = chunk_tokens_for("auto", head_vocab(model), batch.targets.numel())
         inputs = batch.model_inputs(one_row=packs_in_one_row(model))
+        if "position_ids" in inputs and attention_of(model) == "flex_attention":
+            inputs["attention_mask"] = packed_block_mask(inputs["position_ids"])
         if chunk_tokens or fused:
             with _loss_head(model, batch.targets, chunk_tokens, fused, softmax_gradient or softmax_gradient_):
                 return model(**inputs, use_cache=False).logits
@@ -122,11 +125,16 @@ def summed_token_loss(
     )
 
 
+def attention_of(model: torch.nn.Module) -> str | None:
+    """The attention implementation ``model`` (wrapped or not) runs."""
+    return getattr(_causal_lm(model).config, "_attn_implementation", None)
+
+
 def packs_in_one_row(model: torch.nn.Module) -> bool:
     """Whether ``model`` keeps packed examples apart only within a batch of one row: transformers' flash
     attention takes the examples' boundaries from the position ids of a single row (``_is_packed_sequence``);
     with several rows they would attend across them (sdpa, eager and FlexAttention isolate them in any batch)."""
-    return getattr(_causal_lm(model).config, "_attn_implementation", None) == "flash_attention_2"
+    return attention_of(model) == "flash_attention_2"
 
 
 def _log_softmax_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -187,7 +187,9 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
         require_float8(float8, device)
     # The device, compile and attention, known now; the strategy (FSDP or not) is chosen once the model is built
     # (`parallelize` asks again then).
-    config.parallel.graphs_on(device.type, "single", config.data.batch_length is not None, attention)
+    config.parallel.graphs_on(
+        device.type, "single", config.data.batch_length is not None, attention, config.data.packing
+    )
     found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
     found += "".join(f", {key.removeprefix('model.').replace('_', ' ')}" for key in float8)
     found += ", quack grouped GEMM" if config.model.grouped_gemm == "quack" else ""

@@ -42,30 +42,76 @@ def moe_run(model) -> list[str]:
 def test_cuda_graphs_asked_for_where_they_cannot_run_is_one_clear_line(where, overrides, strategy, needs):
     asked = ParallelConfig(cuda_graphs=True, **overrides)
     with pytest.raises(ConfigError) as error:
-        asked.graphs_on(where, strategy, one_shape=True, attention="sdpa")
+        asked.graphs_on(where, strategy, one_shape=True, attention="sdpa", packed=False)
     assert str(error.value) == f"parallel.cuda_graphs: true needs {needs}; set parallel.cuda_graphs: auto or false"
     # auto: off, silently
-    assert not ParallelConfig(**overrides).graphs_on(where, strategy, one_shape=True, attention="sdpa")
+    assert not ParallelConfig(**overrides).graphs_on(where, strategy, one_shape=True, attention="sdpa", packed=False)
 
 
 def test_cuda_graphs_are_on_by_default_on_one_gpu_or_ddp_where_batches_keep_one_shape():
     for strategy in ("single", "ddp"):
-        assert ParallelConfig().graphs_on("cuda", strategy, one_shape=True, attention="sdpa")
+        assert ParallelConfig().graphs_on("cuda", strategy, one_shape=True, attention="sdpa", packed=False)
     # Batches padded to their longest row: a graph captured for one shape would keep its memory beside the others'.
-    assert not ParallelConfig().graphs_on("cuda", "single", one_shape=False, attention="sdpa")
-    assert ParallelConfig(cuda_graphs=True).graphs_on("cuda", "single", one_shape=False, attention="sdpa")  # tried
-    assert not ParallelConfig(cuda_graphs=False).graphs_on("cuda", "single", one_shape=True, attention="sdpa")
-
-
-def test_flex_attention_runs_without_cuda_graphs():
-    """Its BlockMask holds the batch's mask in tensors a graph would read at the captured addresses."""
-    assert not ParallelConfig().graphs_on("cuda", "single", one_shape=True, attention="flex_attention")
-    with pytest.raises(ConfigError) as error:
-        ParallelConfig(cuda_graphs=True).graphs_on("cuda", "single", one_shape=True, attention="flex_attention")
-    assert str(error.value) == (
-        "parallel.cuda_graphs: true needs model.attn_implementation other than flex_attention (auto picks it for "
-        "packed batches on a GPU); set parallel.cuda_graphs: auto or false"
+    assert not ParallelConfig().graphs_on("cuda", "single", one_shape=False, attention="sdpa", packed=False)
+    assert ParallelConfig(cuda_graphs=True).graphs_on(
+        "cuda", "single", one_shape=False, attention="sdpa", packed=False
+    )  # tried
+    assert not ParallelConfig(cuda_graphs=False).graphs_on(
+        "cuda", "single", one_shape=True, attention="sdpa", packed=False
     )
+
+
+def test_flex_attention_has_cuda_graphs_with_packed_batches_only():
+    """Packed rows get shardtune's BlockMask, whose mask function reads a buffer every batch refills; transformers'
+    mask of padded rows closes over a new tensor every batch, which a graph would read at its captured address."""
+    assert ParallelConfig().graphs_on("cuda", "single", one_shape=True, attention="flex_attention", packed=True)
+    assert not ParallelConfig().graphs_on("cuda", "single", one_shape=True, attention="flex_attention", packed=False)
+    with pytest.raises(ConfigError) as error:
+        ParallelConfig(cuda_graphs=True).graphs_on(
+            "cuda", "single", one_shape=True, attention="flex_attention", packed=False
+        )
+    assert str(error.value) == (
+        "parallel.cuda_graphs: true needs data.packing where model.attn_implementation is flex_attention; set "
+        "parallel.cuda_graphs: auto or false"
+    )
+
+
+def test_a_packed_batchs_flex_mask_is_described_alike_every_batch_and_rebuilt_from_its_parts():
+    """What a graph needs of FlexAttention's mask of packed rows: batches of one shape give calls a graph replays
+    (one mask function, reading the documents the latest batch wrote; the block tensors as tensor arguments), and
+    the mask rebuilt from its parts is the mask."""
+    from torch.nn.attention.flex_attention import create_mask
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from shardtune.distributed.layer_graphs import describe_call, masks_as_parts, parts_as_masks
+    from shardtune.model.packed_attention import packed_block_mask
+
+    def positions(*lengths: int) -> list[int]:
+        return [position for length in lengths for position in range(length)]
+
+    rows = 256  # two blocks of 128
+    first = torch.tensor([positions(100, 156), positions(200, 30, 26)])
+    second = torch.tensor([positions(10, 246), positions(128, 128)])
+    masks = [packed_block_mask(first), packed_block_mask(second)]
+    assert masks[0].mask_mod is masks[1].mask_mod
+    documents = torch.tensor([[0] * 10 + [1] * 246, [0] * 128 + [1] * 128])
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    expected = causal & (documents[:, :, None] == documents[:, None, :])
+    assert torch.equal(create_mask(masks[1].mask_mod, 2, None, rows, rows, device="cpu")[:, 0], expected)
+
+    layer = torch.nn.Linear(4, 4)
+    hidden = torch.randn(2, rows, 4, requires_grad=True)
+    calls = []
+    for mask in masks:
+        leaves, spec = tree_flatten(masks_as_parts(((hidden,), {"attention_mask": mask})))
+        calls.append(describe_call(layer, leaves, spec, [], []))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        assert [id(t) for t in tensors[1:]] == [id(v) for _, v in sorted(vars(mask).items()) if torch.is_tensor(v)]
+        rebuilt = parts_as_masks(tree_unflatten(leaves, spec))[1]["attention_mask"]
+        assert type(rebuilt) is type(mask) and vars(rebuilt).keys() == vars(mask).keys()
+        for name, value in vars(mask).items():  # the same tensors, equal values, the same mask function
+            assert vars(rebuilt)[name] is value if torch.is_tensor(value) else vars(rebuilt)[name] == value, name
+    assert calls[0] == calls[1] and not isinstance(calls[0], str)
 
 
 def test_the_capture_reads_the_trainable_parameters_through_stand_ins_that_take_their_gradients():
@@ -96,20 +142,25 @@ def test_the_capture_reads_the_trainable_parameters_through_stand_ins_that_take_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
 @pytest.mark.parametrize(
-    ("recompute", "batches"), [("nothing", "padded"), ("attention", "padded"), ("nothing", "packed")]
+    ("recompute", "batches"),
+    [("nothing", "padded"), ("attention", "padded"), ("nothing", "packed"), ("nothing", "packed-flex")],
 )
 def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path, recompute, batches):
     """A MoE model with LoRA on attention and the routed experts, the load-balancing loss trained, padded rows
     (the real-token mask matters) and two micro-batches a step (gradients accumulate over two replays); with
     each layer's attention recomputed inside its graph, too; and packed rows (padded to max_length, so graphs
-    are on by default; sdpa, whose mask is a tensor). The run's last evaluation (another shape, no grad) runs the
-    layers without the graphs."""
+    are on by default), under sdpa (whose mask is a tensor) and FlexAttention (shardtune's BlockMask). The
+    run's last evaluation (another shape, no grad) runs the layers without the graphs."""
     model = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
     checkpointing = {
         "nothing": ["training.gradient_checkpointing=false"],
         "attention": ["training.gradient_checkpointing=true", "training.gradient_checkpointing_granularity=attention"],
     }[recompute]
-    shape = {"padded": ["data.pad_to=max_length"], "packed": ["data.packing=true", "model.attn_implementation=sdpa"]}
+    shape = {
+        "padded": ["data.pad_to=max_length"],
+        "packed": ["data.packing=true", "model.attn_implementation=sdpa"],
+        "packed-flex": ["data.packing=true", "model.attn_implementation=flex_attention"],
+    }
     common = [*moe_run(model), *checkpointing, *shape[batches], "training.gradient_accumulation_steps=2"]
     plain = train(tmp_path, "plain", 1, *common, "parallel.cuda_graphs=false", steps=6, env=ON_GPU)
     graphed = train(tmp_path, "graphed", 1, *common, steps=6, env=ON_GPU)
