@@ -10,7 +10,7 @@
 # time goes), h200x2-scaling (1 and 2 GPUs of one machine), h200-speed (batch 4, packed batches of one
 # shape), h200x2-ddp (DDP against one GPU of the same machine), h200x2-default (the default config's DDP
 # scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs, LoRA on attention and the routed
-# experts, then on attention alone), h200x2-ep-probe (where an EP 2 step goes, 12 layers), h200x2-moe-ddp (auto's DDP for an adapter against FSDP and one
+# experts, then on attention alone), h200x2-ep-probe (where an EP 2 step goes, 12 layers), flex-graphs (CUDA graphs under FlexAttention at the seed's setting, against none), h200x2-moe-ddp (auto's DDP for an adapter against FSDP and one
 # GPU: Qwen3-30B-A3B LoRA on attention and the routed experts), x4-scaling / x8-scaling and
 # x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
@@ -180,6 +180,12 @@ h200x2-ep)
     bench ep-qwen3-attn-fsdp --shape qwen3-30b-a3b "${attn[@]}" --nproc 2 --strategy fsdp
     bench ep-qwen3-attn-ep2 --shape qwen3-30b-a3b "${attn[@]}" --nproc 2 --strategy fsdp \
         parallel.expert_parallel_size=2
+    ;;
+flex-graphs)
+    # CUDA graphs under FlexAttention: the seed's setting in the default config (packed rows, so auto attention is
+    # flex_attention on a GPU) with the layers replayed as graphs, and without; one GPU.
+    bench seed-graphs "${mistral[@]}" "${seed_setting[@]}" --steps 40 --warmup 20
+    bench seed-nographs "${mistral[@]}" "${seed_setting[@]}" --steps 40 --warmup 20 parallel.cuda_graphs=false
     ;;
 h200x2-moe-ddp)
     # parallel.strategy auto for an adapter on 2 GPUs: DDP wherever a DDP step's memory estimate fits, against FSDP
