@@ -113,8 +113,13 @@ def summed_token_loss(
         if chunk_tokens == "auto":
             chunk_tokens = chunk_tokens_for("auto", head_vocab(model), batch.targets.numel())
         inputs = batch.model_inputs(one_row=packs_in_one_row(model))
-        if "position_ids" in inputs and attention_of(model) == "flex_attention":
-            inputs["attention_mask"] = packed_block_mask(inputs["position_ids"])
+        packed = inputs.get("position_ids")
+        if (
+            packed is not None
+            and attention_of(model) == "flex_attention"
+            and plain_causal_attention(model, packed.shape[-1])
+        ):
+            inputs["attention_mask"] = packed_block_mask(packed)
         if chunk_tokens or fused:
             with _loss_head(model, batch.targets, chunk_tokens, fused, softmax_gradient or softmax_gradient_):
                 return model(**inputs, use_cache=False).logits
@@ -128,6 +133,16 @@ def summed_token_loss(
 def attention_of(model: torch.nn.Module) -> str | None:
     """The attention implementation ``model`` (wrapped or not) runs."""
     return getattr(_causal_lm(model).config, "_attn_implementation", None)
+
+
+def plain_causal_attention(model: torch.nn.Module, length: int) -> bool:
+    """Whether every layer of ``model`` attends causally over a whole sequence of ``length`` tokens: no sliding
+    window shorter than it (Mistral-7B-v0.1's 4,096, Gemma's and gpt-oss's sliding layers) and no attention chunks
+    (Llama 4). transformers takes a BlockMask handed to the model as every layer's mask, so shardtune's mask of packed
+    rows (``packed_block_mask``, causal and nothing more) stands in for transformers' only here."""
+    text = _causal_lm(model).config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    return (window is None or window >= length) and getattr(text, "attention_chunk_size", None) is None
 
 
 def packs_in_one_row(model: torch.nn.Module) -> bool:

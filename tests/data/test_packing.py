@@ -104,3 +104,37 @@ def test_packed_loss_equals_the_examples_run_one_by_one(examples, tiny_model_dir
         crossed = summed_token_loss(model, leaky, None).item()
     assert packed == pytest.approx(one_by_one, rel=1e-5)
     assert abs(crossed - one_by_one) > 1e-2 * one_by_one
+
+
+def test_packed_rows_under_flex_attention_get_shardtunes_mask_only_where_it_is_the_models(examples, monkeypatch):
+    """transformers takes a BlockMask handed to the model as every layer's mask: shardtune's mask of packed rows
+    (causal, within each example) stands in for transformers' own only where the model attends causally over the
+    whole row. A Mistral with a sliding window of 16 tokens, shorter than the 128-token rows, keeps its own mask (the
+    window changes the loss); without a window, shardtune's mask gives transformers' loss."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model import packed_attention
+
+    made = []
+    original = packed_attention.PackedBlockMasks.__call__
+    monkeypatch.setattr(packed_attention.PackedBlockMasks, "__call__",
+                        lambda self, positions: made.append(positions) or original(self, positions))  # fmt: skip
+    packed = collate([tuple(np.array(p) for p in s) for s in pack_examples(examples[:8], 128)], 3, packed=True)
+    losses = {}
+    for window in (None, 16):
+        torch.manual_seed(0)
+        config = tiny_config("mistral")
+        config.vocab_size, config.sliding_window = 32000, window
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="flex_attention").eval()
+        made.clear()
+        with torch.no_grad():
+            loss = summed_token_loss(model, packed, None).item()
+            logits = model(**packed.model_inputs(), use_cache=False).logits  # transformers' own mask
+        own = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), packed.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        ).item()
+        assert len(made) == (1 if window is None else 0), window
+        assert loss == pytest.approx(own, rel=1e-6), window
+        losses[window] = loss
+    assert abs(losses[16] - losses[None]) > 1e-4 * losses[None]  # the window matters to these rows (4e-4)
