@@ -38,6 +38,16 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
         from shardtune.model.lora import targets_as_given
 
         settings = json.loads(adapter_config.read_text())
+        saved = saved_run_config(model_dir)
+        if base is None and saved is not None and saved.model.init == "random":
+            # Its base_model_name_or_path names the architecture only: the weights it trained on were drawn at
+            # random, and an adapter on any others answers as if untrained.
+            merged = model_dir.parent / "final-merged"
+            instead = f"generate from {merged}" if merged.is_dir() else "train with training.merge_final: true"
+            raise InputError(
+                f"{model_dir}: an adapter trained on random weights (model.init: random), which no file holds: "
+                f"{instead} (the run's weights with the adapter merged), or pass --base with the weights it trained on"
+            )
         where = "--base" if base else f"base_model_name_or_path of {adapter_config}"
         base = base or settings["base_model_name_or_path"]
         if looks_local(base) and not Path(base).expanduser().is_dir():

@@ -219,3 +219,28 @@ def test_an_empty_answer_says_so_and_max_new_tokens_below_1_is_one_line(tmp_path
         assert capsys.readouterr().err.strip().splitlines() == [
             f"shardtune: error: --max-new-tokens: must be at least 1, got {count}"
         ]
+
+
+def test_an_adapter_trained_on_random_weights_is_refused_without_them(tmp_path: Path, capsys):
+    """Its adapter_config names the base's architecture only: on any weights but the run's random ones it would
+    answer as if untrained. generate says where the run's weights are (final-merged/), or how to get them."""
+    from shardtune.cli import main
+
+    run = train(tmp_path, "random", 1, "model.init=random", "training.merge_final=true", steps=2)["out"]
+    alone = tmp_path / "alone" / "final"  # the adapter without the merged model beside it
+    shutil.copytree(run / "final", alone)
+    capsys.readouterr()
+    expected = {
+        run / "final": f"generate from {run / 'final-merged'}",
+        alone: "train with training.merge_final: true",
+    }
+    for final, instead in expected.items():
+        assert main(["generate", str(final), "--instruction", QUESTION, "--max-new-tokens", "2"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"shardtune: error: {final}: an adapter trained on random weights (model.init: random), which no file "
+            f"holds: {instead} (the run's weights with the adapter merged), or pass --base with the weights it "
+            "trained on"
+        ]
+    assert main(["generate", str(run / "final-merged"), "--instruction", QUESTION, "--max-new-tokens", "2"]) == 0
+    assert main(["generate", str(alone), "--base", str(TINY_MODEL), "--instruction", QUESTION,
+                 "--max-new-tokens", "2"]) == 0  # fmt: skip
