@@ -223,8 +223,13 @@ def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
             "parallel.cuda_graphs=true",
             "parallel.cuda_graphs: true needs a CUDA GPU; set parallel.cuda_graphs: auto or false",
         ),
+        (
+            "model.attn_implementation=flex_attention",
+            "model.attn_implementation: flex_attention trains on CUDA GPUs only (torch's FlexAttention has no backward "
+            "on CPU); set model.attn_implementation: sdpa or auto on this machine",
+        ),
     ],
-    ids=["quack", "cuda-graphs"],
+    ids=["quack", "cuda-graphs", "flex-attention"],
 )
 def test_a_kernel_asked_for_where_it_cannot_run_is_one_line_before_anything_is_loaded(tmp_path, override, expected):
     assert_one_line(train(tmp_path, 1, override), expected)

@@ -96,6 +96,12 @@ def training_attention(config: Config, device: torch.device) -> str:
                 "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only; set model.attn_implementation: "
                 "sdpa on this machine"
             )
+    if chosen == "flex_attention" and device.type != "cuda":
+        # torch's FlexAttention computes no backward on CPU: training would end in its traceback at the first step.
+        raise ConfigError(
+            "model.attn_implementation: flex_attention trains on CUDA GPUs only (torch's FlexAttention has no "
+            "backward on CPU); set model.attn_implementation: sdpa or auto on this machine"
+        )
     if chosen != "auto":
         return chosen
     return "flex_attention" if config.data.packing and device.type == "cuda" else "sdpa"
