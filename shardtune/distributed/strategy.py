@@ -83,12 +83,17 @@ def choose_parallelism(
                 ddp = ParallelPlan("ddp", reason, param_bytes, grad_bytes, optimizer_bytes)
                 peak = estimate_memory(config, shape, ddp, compiled, device_memory).peak
                 usable = usable_memory(config, device_memory)
+                gib = 2**30
                 if peak <= usable:
-                    gib = 2**30
                     strategy = "ddp"
                     reason += (
                         f", {frozen:.0%} of the weights frozen, and a DDP step's estimated peak "
                         f"({peak / gib:.1f} GiB) fits the {usable / gib:.1f} GiB a run may use"
+                    )
+                else:
+                    reason += (
+                        f", and a DDP step's estimated peak ({peak / gib:.1f} GiB) is over the {usable / gib:.1f} GiB "
+                        "a run may use"
                     )
     if strategy == "fsdp":
         shards = world_size
