@@ -23,6 +23,7 @@ from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, is_checkp
 from shardtune.config import Config, ConfigError, TrainingConfig, dump_config
 from shardtune.errors import InputError
 from shardtune.metrics.schema import SCHEMA_VERSION
+from shardtune.run_lock import current_holder, in_use_line
 
 log = logging.getLogger("shardtune")
 
@@ -57,6 +58,14 @@ def run_artifacts(output_dir: Path) -> list[Path]:
 def existing_run_artifacts(output_dir: Path) -> list[str]:
     """The names of ``run_artifacts``, for messages."""
     return [path.name for path in run_artifacts(output_dir)]
+
+
+def output_dir_problem(training: TrainingConfig) -> str | None:
+    """The line with which ``shardtune train`` would refuse its output directory, asked ahead of it (``doctor``,
+    ``slurm``): another run writing there now (its lock), else ``previous_run_problem``; None when free."""
+    output_dir = Path(training.output_dir)
+    holder = current_holder(output_dir)
+    return in_use_line(output_dir, holder) if holder else previous_run_problem(training)
 
 
 def previous_run_problem(training: TrainingConfig) -> str | None:

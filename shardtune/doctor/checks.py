@@ -27,8 +27,7 @@ from shardtune.doctor.report import FAIL, GIB, OK, WARN, Check, plural, size
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
 from shardtune.plan.shape import model_shape_on
-from shardtune.run_dir import previous_run_problem
-from shardtune.run_lock import current_holder, in_use_line
+from shardtune.run_dir import output_dir_problem
 
 
 def guarded(name: str, check: Callable[[], list[Check]]) -> list[Check]:
@@ -284,9 +283,7 @@ def resume_check(training: TrainingConfig) -> list[Check]:
 def previous_run_check(training: TrainingConfig) -> list[Check]:
     """A fresh run refuses an output directory that holds another run, and any run one that another run is
     writing now (a FAIL row; none when free)."""
-    output_dir = Path(training.output_dir)
-    holder = current_holder(output_dir)
-    problem = in_use_line(output_dir, holder) if holder else previous_run_problem(training)
+    problem = output_dir_problem(training)
     return [] if problem is None else [Check("previous run", FAIL, problem)]  # the line says what to change
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 from shardtune.config import Config, add_config_arguments, dump_config, load_config
 from shardtune.errors import InputError
 from shardtune.launch.network import network_environment
-from shardtune.run_dir import previous_run_problem
-from shardtune.run_lock import current_holder, in_use_line
+from shardtune.run_dir import output_dir_problem
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE
 
 DEFAULT_PORT = 29500
@@ -303,11 +302,7 @@ def check_run_dir_is_free(config: Config) -> None:
     """Refuse now, not after the job waited in the queue, what ``shardtune train`` would refuse at its start: a
     run still training there (its lock; the job's script would also replace that run's), or a finished one the
     config neither continues nor replaces."""
-    output_dir = Path(config.training.output_dir)
-    holder = current_holder(output_dir)
-    if holder:
-        raise InputError(in_use_line(output_dir, holder))
-    problem = previous_run_problem(config.training)
+    problem = output_dir_problem(config.training)
     if problem:
         raise InputError(problem)
 
