@@ -148,6 +148,7 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     from shardtune.distributed.parallelize import parallelize, plan_parallelism
     from shardtune.faults import fault_point, install_faults
     from shardtune.model.load import Precision, load_tokenizer
+    from shardtune.plan.shape import read_model_shape
     from shardtune.train.loop import build_run_model, evaluate_run_model, prepare_run_data
     from shardtune.train.preflight import check_model
 
@@ -178,7 +179,7 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     failed = env.all_gather_objects(problem)[0]
     if failed:
         raise InputError(failed if env.is_main else [])  # every rank exits 2; rank 0 says why, once
-    plan = plan_parallelism(model, config, env, precision)
+    plan = plan_parallelism(read_model_shape(model, config, precision), config, env)
     log.info("%s", plan.describe(env.world_size))
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
     install_faults(env.rank).attach(model)

@@ -42,10 +42,9 @@ from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
 from shardtune.model.float8 import describe_float8_grouped_gemm, require_float8, use_float8_linears
 from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
-from shardtune.model.load import Precision
 from shardtune.model.moe import find_moe_blocks
 from shardtune.plan.memory import Checkpointing, describe_checkpointing, estimate_memory, usable_memory
-from shardtune.plan.shape import read_model_shape
+from shardtune.plan.shape import ModelShape
 
 log = logging.getLogger("shardtune")
 
@@ -55,24 +54,20 @@ def device_memory(env: DistributedEnv) -> int | None:
     return torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
 
 
-def plan_parallelism(model: torch.nn.Module, config: Config, env: DistributedEnv, precision: Precision) -> ParallelPlan:
-    """The strategy for ``model`` (built with ``precision``) on ``env``'s devices, by ``choose_parallelism``'s
-    rule."""
-    shape = read_model_shape(model, config, precision)
+def plan_parallelism(shape: ModelShape, config: Config, env: DistributedEnv) -> ParallelPlan:
+    """The strategy for a model of ``shape`` (``read_model_shape`` of the built model) on ``env``'s devices, by
+    ``choose_parallelism``'s rule."""
     return choose_parallelism(
         shape, config, env.world_size, device_memory(env), config.parallel.compiles_on(env.device.type)
     )
 
 
-def plan_checkpointing(
-    model: torch.nn.Module, config: Config, env: DistributedEnv, plan: ParallelPlan, precision: Precision
-) -> Checkpointing:
-    """What each decoder layer of ``model`` recomputes in backward, by the memory estimate's rule
+def plan_checkpointing(shape: ModelShape, config: Config, env: DistributedEnv, plan: ParallelPlan) -> Checkpointing:
+    """What each decoder layer of a model of ``shape`` recomputes in backward, by the memory estimate's rule
     (``choose_checkpointing``: with ``auto``, the least recomputation that makes the step fit the GPU)."""
     if config.training.gradient_checkpointing is False:
-        return Checkpointing.uniform(len(decoder_layers(model)), None)
+        return Checkpointing.uniform(len(shape.layers), None)
     memory = device_memory(env)
-    shape = read_model_shape(model, config, precision)
     estimate = estimate_memory(config, shape, plan, config.parallel.compiles_on(env.device.type), memory)
     checkpointing = describe_checkpointing(config, estimate.checkpointed)
     if memory is None:

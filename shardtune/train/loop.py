@@ -61,6 +61,7 @@ from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
 from shardtune.out_of_memory import EVAL_ADVICE, TRAINING_ADVICE, is_out_of_memory, out_of_memory_line
 from shardtune.plan.memory import micro_batch_tokens
+from shardtune.plan.shape import read_model_shape
 from shardtune.run_dir import package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
@@ -266,7 +267,8 @@ def _train(
     trainable, total = count_parameters(model)
     routed_trainable = routed_expert_trainable(moe_blocks)
     log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    plan = plan_parallelism(model, config, env, precision)
+    shape = read_model_shape(model, config, precision)
+    plan = plan_parallelism(shape, config, env)
     log.info("%s", plan.describe(env.world_size))
     vocab, tokens = head_vocab(model), micro_batch_tokens(config)
     compiler = LayerCompiler()
@@ -275,7 +277,7 @@ def _train(
     softmax_gradient = compiled_softmax_gradient(compiler) if compiled else None
     loss_kind = describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel, compiled)
     log.info("%s", loss_kind)
-    checkpointing = plan_checkpointing(model, config, env, plan, precision)
+    checkpointing = plan_checkpointing(shape, config, env, plan)
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler,
                         checkpointing=checkpointing)  # fmt: skip
     model.train()
