@@ -11,7 +11,8 @@
 # shape), h200x2-ddp (DDP against one GPU of the same machine), h200x2-default (the default config's DDP
 # scaling), h200x2-ep (issue 22: expert parallelism against FSDP on 2 GPUs, LoRA on attention and the routed
 # experts, then on attention alone), h200x2-ep-probe (where an EP 2 step goes, 12 layers), flex-graphs (CUDA graphs under FlexAttention at the seed's setting, against none), h200x2-moe-ddp (auto's DDP for an adapter against FSDP and one
-# GPU: Qwen3-30B-A3B LoRA on attention and the routed experts), x4-scaling / x8-scaling and
+# GPU: Qwen3-30B-A3B LoRA on attention and the routed experts), h200x2-moe-ddp-80gb (that DDP run on 2 GPUs of 80 GB, emulated:
+# the planner given an H100's memory, the allocator held to it), x4-scaling / x8-scaling and
 # x4-jobs / x8-jobs (issue 11, on 4 or 8 GPUs), h200-moe (issue 20's
 # MoE targets against HF Trainer + PEFT on 1 GPU, split in h200-moe-qwen3 and h200-moe-large; profile=1
 # adds a profile), h200-moe-default (those runs in the default config: checkpointing auto, HF at its best
@@ -199,6 +200,20 @@ h200x2-moe-ddp)
     bench moe-1of2 "${moe[@]}" --nproc 1
     bench moe-ddp-every "${moe[@]}" --nproc 2 --strategy ddp --gradient-checkpointing
     bench moe-1of2-every "${moe[@]}" --nproc 1 --gradient-checkpointing
+    ;;
+h200x2-moe-ddp-80gb)
+    # auto's DDP for the adapter above on 2 GPUs of 80 GB, emulated on bigger GPUs: the planner is given an 80 GB
+    # H100's usable memory (training.memory_budget_gib=71.3, 90% of the 79.19 GiB torch reports there), each worker's
+    # allocator is held to 78 GiB (benchmarks/emulated_memory), and nvidia-smi's memory.used of every GPU (allocator,
+    # CUDA context and NCCL together) is sampled into RESULTS_DIR/memory-used.csv: the run fits an H100 where its
+    # largest sample is below the 81,559 MiB nvidia-smi gives an H100 80GB.
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 >"$results/memory-used.csv" &
+    sampler=$!
+    PYTHONPATH=$(dirname "$0")/emulated_memory${PYTHONPATH:+:$PYTHONPATH} SHARDTUNE_BENCH_ALLOCATOR_GIB=78 \
+        bench moe-auto-80gb-emulated --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 8 --warmup 4 --nproc 2 \
+        'lora.moe_targets=[attention,routed_experts]' training.memory_budget_gib=71.3
+    kill "$sampler"
+    sort -t, -k2 -n "$results/memory-used.csv" | tail -n 1 | sed 's/^/largest memory.used (GPU, MiB): /'
     ;;
 h200x2-ep-probe)
     # Where an EP 2 step goes (issue 23), 12 layers: EP 2 with two profiled warm-up steps (read its trace with
