@@ -68,7 +68,12 @@ def test_two_nodes_train_like_one_process_even_when_one_starts_late(tmp_path):
     # gloo over the loopback interface, as the network section asks
     settings = ["training.max_steps=4", "network.socket_ifname=lo"]
     node1 = start_node(tmp_path, out, 1, port, *settings)  # node 1 first: any order works
-    time.sleep(20)
+    waiting = "node 1 of 2 on"
+    deadline = time.monotonic() + 120
+    while waiting not in (tmp_path / f"node1-{out.name}.log").read_text():
+        assert node1.poll() is None and time.monotonic() < deadline, "node 1 never reached the rendezvous"
+        time.sleep(0.5)
+    time.sleep(3)  # node 1 waits at the rendezvous a while before node 0 starts
     node0 = start_node(tmp_path, out, 0, port, *settings)
     logs = [finish(tmp_path, node0, 0, out), finish(tmp_path, node1, 1, out)]
     assert node0.returncode == 0 and node1.returncode == 0, logs[0][-3000:] + logs[1][-3000:]

@@ -325,7 +325,11 @@ def checkpointed_eager_and_compiled(model: torch.nn.Module) -> tuple[torch.nn.Mo
 
 
 @pytest.mark.parametrize(
-    ("arch", "targets"), [("qwen3_moe", ["attention"]), ("glm4_moe", ["attention", "routed_experts"])]
+    ("arch", "targets"),
+    [
+        pytest.param("qwen3_moe", ["attention"], marks=pytest.mark.variants),  # glm4_moe's case takes its paths too
+        ("glm4_moe", ["attention", "routed_experts"]),
+    ],
 )
 def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, arch, targets):
     """What GPUs run, on the CPU: bf16 through torch._grouped_mm (LoRA factors laid out for it), inductor,
@@ -339,7 +343,11 @@ def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, 
     assert losses[0][-1] < losses[0][0]
 
 
-@pytest.mark.parametrize("part", ["attention", "mlp", "sublayers"])
+# sublayers recomputes both the attention and the MoE block: the cases of each alone run with -m variants.
+@pytest.mark.parametrize(
+    "part", [pytest.param("attention", marks=pytest.mark.variants), pytest.param("mlp", marks=pytest.mark.variants),
+             "sublayers"],
+)  # fmt: skip
 def test_compiled_layers_recomputing_their_sublayers_train_like_eager_and_keep_only_their_inputs(moe_dirs, part):
     """A compiled layer whose attention, MoE block (``mlp``) or both (``sublayers``) are checkpointed inside
     its graph, as training compiles it (fullgraph: a graph break fails the test): three AdamW steps
