@@ -127,7 +127,7 @@ def _train_here(config: Config) -> int:
     run_lock = None
     try:
         # Every rank, before anything is written or loaded: all stop with the same line (printed once).
-        preflight(config, env.device)
+        preflight(config, env.device, env.world_size)
         if env.is_main:
             output_dir = Path(config.training.output_dir)
             # Before anything there is removed or written: one run at a time in a run directory.

@@ -381,9 +381,10 @@ class ParallelConfig(_Section):
 
     def graphs_on(self, device_type: str, strategy: str, one_shape: bool, attention: str, packed: bool) -> bool:
         """Whether compiled decoder layers are replayed as CUDA graphs (``shardtune.distributed.layer_graphs``);
-        ``strategy``: the run's ("single", "ddp" or "fsdp"); ``one_shape``: training batches keep one shape. Graphs
-        are captured once two forwards have one shape and given up at the first training batch of another.
-        ``attention``: the model's attention implementation; ``packed``: training batches are packed rows."""
+        ``strategy``: the run's ("single", "ddp" or "fsdp"; "auto" before it is chosen); ``one_shape``: training
+        batches keep one shape. Graphs are captured once two forwards have one shape and given up at the first
+        training batch of another. ``attention``: the model's attention implementation; ``packed``: training
+        batches are packed rows."""
         if self.cuda_graphs is False:
             return False
         needs = None

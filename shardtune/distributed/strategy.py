@@ -42,6 +42,20 @@ class ParallelPlan:
         )
 
 
+def settled_strategy(config: Config, world_size: int) -> tuple[str, str] | None:
+    """The strategy and why, where the config and the world size settle it before the model is built: one rank,
+    expert parallelism, or a strategy named; None where ``auto`` on several ranks weighs the model against the
+    device (``choose_parallelism``)."""
+    strategy = config.parallel.strategy
+    if world_size == 1:
+        if strategy == "fsdp" and config.parallel.cpu_offload:
+            return "fsdp", "parallel.strategy with cpu_offload"
+        return "single", "one rank"
+    if config.parallel.expert_parallel_size > 1:
+        return "fsdp", "parallel.expert_parallel_size"
+    return None if strategy == "auto" else (strategy, "parallel.strategy")
+
+
 def choose_parallelism(
     shape: ModelShape, config: Config, world_size: int, device_memory: int | None, compiled: bool
 ) -> ParallelPlan:
@@ -60,41 +74,35 @@ def choose_parallelism(
     param_bytes, trainable = shape.stored_bytes, shape.trainable
     grad_bytes, optimizer_bytes = trainable * GRADIENT_BYTES, trainable * ADAM_STATE_BYTES
     replicated = param_bytes + grad_bytes + optimizer_bytes
-    strategy, reason = config.parallel.strategy, "parallel.strategy"
-    if world_size == 1:
-        if strategy == "fsdp" and config.parallel.cpu_offload:
-            strategy, reason = "fsdp", "parallel.strategy with cpu_offload"
-        else:
-            strategy, reason = "single", "one rank"
-    elif config.parallel.expert_parallel_size > 1:
-        strategy, reason = "fsdp", "parallel.expert_parallel_size"
-    elif strategy == "auto":
-        if device_memory is None:
-            strategy, reason = "ddp", "auto: CPU"
-        else:
-            share = replicated / device_memory
-            strategy = "ddp" if share <= DDP_MEMORY_SHARE else "fsdp"
-            reason = f"auto: replicated state is {share:.0%} of device memory"
-            frozen = 1 - trainable / max(shape.total, 1)
-            if strategy == "fsdp" and frozen >= FROZEN_SHARE_FOR_DDP:
-                # plan.memory imports this module: imported here, where the estimate is needed.
-                from shardtune.plan.memory import estimate_memory, usable_memory
+    settled = settled_strategy(config, world_size)
+    if settled is not None:
+        strategy, reason = settled
+    elif device_memory is None:
+        strategy, reason = "ddp", "auto: CPU"
+    else:
+        share = replicated / device_memory
+        strategy = "ddp" if share <= DDP_MEMORY_SHARE else "fsdp"
+        reason = f"auto: replicated state is {share:.0%} of device memory"
+        frozen = 1 - trainable / max(shape.total, 1)
+        if strategy == "fsdp" and frozen >= FROZEN_SHARE_FOR_DDP:
+            # plan.memory imports this module: imported here, where the estimate is needed.
+            from shardtune.plan.memory import estimate_memory, usable_memory
 
-                ddp = ParallelPlan("ddp", reason, param_bytes, grad_bytes, optimizer_bytes)
-                peak = estimate_memory(config, shape, ddp, compiled, device_memory).peak
-                usable = usable_memory(config, device_memory)
-                gib = 2**30
-                if peak <= usable:
-                    strategy = "ddp"
-                    reason += (
-                        f", {frozen:.0%} of the weights frozen, and a DDP step's estimated peak "
-                        f"({peak / gib:.1f} GiB) fits the {usable / gib:.1f} GiB a run may use"
-                    )
-                else:
-                    reason += (
-                        f", and a DDP step's estimated peak ({peak / gib:.1f} GiB) is over the {usable / gib:.1f} GiB "
-                        "a run may use"
-                    )
+            ddp = ParallelPlan("ddp", reason, param_bytes, grad_bytes, optimizer_bytes)
+            peak = estimate_memory(config, shape, ddp, compiled, device_memory).peak
+            usable = usable_memory(config, device_memory)
+            gib = 2**30
+            if peak <= usable:
+                strategy = "ddp"
+                reason += (
+                    f", {frozen:.0%} of the weights frozen, and a DDP step's estimated peak "
+                    f"({peak / gib:.1f} GiB) fits the {usable / gib:.1f} GiB a run may use"
+                )
+            else:
+                reason += (
+                    f", and a DDP step's estimated peak ({peak / gib:.1f} GiB) is over the {usable / gib:.1f} GiB "
+                    "a run may use"
+                )
     if strategy == "fsdp":
         shards = world_size
         return ParallelPlan(strategy, reason, param_bytes // shards, grad_bytes // shards, optimizer_bytes // shards)

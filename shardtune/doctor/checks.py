@@ -287,13 +287,14 @@ def previous_run_check(training: TrainingConfig) -> list[Check]:
     return [] if problem is None else [Check("previous run", FAIL, problem)]  # the line says what to change
 
 
-def run_preflight_checks(config: Config, device: torch.device) -> list[Check]:
-    """The checks ``shardtune train`` makes before it writes or loads anything, one row each."""
+def run_preflight_checks(config: Config, device: torch.device, world_size: int) -> list[Check]:
+    """The checks ``shardtune train`` on ``world_size`` ranks makes before it writes or loads anything, one row
+    each."""
     from shardtune.train.preflight import preflight_checks
 
     return [
         row
-        for name, check in preflight_checks(config, device)
+        for name, check in preflight_checks(config, device, world_size)
         for row in guarded(name, lambda check=check, name=name: [Check(name, OK, check())])
     ]
 
@@ -315,7 +316,7 @@ def node_checks(config: Config, env: DistributedEnv) -> list[Check]:
         *guarded("data", lambda: data_check(config.data)),
         *guarded("resume checkpoint", lambda: resume_check(config.training)),
         *previous_run_check(config.training),
-        *run_preflight_checks(config, env.device),
+        *run_preflight_checks(config, env.device, env.world_size),
     ]
     try:
         shape = model_shape_on(config, env.device)

@@ -168,8 +168,10 @@ def check_precision(config: Config, device: torch.device) -> str:
     return f"model.dtype {config.model.dtype}: {str(dtype).removeprefix('torch.')} on {device.type}"
 
 
-def check_kernels(config: Config, device: torch.device, model_type: str | None) -> str:
-    """The attention implementation, liger-kernel and the grouped GEMM the config asks for can run here."""
+def check_kernels(config: Config, device: torch.device, model_type: str | None, world_size: int) -> str:
+    """The attention implementation, liger-kernel, the grouped GEMM and the CUDA graphs the config asks for can
+    run here, on ``world_size`` ranks."""
+    from shardtune.distributed.strategy import settled_strategy
     from shardtune.model.grouped_gemm import resolve_grouped_gemm
     from shardtune.model.load import training_attention
 
@@ -185,11 +187,13 @@ def check_kernels(config: Config, device: torch.device, model_type: str | None) 
         from shardtune.model.float8 import require_float8
 
         require_float8(float8, device)
-    # The device, compile and attention, known now; the strategy (FSDP or not) is chosen once the model is built
-    # (`parallelize` asks again then).
+    # The device, compile and attention, known now; so is the strategy, unless auto chooses it on several ranks once
+    # the model is built (`parallelize` asks again then).
+    settled = settled_strategy(config, world_size)
     config.parallel.graphs_on(
-        device.type, "single", config.data.batch_length is not None, attention, config.data.packing
-    )
+        device.type, settled[0] if settled else "auto", config.data.batch_length is not None, attention,
+        config.data.packing,
+    )  # fmt: skip
     found = f"attention {attention}" + (", liger-kernel" if config.model.liger_kernel else "")
     found += "".join(f", {key.removeprefix('model.').replace('_', ' ')}" for key in float8)
     found += ", quack grouped GEMM" if config.model.grouped_gemm == "quack" else ""
@@ -216,9 +220,9 @@ def check_writable(key: str, directory: Path) -> str:
     return f"{directory} is writable"
 
 
-def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Callable[[], str]]]:
-    """The checks of a run that need no data, no weights and no other process, each named, each raising an
-    ``InputError`` that names the key and what to do, and returning what it found otherwise."""
+def preflight_checks(config: Config, device: torch.device, world_size: int) -> list[tuple[str, Callable[[], str]]]:
+    """The checks of a run on ``world_size`` ranks that need no data, no weights and no other process, each named,
+    each raising an ``InputError`` that names the key and what to do, and returning what it found otherwise."""
     model_type: list[str] = []
 
     def model() -> str:
@@ -227,7 +231,7 @@ def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Ca
         return f"{config.model.name_or_path}: {text_config.model_type}, a causal LM"
 
     def kernels() -> str:
-        return check_kernels(config, device, model_type[0] if model_type else None)
+        return check_kernels(config, device, model_type[0] if model_type else None, world_size)
 
     return [
         ("model config", model),
@@ -241,10 +245,10 @@ def preflight_checks(config: Config, device: torch.device) -> list[tuple[str, Ca
     ]
 
 
-def preflight(config: Config, device: torch.device) -> None:
+def preflight(config: Config, device: torch.device, world_size: int) -> None:
     """Run every check of ``preflight_checks``; raise one ``ConfigError`` with a line per failed check."""
     problems: list[str] = []
-    for _, check in preflight_checks(config, device):
+    for _, check in preflight_checks(config, device, world_size):
         try:
             check()
         except InputError as error:

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_MODEL, make_config, write_jsonl
 from faulty_runs import run
 
@@ -100,3 +101,31 @@ def test_missing_model_and_resume_paths_that_are_not_checkpoints(tmp_path):
             load_config(config, [f"training.resume_from_checkpoint={path}"])
         assert len(raised.value.lines) == 1
         assert raised.value.lines[0].startswith(f"training.resume_from_checkpoint: {path} {why}")
+
+
+def test_cuda_graphs_asked_for_under_a_strategy_that_shards_are_refused_before_the_model_loads(tmp_path):
+    """``parallel.cuda_graphs: true`` cannot run where FSDP gathers each layer's weights into new memory. Where the
+    config and the world size settle the strategy, the kernels check (run before any weight is read) says so; only
+    ``auto`` on several ranks waits for the model, whose size decides."""
+    from shardtune.train.preflight import check_kernels
+
+    cuda = torch.device("cuda")  # the checks read the config and the device's type: no GPU is touched
+
+    def kernels(world_size: int, **parallel) -> str:
+        config = make_config(tmp_path, tmp_path / "data.jsonl", parallel={"cuda_graphs": True, **parallel})
+        return check_kernels(config, cuda, "llama", world_size)
+
+    expected = (
+        "parallel.cuda_graphs: true needs one process or parallel.strategy: ddp (this run shards the weights with "
+        "FSDP); set parallel.cuda_graphs: auto or false"
+    )
+    for world_size, parallel in [
+        (2, {"strategy": "fsdp"}),
+        (4, {"strategy": "auto", "expert_parallel_size": 2}),
+        (1, {"strategy": "fsdp", "cpu_offload": True}),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            kernels(world_size, **parallel)
+        assert refused.value.lines == [expected], (world_size, parallel)
+    for world_size, parallel in [(1, {"strategy": "fsdp"}), (2, {"strategy": "ddp"}), (2, {"strategy": "auto"})]:
+        assert kernels(world_size, **parallel).endswith(", CUDA graphs"), (world_size, parallel)
