@@ -97,7 +97,7 @@ def _train_here(config: Config) -> int:
     from shardtune.distributed.env import DistributedEnv
     from shardtune.peer_stop import peer_stop_status
     from shardtune.run_dir import prepare_output_dir
-    from shardtune.run_lock import RunLock
+    from shardtune.run_lock import lock_run_dirs
     from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
@@ -128,12 +128,11 @@ def _train_here(config: Config) -> int:
     try:
         # Every rank, before anything is written or loaded: all stop with the same line (printed once).
         preflight(config, env.device, env.world_size)
-        if env.is_main:
-            output_dir = Path(config.training.output_dir)
-            # Before anything there is removed or written: one run at a time in a run directory.
-            run_lock = RunLock.take(output_dir)
-            if not config.training.resume_from_checkpoint:
-                prepare_output_dir(output_dir, config.training.overwrite_output_dir)
+        output_dir = Path(config.training.output_dir)
+        # Before anything there is removed or written: one run at a time in a run directory.
+        run_lock = lock_run_dirs(env, output_dir, config.parallel.timeout_s)
+        if env.is_main and not config.training.resume_from_checkpoint:
+            prepare_output_dir(output_dir, config.training.overwrite_output_dir)
         run_training(config, env, sys.argv)
     except Preempted as stopped:
         # Every rank stops alike; one line for the run.

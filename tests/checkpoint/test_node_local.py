@@ -4,10 +4,12 @@ so the same output path is a different disk on each, and each has its own host n
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,47 @@ def test_overwrite_output_dir_clears_the_previous_run_from_every_nodes_disk(tmp_
         train_on_two_nodes(tmp_path, *common, "training.max_steps=4", "training.resume_from_checkpoint=auto")
     )
     assert "checkpoint-3 (step 3, saved by 2 rank(s)" in log
+
+
+def test_a_run_holding_another_nodes_disk_stops_every_rank_with_one_line_before_anything_is_removed(tmp_path):
+    """The output directory is node-local, and node-b's copy is in use by another run (a job sharing only that node):
+    the run stops on every rank with one line naming that run and the disk, before rank 0 clears its own copy for
+    ``overwrite_output_dir`` and before anything on node-b is touched."""
+    common = [
+        "parallel.strategy=ddp",
+        "lora.lora_dropout=0",
+        "training.max_steps=2",
+        "training.overwrite_output_dir=true",
+    ]
+    for host in HOSTS:
+        (tmp_path / host / "checkpoint-9").mkdir(parents=True)
+        (tmp_path / host / "checkpoint-9" / "notes.txt").write_text(f"{host}'s run\n")
+    hold = "import sys, time; from pathlib import Path; from shardtune.run_lock import RunLock; "
+    hold += "lock = RunLock.take(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path / "node-b")], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        results = train_on_two_nodes(tmp_path, *common)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [result.returncode for result in results] == [2, 2], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    errors = [line for result in results for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, errors
+    assert re.fullmatch(
+        rf"shardtune: error: training\.output_dir: {re.escape(str(tmp_path / 'run'))} is in use by another run "
+        rf"\(host {re.escape(socket.gethostname())}, pid {holder.pid}, started [0-9T:+-]+\); wait for it to end, or "
+        r"choose another output_dir \(on node-b's disk\)",
+        errors[0],
+    ), errors[0]
+    for host in HOSTS:
+        assert (tmp_path / host / "checkpoint-9" / "notes.txt").read_text() == f"{host}'s run\n"
+        assert not list((tmp_path / host).glob("logs")), host
+
+    # Once that run is gone, the same command takes both disks, and overwrite_output_dir clears both.
+    succeeded(train_on_two_nodes(tmp_path, *common))
+    for host in HOSTS:
+        assert not (tmp_path / host / "checkpoint-9").exists(), host
+        assert not (tmp_path / host / ".shardtune.lock").exists(), host
