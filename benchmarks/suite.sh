@@ -213,7 +213,8 @@ h200x2-moe-ddp-80gb)
         bench moe-auto-80gb-emulated --shape qwen3-30b-a3b --seq 4096 --batch 2 --steps 8 --warmup 4 --nproc 2 \
         'lora.moe_targets=[attention,routed_experts]' training.memory_budget_gib=71.3
     kill "$sampler"
-    sort -t, -k2 -n "$results/memory-used.csv" | tail -n 1 | sed 's/^/largest memory.used (GPU, MiB): /'
+    awk -F', *' '$2 > most[$1] { most[$1] = $2 } END { for (gpu in most) printf "GPU %s: largest memory.used %d MiB\n", gpu, most[gpu] }' \
+        "$results/memory-used.csv"
     ;;
 h200x2-ep-probe)
     # Where an EP 2 step goes (issue 23), 12 layers: EP 2 with two profiled warm-up steps (read its trace with
