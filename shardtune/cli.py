@@ -92,12 +92,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def _train_here(config: Config) -> int:
     """This process's part of the training: a worker, or the only process."""
     # Heavy imports only after the config is known to be good: errors above come back in a second.
-    from pathlib import Path
-
     from shardtune.distributed.env import DistributedEnv
     from shardtune.peer_stop import peer_stop_status
-    from shardtune.run_dir import prepare_output_dir
-    from shardtune.run_lock import lock_run_dirs
     from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
@@ -124,15 +120,9 @@ def _train_here(config: Config) -> int:
             file=sys.stderr,
             flush=True,
         )
-    run_lock = None
     try:
         # Every rank, before anything is written or loaded: all stop with the same line (printed once).
         preflight(config, env.device, env.world_size)
-        output_dir = Path(config.training.output_dir)
-        # Before anything there is removed or written: one run at a time in a run directory.
-        run_lock = lock_run_dirs(env, output_dir, config.parallel.timeout_s)
-        if env.is_main and not config.training.resume_from_checkpoint:
-            prepare_output_dir(output_dir, config.training.overwrite_output_dir)
         run_training(config, env, sys.argv)
     except Preempted as stopped:
         # Every rank stops alike; one line for the run.
@@ -152,8 +142,6 @@ def _train_here(config: Config) -> int:
         say_once([INTERRUPTED_LINE], every_rank_says_it=True)
         return EXIT_INTERRUPTED
     finally:
-        if run_lock is not None:
-            run_lock.release()
         close_unless_worker(env)
     return 0
 

@@ -1,7 +1,8 @@
 """The run directory (``training.output_dir``): what a run leaves behind, written by global rank 0.
 
 Files are written to a temporary name and renamed (``shardtune.atomic``), so a reader (or a crash) never
-sees half a file. A fresh run never mixes with an earlier one (``prepare_output_dir``), and ``export`` and
+sees half a file. A run holds every copy of its directory alone, and a fresh run never mixes with an earlier one
+(``claim_output_dir``, ``prepare_output_dir``), and ``export`` and
 ``convert`` never write over a run, a checkpoint or their own input (``check_output_path``).
 """
 
@@ -11,19 +12,24 @@ import json
 import logging
 import platform
 import shutil
+import socket
 import sys
 from datetime import datetime, timezone
 from fnmatch import fnmatch
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardtune.atomic import write_atomic
 from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, is_checkpoint
 from shardtune.config import Config, ConfigError, TrainingConfig, dump_config
 from shardtune.errors import InputError
 from shardtune.metrics.schema import SCHEMA_VERSION
-from shardtune.run_lock import current_holder, in_use_line
+from shardtune.run_lock import RunLock, current_holder, in_use_line
+
+if TYPE_CHECKING:
+    from shardtune.distributed.env import DistributedEnv
+    from shardtune.distributed.storage import StorageDomains
 
 log = logging.getLogger("shardtune")
 
@@ -82,6 +88,33 @@ def _holds_a_run(output_dir: Path | str, names: list[str]) -> str:
         f"training.output_dir: {output_dir} already holds a run ({', '.join(names)}); choose another output_dir, "
         "set training.overwrite_output_dir=true, or continue it with training.resume_from_checkpoint=auto"
     )
+
+
+def claim_output_dir(env: DistributedEnv, training: TrainingConfig, domains: StorageDomains) -> RunLock | None:
+    """Every copy of the output directory taken for this run before anything in it is removed or written: global
+    rank 0's and, on node-local storage, each other node's, by the lowest rank that sees it. Each such rank locks
+    its copy (a second run sharing only one node would mix its checkpoints with this run's there) and, for a fresh
+    run, refuses a previous run's files there (``previous_run_problem``); only once every copy is locked and free
+    does a fresh run clear them (``prepare_output_dir``). A collective: where any copy is refused, every rank stops
+    with its line, printed once. The lock this process holds, or None."""
+    output_dir = Path(training.output_dir)
+    lock, refused = None, None
+    if domains.is_leader:
+        try:
+            lock = RunLock.take(output_dir)
+            if problem := previous_run_problem(training):
+                raise ConfigError(problem)
+        except ConfigError as error:
+            disk = "" if domains.mine == 0 else f" (on {socket.gethostname()}'s disk)"
+            refused = [line + disk for line in error.lines]
+    problems = [lines for lines in env.all_gather_objects(refused) if lines]
+    if problems:
+        if lock is not None:
+            lock.release()
+        raise ConfigError(problems[0] if env.is_main else [])  # every rank exits 2; rank 0 says why, once
+    if domains.is_leader and training.resume_from_checkpoint is None:
+        prepare_output_dir(output_dir, training.overwrite_output_dir)
+    return lock
 
 
 def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:

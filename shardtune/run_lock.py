@@ -1,6 +1,6 @@
 """One run at a time in a run directory: global rank 0 holds an exclusive lock on ``<output_dir>/.shardtune.lock``
-from before it removes or writes anything there until its process ends; on node-local storage, so does the lowest
-rank of every other node on its own disk's copy (``lock_run_dirs``).
+from before it removes or writes anything there until its run ends; on node-local storage, so does the lowest
+rank of every other node on its own disk's copy (``run_dir.claim_output_dir``).
 
 Two runs in one directory at once (a job submitted twice, a second ``train ... resume_from_checkpoint=auto``
 while the first still runs) would resume from the same checkpoint and write the same ``checkpoint-<step>``
@@ -21,12 +21,9 @@ import socket
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from shardtune.errors import ConfigError
-
-if TYPE_CHECKING:
-    from shardtune.distributed.env import DistributedEnv
 
 log = logging.getLogger("shardtune")
 
@@ -91,32 +88,6 @@ class RunLock:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
         self._handle.close()
-
-
-def lock_run_dirs(env: DistributedEnv, output_dir: Path, timeout_s: float) -> RunLock | None:
-    """Every copy of ``output_dir`` locked before anything in it is removed or written: global rank 0's, and on
-    node-local storage each other node's, by the lowest rank that sees it (a second run sharing only that node
-    would mix its checkpoints with this run's there). A collective on several ranks: where another run holds a
-    copy, every rank stops with that run's line, printed once. The lock this process holds, or None."""
-    if env.world_size == 1:
-        return RunLock.take(output_dir)
-    # torch where it is needed: the command line imports this module to build its parser.
-    from shardtune.distributed.storage import storage_domains
-
-    domains = storage_domains(env, output_dir, timeout_s, purpose="run-lock")
-    lock, refused = None, None
-    if domains.is_leader:
-        try:
-            lock = RunLock.take(output_dir)
-        except ConfigError as error:
-            disk = "" if domains.mine == 0 else f" (on {socket.gethostname()}'s disk)"
-            refused = [line + disk for line in error.lines]
-    problems = [lines for lines in env.all_gather_objects(refused) if lines]
-    if problems:
-        if lock is not None:
-            lock.release()
-        raise ConfigError(problems[0] if env.is_main else [])  # every rank exits 2; rank 0 says why, once
-    return lock
 
 
 def current_holder(output_dir: Path) -> str | None:

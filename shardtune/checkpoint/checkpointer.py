@@ -74,10 +74,9 @@ from shardtune.config import Config, dump_config, load_config
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.expert_parallel import expert_state_names, expert_state_views
 from shardtune.distributed.mesh import ParallelDims
-from shardtune.distributed.storage import storage_domains
+from shardtune.distributed.storage import StorageDomains
 from shardtune.errors import CheckpointSaveError, ConfigError, InputError, first_line
 from shardtune.faults import fault_point
-from shardtune.run_dir import prepare_output_dir
 from shardtune.run_manifest import config_hash
 
 log = logging.getLogger("shardtune")
@@ -206,6 +205,7 @@ class Checkpointer:
         sampler: Any,
         tokenizer: Any,
         strategy: str,
+        domains: StorageDomains,
     ):
         self.config, self.env = config, env
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
@@ -216,7 +216,7 @@ class Checkpointer:
         self.segment_totals: Callable[[], RunTotals] = RunTotals
         self.output_dir = Path(config.training.output_dir)
         self.mode = config.training.checkpoint_mode
-        self.domains = storage_domains(env, self.output_dir, config.parallel.timeout_s, purpose="checkpoint")
+        self.domains = domains  # the output directory's, as the run found them when it took the directory
         self.node_local = self.domains.count > 1
         # On node-local storage each node's ranks save as a group of their own. Every rank creates
         # every group, in the same order, as torch.distributed requires.
@@ -394,14 +394,7 @@ class Checkpointer:
             log.info("removed %s (save_total_limit=%d)", old, limit)
 
     def remove_partial(self) -> None:
-        """Checkpoints a crash left half-written are never loaded; clear them at start. On node-local
-        storage, a fresh run with ``overwrite_output_dir`` also clears the previous run from every other
-        node's disk, as it was cleared from rank 0's before the run began: rotation and ``auto`` resume
-        run on each node's own disk."""
-        training = self.config.training
-        fresh = training.resume_from_checkpoint is None and training.overwrite_output_dir
-        if fresh and self.node_local and self.domains.is_leader and 0 not in self.domains.ranks(self.domains.mine):
-            prepare_output_dir(self.output_dir, overwrite=True)
+        """Checkpoints a crash left half-written are never loaded; clear them at start, on every node's disk."""
         if self.domains.is_leader and self.output_dir.is_dir():
             for partial in self.output_dir.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(partial, ignore_errors=True)

@@ -44,7 +44,7 @@ from shardtune.distributed.parallelize import (
     plan_parallelism,
     unwrap,
 )
-from shardtune.distributed.storage import is_builder
+from shardtune.distributed.storage import is_builder, storage_domains
 from shardtune.doctor.report import size
 from shardtune.errors import ConfigError, OutOfMemory
 from shardtune.faults import install_faults
@@ -62,7 +62,7 @@ from shardtune.model.moe import find_moe_blocks
 from shardtune.out_of_memory import EVAL_ADVICE, TRAINING_ADVICE, is_out_of_memory, out_of_memory_line
 from shardtune.plan.memory import micro_batch_tokens
 from shardtune.plan.shape import read_model_shape
-from shardtune.run_dir import package_versions, write_metrics, write_run_start
+from shardtune.run_dir import claim_output_dir, package_versions, write_metrics, write_run_start
 from shardtune.run_manifest import describe_world
 from shardtune.train.eval import evaluate
 from shardtune.train.loss import (
@@ -240,6 +240,11 @@ def _train(
     output_dir = Path(training.output_dir)
     # Every rank checks the same inputs the same way, before any collective: all stop with one error.
     model_config = check_model(config)
+    # Before anything there is removed or written: every copy of the output directory is this run's alone.
+    output_domains = storage_domains(env, output_dir, config.parallel.timeout_s, purpose="output-dir")
+    lock = claim_output_dir(env, training, output_domains)
+    if lock is not None:
+        on_exit.callback(lock.release)
     transformers.set_seed(training.seed)
     hostnames = env.hostnames()
     world = describe_world(env, hostnames)  # a collective
@@ -298,7 +303,9 @@ def _train(
         warmup,
     )
 
-    checkpointer = Checkpointer(config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy)
+    checkpointer = Checkpointer(
+        config, env, model, optimizer, scheduler, sampler, tokenizer, plan.strategy, output_domains
+    )
     preemption = PreemptionWatch(env)
     on_exit.callback(preemption.restore_handlers)
     checkpointer.remove_partial()

@@ -16,6 +16,8 @@ import pytest
 from conftest import REPO
 from test_checkpoints import ENV, adapter, command, interrupt_after, losses, train
 
+from shardtune.run_dir import existing_run_artifacts
+
 HOSTS = ["node-a", "node-b"]
 
 
@@ -210,3 +212,29 @@ def test_a_run_holding_another_nodes_disk_stops_every_rank_with_one_line_before_
     for host in HOSTS:
         assert not (tmp_path / host / "checkpoint-9").exists(), host
         assert not (tmp_path / host / ".shardtune.lock").exists(), host
+
+
+def test_a_previous_run_on_another_nodes_disk_stops_a_fresh_run_on_every_rank_with_one_line(tmp_path):
+    """Rank 0's copy is empty but node-b's holds an earlier run: without ``overwrite_output_dir`` the fresh run
+    stops on every rank with one line naming node-b's disk, leaving both disks as they were (its old checkpoints
+    would otherwise be rotated with the new run's there, and ``auto`` resume would see them)."""
+    common = [
+        "parallel.strategy=ddp",
+        "lora.lora_dropout=0",
+        "training.max_steps=2",
+        "training.overwrite_output_dir=false",
+    ]
+    (tmp_path / "node-a").mkdir()
+    (tmp_path / "node-b" / "checkpoint-9").mkdir(parents=True)
+    (tmp_path / "node-b" / "checkpoint-9" / "notes.txt").write_text("node-b's run\n")
+    results = train_on_two_nodes(tmp_path, *common)
+    assert [result.returncode for result in results] == [2, 2], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    errors = [line for result in results for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"shardtune: error: training.output_dir: {tmp_path / 'run'} already holds a run (checkpoint-9); choose "
+        "another output_dir, set training.overwrite_output_dir=true, or continue it with "
+        "training.resume_from_checkpoint=auto (on node-b's disk)"
+    ]
+    assert (tmp_path / "node-b" / "checkpoint-9" / "notes.txt").read_text() == "node-b's run\n"
+    assert existing_run_artifacts(tmp_path / "node-a") == []
+    assert existing_run_artifacts(tmp_path / "node-b") == ["checkpoint-9"]

@@ -66,7 +66,6 @@ def test_accumulation_split_gives_the_same_run(tmp_path, alpaca_file, world):
             alpaca_file,
             training={"per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, "max_steps": 3},
         )
-        prepare_output_dir(Path(config.training.output_dir), overwrite=False)
         result = run_training(config, world, ["test"])
         runs[(micro, accum)] = (
             [row["loss"] for row in _lines(Path(config.training.output_dir) / "logs/train_log.jsonl")],
@@ -102,7 +101,6 @@ def lora_run(tmp_path_factory):
     )
     env = DistributedEnv.from_environment(timeout_s=60)
     try:
-        prepare_output_dir(Path(config.training.output_dir), overwrite=False)
         result = run_training(config, env, ["shardtune", "train", "test.yaml"])
     finally:
         env.close()
@@ -212,7 +210,6 @@ def test_final_adapter_gives_the_trained_logits(lora_run, tiny_model_dir):
 
 def test_full_finetuning_exports_a_loadable_model(tmp_path, alpaca_file, world, tiny_model_dir):
     config = make_config(tmp_path, alpaca_file, lora={"enabled": False}, training={"max_steps": 2})
-    prepare_output_dir(Path(config.training.output_dir), overwrite=False)
     result = run_training(config, world, ["test"])
     assert result.metrics["use_lora"] is False
     assert result.metrics["trainable_params"] == result.metrics["total_params"]
@@ -282,7 +279,6 @@ def test_the_objects_of_the_first_step_are_frozen_until_the_run_ends(tmp_path, a
 
     monkeypatch.setattr(loop, "accumulate_gradients", accumulate)
     config = make_config(tmp_path, alpaca_file)
-    prepare_output_dir(Path(config.training.output_dir), overwrite=False)
     run_training(config, world, ["test"])
     assert frozen == [False, True, True, True]
     assert gc.get_freeze_count() == 0
@@ -298,7 +294,6 @@ def test_a_run_that_stops_on_an_error_gives_the_signals_back(tmp_path, alpaca_fi
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     monkeypatch.setenv("SHARDTUNE_FAULT", "forward_backward:oom:step=2")
     config = make_config(tmp_path, alpaca_file)
-    prepare_output_dir(Path(config.training.output_dir), overwrite=False)
     with pytest.raises(OutOfMemory, match="rank 0: out of memory in step 2"):
         run_training(config, world, ["test"])
     assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
