@@ -21,6 +21,7 @@ from shardtune.doctor.bandwidth import AllReduceTiming
 from shardtune.doctor.checks import nccl_interfaces, network_checks
 from shardtune.doctor.estimates import disk_check
 from shardtune.doctor.report import FAIL, OK, WARN, Check, format_report
+from shardtune.metrics.flops import TokenFlops
 from shardtune.plan.shape import ModelShape
 
 # The launcher's node options also read SHARDTUNE_* variables: none may leak in from the caller.
@@ -268,7 +269,7 @@ def test_bus_bandwidth_follows_nccl_tests():
 def _shape(trainable: int, total: int) -> ModelShape:
     return ModelShape(
         trainable, total, total * 2, 2, hidden=64, attention_width=64, kv_width=64, vocab=100, layers=(),
-        flops_per_token=1e6,
+        flops=TokenFlops(matmul_params=total, layers=1, attention_width=64, sequence_length=128, adapter_params=None),
     )  # fmt: skip
 
 

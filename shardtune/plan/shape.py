@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from shardtune.metrics.flops import TokenFlops
     from shardtune.model.load import Precision
 
 # Where configs of different families keep the MLP width (Llama, GPT-2, OPT, Falcon); 4 x hidden otherwise.
@@ -58,8 +59,13 @@ class ModelShape:
     kv_width: int  # key/value heads x head size
     vocab: int
     layers: tuple[LayerShape, ...]
-    flops_per_token: float  # training's FLOP count (for MFU) at data.max_length
+    flops: TokenFlops  # training's FLOP count (for MFU) at data.max_length
+    routed_trainable: int = 0  # the trainable parameters inside routed experts (LoRA on them, or full fine-tuning)
     loss_head_vocab: int | None = None  # ``train.loss.head_vocab``: None where no chunked loss can stand in
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.flops.per_token
 
     @property
     def root_params(self) -> int:
@@ -79,11 +85,12 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     from shardtune.distributed.parallelize import decoder_layers
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
     from shardtune.model.fused_moe import parameter_adapters
+    from shardtune.model.lora import count_parameters
     from shardtune.model.moe import find_moe_blocks
     from shardtune.train.loss import head_vocab
 
     params = list(model.parameters())
-    trainable = sum(p.numel() for p in params if p.requires_grad)
+    trainable, total = count_parameters(model)
     text = model.config.get_text_config()
     embedding = model.get_input_embeddings()
     hidden = getattr(text, "hidden_size", None) or embedding.embedding_dim
@@ -128,7 +135,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     flops = run_token_flops(model, config.data.max_length, config.lora.enabled, trainable, routed)
     return ModelShape(
         trainable=trainable,
-        total=sum(p.numel() for p in params),
+        total=total,
         stored_bytes=sum(p.numel() * p.element_size() for p in params),
         compute_bytes=(precision.autocast or precision.compute).itemsize,
         hidden=hidden,
@@ -136,7 +143,8 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         kv_width=width * kv_heads // heads if heads else width,
         vocab=embedding.num_embeddings,
         layers=tuple(shapes),
-        flops_per_token=flops.per_token,
+        flops=flops,
+        routed_trainable=routed,
         loss_head_vocab=head_vocab(model),
     )
 

@@ -48,7 +48,7 @@ from shardtune.distributed.storage import is_builder, storage_domains
 from shardtune.doctor.report import size
 from shardtune.errors import ConfigError, OutOfMemory
 from shardtune.faults import install_faults
-from shardtune.metrics.flops import peak_flops, routed_expert_trainable, run_token_flops
+from shardtune.metrics.flops import peak_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import Progress
@@ -57,7 +57,6 @@ from shardtune.metrics.train_interval import TrainInterval
 from shardtune.model.fused_moe import use_fused_experts
 from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
-from shardtune.model.lora import count_parameters
 from shardtune.model.moe import find_moe_blocks
 from shardtune.out_of_memory import EVAL_ADVICE, TRAINING_ADVICE, is_out_of_memory, out_of_memory_line
 from shardtune.plan.memory import micro_batch_tokens
@@ -69,7 +68,6 @@ from shardtune.train.loss import (
     SoftmaxGradient,
     compiled_softmax_gradient,
     describe_loss,
-    head_vocab,
     summed_token_loss,
 )
 from shardtune.train.nonfinite import NonFiniteGuard
@@ -269,13 +267,12 @@ def _train(
 
     model, moe_blocks = build_run_model(config, env)
     routing = RouterTraining(moe_blocks, training.moe_aux_loss_coef, env.device) if moe_blocks else None
-    trainable, total = count_parameters(model)
-    routed_trainable = routed_expert_trainable(moe_blocks)
-    log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     shape = read_model_shape(model, config, precision)
+    trainable, total = shape.trainable, shape.total
+    log.info("parameters: %s trainable of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     plan = plan_parallelism(shape, config, env)
     log.info("%s", plan.describe(env.world_size))
-    vocab, tokens = head_vocab(model), micro_batch_tokens(config)
+    vocab, tokens = shape.loss_head_vocab, micro_batch_tokens(config)
     compiler = LayerCompiler()
     # The chunked loss's softmax compiles with the layers, by the same compiler (and its eager fallback).
     compiled = config.parallel.compiles_on(env.device.type)
@@ -342,9 +339,8 @@ def _train(
         run_eval(0)
 
     # Per-step sums of the logging interval; one all-gather per logging step (see TrainInterval).
-    flops = run_token_flops(unwrap(model), config.data.max_length, config.lora.enabled, trainable, routed_trainable)
     peak = peak_flops(env.device_name(), config.logging.peak_tflops)
-    interval = TrainInterval(env, hostnames, flops, peak)
+    interval = TrainInterval(env, hostnames, shape.flops, peak)
     last_loss = float("nan")
 
     def saving(step: int, phase: str) -> contextlib.AbstractContextManager:
@@ -504,7 +500,7 @@ def _train(
         "strategy": plan.strategy,
         "trainable_params": trainable,
         "total_params": total,
-        "routed_expert_trainable_params": routed_trainable,
+        "routed_expert_trainable_params": shape.routed_trainable,
         "global_batch_size": global_batch_size,
         "train_loss": last_loss,
         "data": {"store": str(data.store), **data.summary},
