@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardtune.atomic import write_atomic
-from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, is_checkpoint
+from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, complete_checkpoints, is_checkpoint
 from shardtune.config import Config, ConfigError, TrainingConfig, dump_config
 from shardtune.errors import InputError
 from shardtune.metrics.schema import SCHEMA_VERSION
@@ -38,6 +38,8 @@ RUN_ARTIFACTS = (
     "config.yaml", "run_args.json", "metrics.json", "logs", "final", "final-merged", "tensorboard", "wandb",
     "heartbeat", "hang",
 )  # fmt: skip
+# What only a run that reached its end writes (global rank 0, after the last step).
+FINISHED_RUN_OUTPUTS = ("final", "final-merged", "metrics.json")
 # What else shardtune writes there: profiler traces, earlier hang reports, and the staging names of final/ and
 # final-merged/.
 _OTHER_ARTIFACTS = ("profile", "hang-*", ".final.tmp-*", ".final.old-*", ".final-merged.tmp-*", ".final-merged.old-*")
@@ -79,14 +81,23 @@ def previous_run_problem(training: TrainingConfig) -> str | None:
     and ``slurm``), or None: the directory holds no run, or the config replaces or continues it."""
     if training.overwrite_output_dir or training.resume_from_checkpoint:
         return None
-    existing = existing_run_artifacts(Path(training.output_dir))
-    return _holds_a_run(training.output_dir, existing) if existing else None
+    output_dir = Path(training.output_dir)
+    existing = existing_run_artifacts(output_dir)
+    return _holds_a_run(output_dir, existing) if existing else None
 
 
-def _holds_a_run(output_dir: Path | str, names: list[str]) -> str:
+def finished_run_outputs(output_dir: Path) -> list[str]:
+    """What a run that reached its end left in ``output_dir`` (``FINISHED_RUN_OUTPUTS``), by name."""
+    return [name for name in FINISHED_RUN_OUTPUTS if (output_dir / name).exists()]
+
+
+def _holds_a_run(output_dir: Path, names: list[str]) -> str:
+    # ``auto`` continues only from a complete checkpoint: without one it would train from the start and replace
+    # what the run made, so it is offered only where there is one.
+    resumable = ", or continue it with training.resume_from_checkpoint=auto" if complete_checkpoints(output_dir) else ""
     return (
-        f"training.output_dir: {output_dir} already holds a run ({', '.join(names)}); choose another output_dir, "
-        "set training.overwrite_output_dir=true, or continue it with training.resume_from_checkpoint=auto"
+        f"training.output_dir: {output_dir} already holds a run ({', '.join(names)}); choose another output_dir"
+        f"{',' if resumable else ' or'} set training.overwrite_output_dir=true{resumable}"
     )
 
 

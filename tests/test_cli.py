@@ -56,7 +56,36 @@ def test_second_run_into_the_same_directory_is_refused(tmp_path: Path):
         "train", "examples/quickstart.yaml", f"training.output_dir={out}", "training.overwrite_output_dir=false"
     )
     assert result.returncode == 2
-    assert f"training.output_dir: {out} already holds a run (logs)" in result.stderr
+    # No checkpoint there: resume_from_checkpoint=auto is not offered (it would start over and replace the run).
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"shardtune: error: training.output_dir: {out} already holds a run (logs); choose another output_dir or set "
+        "training.overwrite_output_dir=true"
+    )
+
+
+def test_auto_resume_without_a_checkpoint_never_replaces_a_finished_run(tmp_path: Path):
+    """``save_steps`` is off by default: a finished run may hold no checkpoint. ``auto`` then has nothing to continue
+    from, and starting over would replace the run's final/ and metrics.json: only overwrite_output_dir may."""
+    out = tmp_path / "run"
+    first = shardtune("train", "examples/quickstart.yaml", f"training.output_dir={out}", "training.max_steps=2")
+    assert first.returncode == 0, first.stderr
+    adapter = (out / "final/adapter_model.safetensors").read_bytes()
+    metrics = (out / "metrics.json").read_text()
+    again = ["train", "examples/quickstart.yaml", f"training.output_dir={out}", "training.max_steps=3"]
+    again += ["training.resume_from_checkpoint=auto"]
+    refused = shardtune(*again, "training.overwrite_output_dir=false")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"shardtune: error: training.resume_from_checkpoint: auto found no checkpoint to continue from in {out}, "
+        "which holds a finished run (final, metrics.json); to train again from the start and replace it, set "
+        "training.overwrite_output_dir=true, or choose another output_dir"
+    )
+    assert (out / "final/adapter_model.safetensors").read_bytes() == adapter
+    assert (out / "metrics.json").read_text() == metrics
+    replaced = shardtune(*again, "training.overwrite_output_dir=true")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "auto found no checkpoint complete on every node" in replaced.stderr
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 3
 
 
 def test_malformed_data_row_names_file_and_line(tmp_path: Path):

@@ -77,6 +77,7 @@ from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.storage import StorageDomains
 from shardtune.errors import CheckpointSaveError, ConfigError, InputError, first_line
 from shardtune.faults import fault_point
+from shardtune.run_dir import finished_run_outputs
 from shardtune.run_manifest import config_hash
 
 log = logging.getLogger("shardtune")
@@ -166,8 +167,17 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
             raise ConfigError(f"training.resume_from_checkpoint: {path} {problem}{where}")
     else:
         local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
-        everywhere = env.all_gather_objects(local)
+        seen = env.all_gather_objects((local, finished_run_outputs(output_dir)))
+        everywhere = [steps for steps, _ in seen]
         common = set(everywhere[0]).intersection(*everywhere[1:])
+        finished = sorted({name for _, names in seen for name in names})
+        if not common and finished and not config.training.overwrite_output_dir:
+            # Starting fresh would replace a finished run's outputs, which only overwrite_output_dir may do.
+            raise ConfigError(
+                f"training.resume_from_checkpoint: auto found no checkpoint to continue from in {output_dir}, "
+                f"which holds a finished run ({', '.join(finished)}); to train again from the start and replace "
+                "it, set training.overwrite_output_dir=true, or choose another output_dir"
+            )
         if not common:
             log.info(
                 "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; starting fresh",
