@@ -94,6 +94,9 @@ def assert_trains_like(run: dict, reference: dict) -> None:
     # The gradient norm covers the experts' gradients, which the losses of a few Adam steps hardly show.
     for key in ("moe_balance_loss", "grad_norm"):
         assert [row[key] for row in mine] == pytest.approx([row[key] for row in theirs], rel=1e-5), key
+    # MFU counts the whole model's FLOPs per token (every routed expert a token may use), not one rank's share.
+    flops = [[row["tflops_per_device"] / row["tokens_per_s_per_device"] for row in rows] for rows in (mine, theirs)]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9)
     # Routing statistics stay global: every rank routes its own tokens, the counts sum over all ranks.
     usage, reference_usage = (jsonl(r["out"] / "logs/expert_usage.jsonl") for r in (run, reference))
     for mine, theirs in zip(usage, reference_usage, strict=True):
