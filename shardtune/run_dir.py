@@ -77,13 +77,28 @@ def output_dir_problem(training: TrainingConfig) -> str | None:
 
 
 def previous_run_problem(training: TrainingConfig) -> str | None:
-    """The line with which a fresh run refuses its output directory (``train``, and ahead of it ``doctor``
-    and ``slurm``), or None: the directory holds no run, or the config replaces or continues it."""
-    if training.overwrite_output_dir or training.resume_from_checkpoint:
+    """The line with which a run refuses the previous run in its output directory (``train``, and ahead of it
+    ``doctor`` and ``slurm``), or None: the directory holds no run, or the config replaces or continues it."""
+    if training.overwrite_output_dir:
         return None
     output_dir = Path(training.output_dir)
+    if training.resume_from_checkpoint == "auto":
+        finished = [] if complete_checkpoints(output_dir) else finished_run_outputs(output_dir)
+        return nothing_to_resume_line(output_dir, finished) if finished else None
+    if training.resume_from_checkpoint:
+        return None
     existing = existing_run_artifacts(output_dir)
     return _holds_a_run(output_dir, existing) if existing else None
+
+
+def nothing_to_resume_line(output_dir: Path, finished: list[str]) -> str:
+    """``resume_from_checkpoint: auto`` found no checkpoint to continue from where a finished run (``finished``, by
+    name) is: starting over would replace it, which only ``overwrite_output_dir`` may."""
+    return (
+        f"training.resume_from_checkpoint: auto found no checkpoint to continue from in {output_dir}, which holds a "
+        f"finished run ({', '.join(finished)}); to train again from the start and replace it, set "
+        "training.overwrite_output_dir=true, or choose another output_dir"
+    )
 
 
 def finished_run_outputs(output_dir: Path) -> list[str]:

@@ -14,6 +14,7 @@ from cli_runs import jsonl
 from conftest import REPO
 
 from shardtune.config import load_config
+from shardtune.run_dir import output_dir_problem
 
 
 def shardtune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -82,6 +83,9 @@ def test_auto_resume_without_a_checkpoint_never_replaces_a_finished_run(tmp_path
     )
     assert (out / "final/adapter_model.safetensors").read_bytes() == adapter
     assert (out / "metrics.json").read_text() == metrics
+    # shardtune doctor's "previous run" row and shardtune slurm say the same ahead of the run.
+    config = load_config(REPO / "examples/quickstart.yaml", again[2:] + ["training.overwrite_output_dir=false"])
+    assert "shardtune: error: " + output_dir_problem(config.training) == refused.stderr.strip().splitlines()[-1]
     replaced = shardtune(*again, "training.overwrite_output_dir=true")
     assert replaced.returncode == 0, replaced.stderr
     assert "auto found no checkpoint complete on every node" in replaced.stderr

@@ -77,7 +77,7 @@ from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.storage import StorageDomains
 from shardtune.errors import CheckpointSaveError, ConfigError, InputError, first_line
 from shardtune.faults import fault_point
-from shardtune.run_dir import finished_run_outputs
+from shardtune.run_dir import finished_run_outputs, nothing_to_resume_line
 from shardtune.run_manifest import config_hash
 
 log = logging.getLogger("shardtune")
@@ -164,7 +164,8 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
         if lacking:
             problem = next(iter(lacking.values()))
             where = f" on {', '.join(sorted(lacking))}" if env.world_size > 1 else ""
-            raise ConfigError(f"training.resume_from_checkpoint: {path} {problem}{where}")
+            line = f"training.resume_from_checkpoint: {path} {problem}{where}"
+            raise ConfigError(line if env.is_main else [])  # every rank exits 2; rank 0 says why, once
     else:
         local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
         seen = env.all_gather_objects((local, finished_run_outputs(output_dir)))
@@ -172,12 +173,8 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
         common = set(everywhere[0]).intersection(*everywhere[1:])
         finished = sorted({name for _, names in seen for name in names})
         if not common and finished and not config.training.overwrite_output_dir:
-            # Starting fresh would replace a finished run's outputs, which only overwrite_output_dir may do.
-            raise ConfigError(
-                f"training.resume_from_checkpoint: auto found no checkpoint to continue from in {output_dir}, "
-                f"which holds a finished run ({', '.join(finished)}); to train again from the start and replace "
-                "it, set training.overwrite_output_dir=true, or choose another output_dir"
-            )
+            # On every node (the output directory's own check, in claim_output_dir, sees one disk's checkpoints).
+            raise ConfigError(nothing_to_resume_line(output_dir, finished) if env.is_main else [])
         if not common:
             log.info(
                 "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; starting fresh",

@@ -237,3 +237,25 @@ def test_a_previous_run_on_another_nodes_disk_stops_a_fresh_run_on_every_rank_wi
     assert (tmp_path / "node-b" / "checkpoint-9" / "notes.txt").read_text() == "node-b's run\n"
     assert existing_run_artifacts(tmp_path / "node-a") == []
     assert existing_run_artifacts(tmp_path / "node-b") == ["checkpoint-9"]
+
+
+def test_auto_resume_with_no_checkpoint_on_every_node_never_replaces_the_finished_run(tmp_path):
+    """node-a holds the finished run and its checkpoint, node-b lost its copy of the checkpoint: ``auto`` has
+    nothing every node can continue from, and starting over would replace final/ on node-a, so every rank stops with
+    one line."""
+    common = ["parallel.strategy=ddp", "lora.lora_dropout=0", "training.checkpoint_mode=lite"]
+    succeeded(train_on_two_nodes(tmp_path, *common, "training.max_steps=2", "training.save_steps=2"))
+    shutil.rmtree(tmp_path / "node-b" / "checkpoint-2")
+    adapter_bytes = (tmp_path / "node-a" / "final" / "adapter_model.safetensors").read_bytes()
+    results = train_on_two_nodes(
+        tmp_path, *common, "training.max_steps=4", "training.resume_from_checkpoint=auto",
+        "training.overwrite_output_dir=false",
+    )  # fmt: skip
+    assert [result.returncode for result in results] == [2, 2], results[0].stderr[-3000:] + results[1].stderr[-3000:]
+    errors = [line for result in results for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"shardtune: error: training.resume_from_checkpoint: auto found no checkpoint to continue from in "
+        f"{tmp_path / 'run'}, which holds a finished run (final, metrics.json); to train again from the start and "
+        "replace it, set training.overwrite_output_dir=true, or choose another output_dir"
+    ]
+    assert (tmp_path / "node-a" / "final" / "adapter_model.safetensors").read_bytes() == adapter_bytes
