@@ -1,9 +1,9 @@
 """The run directory (``training.output_dir``): what a run leaves behind, written by global rank 0.
 
 Files are written to a temporary name and renamed (``shardtune.atomic``), so a reader (or a crash) never
-sees half a file. A run holds every copy of its directory alone, and a fresh run never mixes with an earlier one
-(``claim_output_dir``, ``prepare_output_dir``), and ``export`` and
-``convert`` never write over a run, a checkpoint or their own input (``check_output_path``).
+sees half a file. A run holds every copy of its directory alone and never mixes with an earlier run there
+(``claim_output_dir``, ``prepare_output_dir``); ``export`` and ``convert`` never write over a run, a checkpoint
+or their own input (``check_output_path``).
 """
 
 from __future__ import annotations
