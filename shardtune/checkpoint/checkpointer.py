@@ -159,12 +159,25 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
         return None
     if setting != "auto":
         path = Path(setting)
-        present = env.all_gather_objects((socket.gethostname(), not_a_checkpoint(path)))
-        lacking = {host: problem for host, problem in present if problem}
+        present = env.all_gather_objects(
+            (socket.gethostname(), not_a_checkpoint(path), _later_checkpoints(path, output_dir))
+        )
+        lacking = {host: problem for host, problem, _ in present if problem}
+        later = sorted({step for _, _, steps in present for step in steps})
+        line = None
         if lacking:
             problem = next(iter(lacking.values()))
             where = f" on {', '.join(sorted(lacking))}" if env.world_size > 1 else ""
             line = f"training.resume_from_checkpoint: {path} {problem}{where}"
+        elif later:
+            # Its steps would be redone next to the later run's checkpoints: rotation and a later ``auto`` would
+            # mix the two, and each save of a step the later run saved too would replace its checkpoint.
+            names = ", ".join(f"checkpoint-{step}" for step in later)
+            line = (
+                f"training.resume_from_checkpoint: {path} is older than {names} in {output_dir}, saved by the run "
+                f"that went on from it; resume from checkpoint-{later[-1]}, or from {path} into another output_dir"
+            )
+        if line:
             raise ConfigError(line if env.is_main else [])  # every rank exits 2; rank 0 says why, once
     else:
         local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
@@ -197,6 +210,14 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
             + ". Resume with the checkpoint's values (its config.yaml), or start a new run in another output_dir"
         )  # fmt: skip
     return ResumePoint(path, read_step(path))
+
+
+def _later_checkpoints(path: Path, output_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``output_dir`` after ``path``'s, where ``path`` is one of them."""
+    step = checkpoint_step(path)
+    if step is None or path.resolve().parent != output_dir.resolve():
+        return []
+    return [later for later in map(checkpoint_step, complete_checkpoints(output_dir)) if later > step]
 
 
 class Checkpointer:

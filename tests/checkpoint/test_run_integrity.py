@@ -172,7 +172,7 @@ def test_resuming_a_finished_checkpoint_changes_nothing(runs):
 
 def test_resuming_with_another_adapter_is_one_line_naming_the_keys(runs):
     before = snapshot(runs["resumed"])
-    checkpoint = runs["resumed"] / "checkpoint-3"
+    checkpoint = runs["resumed"] / "checkpoint-6"
     result = train(
         runs["tmp"], runs["resumed"], 1, "training.max_steps=8", f"training.resume_from_checkpoint={checkpoint}",
         "lora.r=4", "lora.target_modules=[q_proj]", "training.learning_rate=1e-3", expect=2,
@@ -182,6 +182,32 @@ def test_resuming_with_another_adapter_is_one_line_naming_the_keys(runs):
         'data: lora.r 16 -> 4; lora.target_modules "all-linear" -> ["q_proj"]. Resume with the checkpoint\'s values '
         "(its config.yaml), or start a new run in another output_dir"
     ]
+    assert snapshot(runs["resumed"]) == before
+
+
+def test_resuming_from_an_older_checkpoint_in_place_is_refused_and_branches_into_another_output_dir(runs):
+    """checkpoint-3 of a run that went on to checkpoint-6: its steps redone in that directory would replace
+    checkpoint-6 when saved again, and any later checkpoint they did not reach would stay for rotation and ``auto``
+    to mix with them. Refused in one line, nothing changed; into another output_dir it resumes."""
+    before = snapshot(runs["resumed"])
+    checkpoint = runs["resumed"] / "checkpoint-3"
+    result = train(
+        runs["tmp"], runs["resumed"], 1, "training.max_steps=8", "training.save_steps=3",
+        f"training.resume_from_checkpoint={checkpoint}", expect=2,
+    )  # fmt: skip
+    assert result.stderr.strip().splitlines() == [
+        f"shardtune: error: training.resume_from_checkpoint: {checkpoint} is older than checkpoint-6 in "
+        f"{runs['resumed']}, saved by the run that went on from it; resume from checkpoint-6, or from {checkpoint} "
+        "into another output_dir"
+    ]
+    assert snapshot(runs["resumed"]) == before
+    branch = runs["tmp"] / "branch"
+    log = train(
+        runs["tmp"], branch, 1, "training.max_steps=6", "training.logging_steps=2", "lora.lora_dropout=0",
+        f"training.resume_from_checkpoint={checkpoint}",
+    ).stderr  # fmt: skip
+    assert f"resumed from {checkpoint} (step 3" in log
+    assert json.loads((branch / "metrics.json").read_text())["steps"] == 6
     assert snapshot(runs["resumed"]) == before
 
 
