@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from shardtune import __version__
 from shardtune.bench import add_bench_parser
-from shardtune.config import Config, add_config_arguments, load_config
+from shardtune.config import Config, TrainingConfig, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
 from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
@@ -89,6 +89,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch_node(spec, ["train", args.config, *args.overrides], config.network)
 
 
+def _restarts_from_its_own_checkpoints(training: TrainingConfig) -> bool:
+    """Whether a restarted run is to take the newest checkpoint of its output directory (``auto``) in place of what
+    the config says: a fresh run, and one resumed from a checkpoint of that directory, which the first attempt's own
+    checkpoints may have gone past. One resumed from another directory's checkpoint resumes from it again."""
+    resume = training.resume_from_checkpoint
+    if resume is None or resume == "auto":
+        return resume is None
+    return os.path.realpath(os.path.dirname(resume.rstrip("/"))) == os.path.realpath(training.output_dir)
+
+
 def _train_here(config: Config) -> int:
     """This process's part of the training: a worker, or the only process."""
     # Heavy imports only after the config is known to be good: errors above come back in a second.
@@ -100,7 +110,7 @@ def _train_here(config: Config) -> int:
 
     catch_interrupts()
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
-    if restarts and config.training.resume_from_checkpoint is None:
+    if restarts and _restarts_from_its_own_checkpoints(config.training):
         # The launcher restarted the workers after a failure: carry on from the last checkpoint.
         training = config.training.model_copy(update={"resume_from_checkpoint": "auto"})
         config = config.model_copy(update={"training": training})

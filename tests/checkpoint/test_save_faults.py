@@ -133,3 +133,18 @@ def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_
         assert same_weights(
             checkpoint_weights(out / "checkpoint-2"), checkpoint_weights(uninterrupted / "checkpoint-2")
         )
+
+
+def test_a_restart_of_a_run_resumed_from_a_checkpoint_in_place_carries_on_from_its_own_newest(tmp_path):
+    """Resumed from checkpoint-2 of its own directory, the run saves checkpoint-4 and then loses a worker: the restart
+    continues from checkpoint-4 (``auto``), neither redoing steps 3-4 nor refusing checkpoint-2 as older."""
+    out = tmp_path / "run"
+    first = run(tmp_path, out, 2, "training.max_steps=2", "training.save_steps=2")
+    assert first.returncode == 0, first.log[-3000:]
+    resume = f"training.resume_from_checkpoint={out / 'checkpoint-2'}"
+    kill = "forward_backward:kill:rank=1:step=5:attempt=0"
+    result = run(tmp_path, out, 2, *SAVING, resume, fault=kill, max_restarts=1)
+    assert result.returncode == 0, result.log[-4000:]
+    assert "workers failed (exit 1); restart 1 of 1" in result.log
+    assert f"resumed from {out / 'checkpoint-4'} (step 4, saved by 2 rank(s)" in result.log
+    assert [row["step"] for row in train_log(out)] == [1, 2, 3, 4, 5, 6]
