@@ -15,10 +15,12 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune import __version__
 from shardtune.bench import add_bench_parser
+from shardtune.checkpoint.layout import lies_in
 from shardtune.config import Config, TrainingConfig, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
@@ -94,9 +96,9 @@ def _restarts_from_its_own_checkpoints(training: TrainingConfig) -> bool:
     the config says: a fresh run, and one resumed from a checkpoint of that directory, which the first attempt's own
     checkpoints may have gone past. One resumed from another directory's checkpoint resumes from it again."""
     resume = training.resume_from_checkpoint
-    if resume is None or resume == "auto":
-        return resume is None
-    return os.path.realpath(os.path.dirname(resume.rstrip("/"))) == os.path.realpath(training.output_dir)
+    if resume == "auto":
+        return False
+    return resume is None or lies_in(Path(resume), Path(training.output_dir))
 
 
 def _train_here(config: Config) -> int:
@@ -170,8 +172,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from shardtune.checkpoint.export_checkpoint import export_checkpoint
 
     setup_logging(True)

@@ -55,6 +55,7 @@ from shardtune.atomic import replace_path, write_atomic
 from shardtune.checkpoint.layout import (
     checkpoint_step,
     complete_checkpoints,
+    lies_in,
     not_a_checkpoint,
     read_step,
     resume_conflicts,
@@ -215,7 +216,7 @@ def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint |
 def _later_checkpoints(path: Path, output_dir: Path) -> list[int]:
     """The steps of the complete checkpoints in ``output_dir`` after ``path``'s, where ``path`` is one of them."""
     step = checkpoint_step(path)
-    if step is None or path.resolve().parent != output_dir.resolve():
+    if step is None or not lies_in(path, output_dir):
         return []
     return [later for later in map(checkpoint_step, complete_checkpoints(output_dir)) if later > step]
 

@@ -64,6 +64,11 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [path for step, path in sorted((s, p) for s, p in found if s is not None) if is_checkpoint(path)]
 
 
+def lies_in(path: Path, output_dir: Path) -> bool:
+    """Whether ``path`` (a checkpoint) is an entry of the run directory ``output_dir``, links resolved."""
+    return path.resolve().parent == output_dir.resolve()
+
+
 def read_step(path: Path) -> int:
     return int(json.loads((path / "manifest.json").read_text(encoding="utf-8"))["step"])
 
