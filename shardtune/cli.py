@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 from shardtune import __version__
 from shardtune.bench import add_bench_parser
-from shardtune.checkpoint.layout import lies_in
-from shardtune.config import Config, TrainingConfig, add_config_arguments, load_config
+from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
 from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
@@ -91,14 +90,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch_node(spec, ["train", args.config, *args.overrides], config.network)
 
 
-def _restarts_from_its_own_checkpoints(training: TrainingConfig) -> bool:
-    """Whether a restarted run is to take the newest checkpoint of its output directory (``auto``) in place of what
-    the config says: a fresh run, and one resumed from a checkpoint of that directory, which the first attempt's own
-    checkpoints may have gone past. One resumed from another directory's checkpoint resumes from it again."""
-    resume = training.resume_from_checkpoint
-    if resume == "auto":
-        return False
-    return resume is None or lies_in(Path(resume), Path(training.output_dir))
+def _as_continuation(config: Config) -> tuple[Config, str | None]:
+    """A run started again after it failed: a restart by the launcher (``SHARDTUNE_RESTART_COUNT``) or a requeued
+    Slurm job (``SHARDTUNE_REQUEUE_COUNT``, set by the sbatch script). It carries on from the newest checkpoint of
+    its output directory complete on every node (``auto``): its own, which may have gone past the checkpoint it
+    was resumed from. The config's own setting is where it starts if it has saved none yet (the second value): from
+    the start, or from the checkpoint it was resumed from, as its first attempt did. Any other run is as
+    configured."""
+    resume = config.training.resume_from_checkpoint
+    attempts = (os.environ.get(name, "0") for name in ("SHARDTUNE_RESTART_COUNT", "SHARDTUNE_REQUEUE_COUNT"))
+    if resume == "auto" or not any(int(count) for count in attempts):
+        return config, None
+    training = config.training.model_copy(update={"resume_from_checkpoint": "auto"})
+    return config.model_copy(update={"training": training}), resume
 
 
 def _train_here(config: Config) -> int:
@@ -112,10 +116,7 @@ def _train_here(config: Config) -> int:
 
     catch_interrupts()
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
-    if restarts and _restarts_from_its_own_checkpoints(config.training):
-        # The launcher restarted the workers after a failure: carry on from the last checkpoint.
-        training = config.training.model_copy(update={"resume_from_checkpoint": "auto"})
-        config = config.model_copy(update={"training": training})
+    config, resume_otherwise = _as_continuation(config)
     if config.hang_timeout_s > 0:
         from shardtune.train.watchdog import enable_flight_recorder
 
@@ -135,7 +136,7 @@ def _train_here(config: Config) -> int:
     try:
         # Every rank, before anything is written or loaded: all stop with the same line (printed once).
         preflight(config, env.device, env.world_size)
-        run_training(config, env, sys.argv)
+        run_training(config, env, sys.argv, resume_otherwise)
     except Preempted as stopped:
         # Every rank stops alike; one line for the run.
         say_once([stopped.line()], every_rank_says_it=True)

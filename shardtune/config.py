@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from shardtune.checkpoint.layout import not_a_checkpoint
+from shardtune.checkpoint.layout import enclosing_checkpoint, not_a_checkpoint
 from shardtune.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -621,6 +621,15 @@ def _check_paths(config: Config) -> list[str]:
     problem = not_a_checkpoint(Path(resume)) if resume not in (None, "auto") else None
     if problem:
         problems.append(f"training.resume_from_checkpoint: {resume} {problem}")
+    # A run writes its config, logs and checkpoints there, and clears them for a fresh run; a checkpoint is never
+    # written to (and its own run's rotation would remove this one with it).
+    output_dir = Path(config.training.output_dir)
+    if checkpoint := enclosing_checkpoint(output_dir):
+        where = "is the checkpoint" if checkpoint == output_dir.resolve() else "lies inside the checkpoint"
+        problems.append(
+            f"training.output_dir: {output_dir} {where} {checkpoint}, which is never written to; choose another "
+            "output_dir"
+        )
     problem = model_path_problem(config.model)
     return problems + ([problem] if problem else [])
 

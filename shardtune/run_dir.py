@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardtune.atomic import write_atomic
-from shardtune.checkpoint.layout import STAGING_GLOB, checkpoint_step, complete_checkpoints, is_checkpoint
+from shardtune.checkpoint.layout import (
+    STAGING_GLOB,
+    checkpoint_step,
+    complete_checkpoints,
+    enclosing_checkpoint,
+    lies_in,
+)
 from shardtune.config import Config, ConfigError, TrainingConfig, dump_config
 from shardtune.errors import InputError
 from shardtune.metrics.schema import SCHEMA_VERSION
@@ -82,13 +88,22 @@ def previous_run_problem(training: TrainingConfig) -> str | None:
     if training.overwrite_output_dir:
         return None
     output_dir = Path(training.output_dir)
-    if training.resume_from_checkpoint == "auto":
+    resume = training.resume_from_checkpoint
+    if resume == "auto":
         finished = [] if complete_checkpoints(output_dir) else finished_run_outputs(output_dir)
         return nothing_to_resume_line(output_dir, finished) if finished else None
-    if training.resume_from_checkpoint:
-        return None
-    existing = existing_run_artifacts(output_dir)
-    return _holds_a_run(output_dir, existing) if existing else None
+    if starts_a_run(training):
+        existing = existing_run_artifacts(output_dir)
+        return _holds_a_run(output_dir, existing, branch_from=resume) if existing else None
+    return None
+
+
+def starts_a_run(training: TrainingConfig) -> bool:
+    """Whether the run is a new one in its output directory: a fresh run, or one that branches from another
+    directory's checkpoint. Only a resume from ``auto`` or from a checkpoint of the output directory itself
+    continues the run there."""
+    resume = training.resume_from_checkpoint
+    return resume is None or (resume != "auto" and not lies_in(Path(resume), Path(training.output_dir)))
 
 
 def nothing_to_resume_line(output_dir: Path, finished: list[str]) -> str:
@@ -106,13 +121,16 @@ def finished_run_outputs(output_dir: Path) -> list[str]:
     return [name for name in FINISHED_RUN_OUTPUTS if (output_dir / name).exists()]
 
 
-def _holds_a_run(output_dir: Path, names: list[str]) -> str:
+def _holds_a_run(output_dir: Path, names: list[str], branch_from: str | None = None) -> str:
+    """A fresh run's line, or (``branch_from``) that of a run resumed from another directory's checkpoint, which
+    is a new run too: it would mix its checkpoints with that run's, and a later ``auto`` take the newest of either."""
+    start = f"; to train from {branch_from}, choose" if branch_from else "; choose"
     # ``auto`` continues only from a complete checkpoint: without one it would train from the start and replace
     # what the run made, so it is offered only where there is one.
-    resumable = ", or continue it with training.resume_from_checkpoint=auto" if complete_checkpoints(output_dir) else ""
+    resumable = "; or continue it with training.resume_from_checkpoint=auto" if complete_checkpoints(output_dir) else ""
     return (
-        f"training.output_dir: {output_dir} already holds a run ({', '.join(names)}); choose another output_dir"
-        f"{',' if resumable else ' or'} set training.overwrite_output_dir=true{resumable}"
+        f"training.output_dir: {output_dir} already holds a run ({', '.join(names)}){start} another output_dir or "
+        f"set training.overwrite_output_dir=true{resumable}"
     )
 
 
@@ -138,7 +156,7 @@ def claim_output_dir(env: DistributedEnv, training: TrainingConfig, domains: Sto
         if lock is not None:
             lock.release()
         raise ConfigError(problems[0] if env.is_main else [])  # every rank exits 2; rank 0 says why, once
-    if domains.is_leader and training.resume_from_checkpoint is None:
+    if domains.is_leader and starts_a_run(training):
         prepare_output_dir(output_dir, training.overwrite_output_dir)
     return lock
 
@@ -177,11 +195,8 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> None:
         )  # fmt: skip
         if overlap:
             raise InputError(f"--out {out}: {overlap}; choose another --out")
-    for directory in (target, *target.parents):
-        if directory.is_dir() and is_checkpoint(directory):
-            raise InputError(
-                f"--out {out}: {directory} is a checkpoint, which is never written to; choose another --out"
-            )
+    if checkpoint := enclosing_checkpoint(target):
+        raise InputError(f"--out {out}: {checkpoint} is a checkpoint, which is never written to; choose another --out")
     # A run's directory is protected; a new directory inside it (RUN/adapter) is not.
     if run := existing_run_artifacts(target):
         raise InputError(

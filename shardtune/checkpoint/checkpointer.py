@@ -149,59 +149,72 @@ class ResumePoint:
     step: int
 
 
-def find_resume_checkpoint(config: Config, env: DistributedEnv) -> ResumePoint | None:
+def find_resume_checkpoint(config: Config, env: DistributedEnv, otherwise: str | None = None) -> ResumePoint | None:
     """The checkpoint ``training.resume_from_checkpoint`` names: ``auto`` (the newest complete on every
-    node, if any), a path, or none. A collective (every rank gets the same answer), made before anything
-    is written or loaded. A checkpoint saved with a config that made other weights, another adapter or
-    other data is refused here, naming each key that differs."""
+    node; where there is none, ``otherwise``, or none), a path, or none. A collective (every rank gets the same
+    answer), made before anything is written or loaded. A checkpoint saved with a config that made other weights,
+    another adapter or other data is refused here, naming each key that differs."""
     setting = config.training.resume_from_checkpoint
     output_dir = Path(config.training.output_dir)
+    if setting == "auto":
+        newest = _newest_everywhere(config, env)
+        if newest is not None:
+            return _resume_point(config, newest)
+        log.info(
+            "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; %s",
+            output_dir, f"starting from {otherwise}" if otherwise else "starting fresh",
+        )  # fmt: skip
+        setting = otherwise
     if setting is None:
         return None
-    if setting != "auto":
-        path = Path(setting)
-        present = env.all_gather_objects(
-            (socket.gethostname(), not_a_checkpoint(path), _later_checkpoints(path, output_dir))
+    path = Path(setting)
+    present = env.all_gather_objects(
+        (socket.gethostname(), not_a_checkpoint(path), _later_checkpoints(path, output_dir))
+    )
+    lacking = {host: problem for host, problem, _ in present if problem}
+    later = sorted({step for _, _, steps in present for step in steps})
+    line = None
+    if lacking:
+        problem = next(iter(lacking.values()))
+        where = f" on {', '.join(sorted(lacking))}" if env.world_size > 1 else ""
+        line = f"training.resume_from_checkpoint: {path} {problem}{where}"
+    elif later:
+        # Its steps would be redone next to the later run's checkpoints: rotation and a later ``auto`` would
+        # mix the two, and each save of a step the later run saved too would replace its checkpoint.
+        names = ", ".join(f"checkpoint-{step}" for step in later)
+        line = (
+            f"training.resume_from_checkpoint: {path} is older than {names} in {output_dir}, saved by the run "
+            f"that went on from it; resume from checkpoint-{later[-1]}, or from {path} into another output_dir"
         )
-        lacking = {host: problem for host, problem, _ in present if problem}
-        later = sorted({step for _, _, steps in present for step in steps})
-        line = None
-        if lacking:
-            problem = next(iter(lacking.values()))
-            where = f" on {', '.join(sorted(lacking))}" if env.world_size > 1 else ""
-            line = f"training.resume_from_checkpoint: {path} {problem}{where}"
-        elif later:
-            # Its steps would be redone next to the later run's checkpoints: rotation and a later ``auto`` would
-            # mix the two, and each save of a step the later run saved too would replace its checkpoint.
-            names = ", ".join(f"checkpoint-{step}" for step in later)
-            line = (
-                f"training.resume_from_checkpoint: {path} is older than {names} in {output_dir}, saved by the run "
-                f"that went on from it; resume from checkpoint-{later[-1]}, or from {path} into another output_dir"
-            )
-        if line:
-            raise ConfigError(line if env.is_main else [])  # every rank exits 2; rank 0 says why, once
-    else:
-        local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
-        seen = env.all_gather_objects((local, finished_run_outputs(output_dir)))
-        everywhere = [steps for steps, _ in seen]
-        common = set(everywhere[0]).intersection(*everywhere[1:])
-        finished = sorted({name for _, names in seen for name in names})
-        if not common and finished and not config.training.overwrite_output_dir:
-            # On every node (the output directory's own check, in claim_output_dir, sees one disk's checkpoints).
-            raise ConfigError(nothing_to_resume_line(output_dir, finished) if env.is_main else [])
-        if not common:
-            log.info(
-                "resume_from_checkpoint: auto found no checkpoint complete on every node in %s; starting fresh",
-                output_dir,
-            )
-            return None
-        newest_anywhere = max(max(steps, default=0) for steps in everywhere)
-        if newest_anywhere > max(common):
-            log.warning(
-                "resume_from_checkpoint: checkpoint-%d is not complete on every node; using checkpoint-%d",
-                newest_anywhere, max(common),
-            )  # fmt: skip
-        path = output_dir / f"checkpoint-{max(common)}"
+    if line:
+        raise ConfigError(line if env.is_main else [])  # every rank exits 2; rank 0 says why, once
+    return _resume_point(config, path)
+
+
+def _newest_everywhere(config: Config, env: DistributedEnv) -> Path | None:
+    """``auto``'s checkpoint: the newest complete on every node, or None. A collective."""
+    output_dir = Path(config.training.output_dir)
+    local = [checkpoint_step(path) for path in complete_checkpoints(output_dir)]
+    seen = env.all_gather_objects((local, finished_run_outputs(output_dir)))
+    everywhere = [steps for steps, _ in seen]
+    common = set(everywhere[0]).intersection(*everywhere[1:])
+    finished = sorted({name for _, names in seen for name in names})
+    if not common and finished and not config.training.overwrite_output_dir:
+        # On every node (the output directory's own check, in claim_output_dir, sees one disk's checkpoints).
+        raise ConfigError(nothing_to_resume_line(output_dir, finished) if env.is_main else [])
+    if not common:
+        return None
+    newest_anywhere = max(max(steps, default=0) for steps in everywhere)
+    if newest_anywhere > max(common):
+        log.warning(
+            "resume_from_checkpoint: checkpoint-%d is not complete on every node; using checkpoint-%d",
+            newest_anywhere, max(common),
+        )  # fmt: skip
+    return output_dir / f"checkpoint-{max(common)}"
+
+
+def _resume_point(config: Config, path: Path) -> ResumePoint:
+    """``path``, once its config is known to have made the same weights, adapter and data as this one."""
     saved = load_config(path / "config.yaml", check_paths=False)
     conflicts = resume_conflicts(saved.to_dict(), config.to_dict())
     if conflicts:

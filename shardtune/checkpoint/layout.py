@@ -64,6 +64,12 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [path for step, path in sorted((s, p) for s, p in found if s is not None) if is_checkpoint(path)]
 
 
+def enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint that ``path`` is, or lies inside (links resolved), or None: what is never written to."""
+    target = path.resolve()
+    return next((directory for directory in (target, *target.parents) if is_checkpoint(directory)), None)
+
+
 def lies_in(path: Path, output_dir: Path) -> bool:
     """Whether ``path`` (a checkpoint) is an entry of the run directory ``output_dir``, links resolved."""
     return path.resolve().parent == output_dir.resolve()

@@ -89,12 +89,9 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
 head_addr=${head_addr:-$head_node}
 {{network}}
-# A requeued job (SLURM_RESTART_COUNT > 0) resumes from the newest complete checkpoint,
-# such as the one its preemption committed.
-resume=
-if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-    resume=training.resume_from_checkpoint=auto
-fi
+# A requeued job (SLURM_RESTART_COUNT > 0) carries on from the newest complete checkpoint of its
+# output directory, such as the one its preemption committed; with none yet, it starts as configured.
+export SHARDTUNE_REQUEUE_COUNT=${SLURM_RESTART_COUNT:-0}
 
 # One `shardtune launch` per node. `bash -c` adds --node-rank inside each task, where SLURM_NODEID
 # is that node's index in the allocation (0 is the node the others meet at).
@@ -108,7 +105,7 @@ srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1{{srun_cpus}} --kill-on-b
         --rdzv-endpoint "$head_addr:{{port}}" \
         --rdzv-id "$SLURM_JOB_ID" \
         --max-restarts {{max_restarts}} \
-        {{config}} $resume &
+        {{config}} &
 step=$!
 
 # Slurm signals the tasks itself (--signal above, `scancel --signal=USR1`). A SIGUSR1 sent to this

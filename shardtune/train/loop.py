@@ -209,8 +209,11 @@ def freeze_long_lived_objects() -> None:
     gc.freeze()
 
 
-def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> TrainingResult:
-    """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0."""
+def run_training(
+    config: Config, env: DistributedEnv, argv: list[str], resume_otherwise: str | None = None
+) -> TrainingResult:
+    """Train as configured; ``final/`` and ``metrics.json`` are written by global rank 0. ``resume_otherwise``: the
+    checkpoint to start from where ``resume_from_checkpoint: auto`` finds none (a restarted run's first start)."""
     # However the run ends (done, an error, a preemption), what watches it stops with it.
     with contextlib.ExitStack() as on_exit:
         # What freeze_long_lived_objects froze goes back to the collector with the run (a caller training again
@@ -218,7 +221,7 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
         on_exit.callback(gc.unfreeze)
         run = types.SimpleNamespace(heartbeat=None)  # where the run is, once its steps begin
         try:
-            return _train(config, env, argv, on_exit, run)
+            return _train(config, env, argv, resume_otherwise, on_exit, run)
         except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
@@ -232,7 +235,12 @@ def run_training(config: Config, env: DistributedEnv, argv: list[str]) -> Traini
 
 
 def _train(
-    config: Config, env: DistributedEnv, argv: list[str], on_exit: contextlib.ExitStack, run: types.SimpleNamespace
+    config: Config,
+    env: DistributedEnv,
+    argv: list[str],
+    resume_otherwise: str | None,
+    on_exit: contextlib.ExitStack,
+    run: types.SimpleNamespace,
 ) -> TrainingResult:
     training = config.training
     output_dir = Path(training.output_dir)
@@ -247,7 +255,7 @@ def _train(
     hostnames = env.hostnames()
     world = describe_world(env, hostnames)  # a collective
     # Before anything is written or loaded: the checkpoint this run continues, if any, and whether it may.
-    resume = find_resume_checkpoint(config, env)
+    resume = find_resume_checkpoint(config, env, resume_otherwise)
 
     precision = Precision.resolve(config, env.device)
     tokenizer = load_tokenizer(config.model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from shardtune.checkpoint.layout import resume_conflicts
 from shardtune.config import load_config
+from shardtune.run_dir import output_dir_problem
 from shardtune.run_lock import current_holder
 
 
@@ -209,6 +211,52 @@ def test_resuming_from_an_older_checkpoint_in_place_is_refused_and_branches_into
     assert f"resumed from {checkpoint} (step 3" in log
     assert json.loads((branch / "metrics.json").read_text())["steps"] == 6
     assert snapshot(runs["resumed"]) == before
+
+
+def test_branching_into_a_directory_that_holds_another_run_is_refused_unless_it_is_replaced(runs):
+    """A resume from another directory's checkpoint starts a new run: into a directory holding a run it would mix
+    its checkpoints with that run's (a later ``auto`` would take the newest of either), and its final/ and
+    metrics.json would replace that run's. Refused in one line (``doctor`` and ``slurm`` say it too), nothing
+    changed; with overwrite_output_dir the old run's files go, and the branch trains from the checkpoint."""
+    checkpoint = runs["resumed"] / "checkpoint-3"
+    other = runs["tmp"] / "other"
+    shutil.copytree(runs["straight"], other)
+    (other / "notes.txt").write_text("my notes\n")
+    before = snapshot(other)
+    branch = ("training.max_steps=6", "training.logging_steps=2", "lora.lora_dropout=0")
+    branch += (f"training.resume_from_checkpoint={checkpoint}",)
+    branch += ("training.overwrite_output_dir=false",)  # the quickstart's is true
+    refused = train(runs["tmp"], other, 1, *branch, expect=2)
+    line = (
+        f"shardtune: error: training.output_dir: {other} already holds a run (config.yaml, final, heartbeat, logs, "
+        f"metrics.json, run_args.json); to train from {checkpoint}, choose another output_dir or set "
+        "training.overwrite_output_dir=true"
+    )
+    assert refused.stderr.strip().splitlines() == [line]
+    assert snapshot(other) == before
+    config = load_config(REPO / "examples/quickstart.yaml", [f"training.output_dir={other}", *branch])
+    assert "shardtune: error: " + output_dir_problem(config.training) == line
+    replaced = train(runs["tmp"], other, 1, *branch, "training.overwrite_output_dir=true").stderr
+    assert "removing the previous run's config.yaml, final, heartbeat, logs, metrics.json, run_args.json" in replaced
+    assert f"resumed from {checkpoint} (step 3" in replaced
+    assert steps(other / "logs/train_log.jsonl") == [4, 6]
+    assert (other / "notes.txt").read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the-checkpoint", "inside-it"])
+def test_an_output_dir_in_a_checkpoint_is_refused_before_anything_is_written(runs, inside):
+    """A checkpoint is never written to: a run there with overwrite_output_dir would remove its config.yaml, and
+    one inside it would go with it when its own run's rotation removes it."""
+    checkpoint = runs["resumed"] / "checkpoint-3"
+    out = checkpoint / "branch" if inside else checkpoint
+    before = snapshot(runs["resumed"])
+    refused = train(runs["tmp"], out, 1, "training.overwrite_output_dir=true", expect=2)
+    where = "lies inside the checkpoint" if inside else "is the checkpoint"
+    assert refused.stderr.strip().splitlines() == [
+        f"shardtune: error: training.output_dir: {out} {where} {checkpoint}, which is never written to; choose "
+        "another output_dir"
+    ]
+    assert snapshot(runs["resumed"]) == before and not (checkpoint / "branch").exists()
 
 
 def test_what_a_resume_may_change(monkeypatch):

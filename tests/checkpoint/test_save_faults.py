@@ -135,6 +135,40 @@ def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_
         )
 
 
+@pytest.mark.parametrize("killed_at", [3, 5], ids=["before-its-first-save", "after-it"])
+def test_a_restart_of_a_run_branched_from_another_directory_carries_on_from_its_own_newest_else_the_branch_point(
+    tmp_path, killed_at
+):
+    """Resumed from another directory's checkpoint-2, the run loses a worker: before its first save (step 3), the
+    restart starts from that checkpoint again (the first attempt's files in its directory are its own, not another
+    run's); after checkpoint-4 (step 5), it continues from checkpoint-4 rather than redoing steps 3-4."""
+    source, out = tmp_path / "source", tmp_path / "run"
+    first = run(tmp_path, source, 2, "training.max_steps=2", "training.save_steps=2")
+    assert first.returncode == 0, first.log[-3000:]
+    resume = f"training.resume_from_checkpoint={source / 'checkpoint-2'}"
+    kill = f"forward_backward:kill:rank=1:step={killed_at}:attempt=0"
+    result = run(tmp_path, out, 2, *SAVING, resume, "training.overwrite_output_dir=false", fault=kill, max_restarts=1)
+    assert result.returncode == 0, result.log[-4000:]
+    assert "workers failed (exit 1); restart 1 of 1" in result.log
+    resumed = [line.split("INFO ")[-1] for line in result.log.splitlines() if "INFO resumed from" in line]
+    restart_from = out / "checkpoint-4" if killed_at == 5 else source / "checkpoint-2"
+    assert [line.split(" (step")[0] for line in resumed] == [
+        f"resumed from {source / 'checkpoint-2'}",
+        f"resumed from {restart_from}",
+    ]
+    assert [row["step"] for row in train_log(out)] == [3, 4, 5, 6]
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    if killed_at == 5:
+        # Started again by hand, the same command would be a second branch mixed into this one's checkpoints.
+        again = run(tmp_path, out, 2, *SAVING, resume, "training.overwrite_output_dir=false")
+        assert again.returncode == 2 and again.log.strip().splitlines()[-1] == (
+            f"shardtune: error: training.output_dir: {out} already holds a run (checkpoint-4, checkpoint-6, "
+            f"config.yaml, final, heartbeat, logs, metrics.json, run_args.json); to train from {source}/checkpoint-2, "
+            "choose another output_dir or set training.overwrite_output_dir=true; or continue it with "
+            "training.resume_from_checkpoint=auto"
+        ), again.log[-3000:]
+
+
 def test_a_restart_of_a_run_resumed_from_a_checkpoint_in_place_carries_on_from_its_own_newest(tmp_path):
     """Resumed from checkpoint-2 of its own directory, the run saves checkpoint-4 and then loses a worker: the restart
     continues from checkpoint-4 (``auto``), neither redoing steps 3-4 nor refusing checkpoint-2 as older."""

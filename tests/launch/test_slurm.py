@@ -63,7 +63,9 @@ def test_gpu_job_script(tmp_path, capsys):
         assert f"export_default {name} {value}\n" in script
     # Exit status 75 (preempted, checkpoint committed) requeues; the requeued job resumes.
     assert 'if [ "$status" -eq 75 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then\n    resume=training.resume_from_checkpoint=auto' in script
+    # The requeued job tells its workers it is one (they carry on from the run's newest checkpoint), leaving the
+    # config as it is: a run resumed from another directory's checkpoint starts from it again if it saved none.
+    assert "\nexport SHARDTUNE_REQUEUE_COUNT=${SLURM_RESTART_COUNT:-0}\n" in script and "$resume" not in script
     assert subprocess.run(["bash", "-n", str(slurm_dir / "job.sbatch")]).returncode == 0
 
 
