@@ -1,9 +1,9 @@
 """The run directory (``training.output_dir``): what a run leaves behind, written by global rank 0.
 
 Files are written to a temporary name and renamed (``shardtune.atomic``), so a reader (or a crash) never
-sees half a file. A run holds every copy of its directory alone and never mixes with an earlier run there
-(``claim_output_dir``, ``prepare_output_dir``); ``export`` and ``convert`` never write over a run, a checkpoint
-or their own input (``check_output_path``).
+sees half a file. A run holds every copy of its directory alone, never mixes with an earlier run there, and
+never removes or writes over what no run made (``claim_output_dir``, ``prepare_output_dir``); ``export`` and
+``convert`` never write over a run, a checkpoint or their own input (``check_output_path``).
 """
 
 from __future__ import annotations
@@ -39,39 +39,56 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardtune")
 
-# What a finished or interrupted run leaves; any of them means the directory holds a run.
-RUN_ARTIFACTS = (
-    "config.yaml", "run_args.json", "metrics.json", "logs", "final", "final-merged", "tensorboard", "wandb",
-    "heartbeat", "hang",
+# What a run writes into its directory that only shardtune writes: the run's arguments (written at its start, with
+# config.yaml), heartbeats, committed checkpoints (``checkpoint-N`` with its manifest.json) and the staging names of
+# saves. Any of them marks the directory as a run's.
+_RUN_MARKS = ("run_args.json", "heartbeat")
+_STAGING_PATTERNS = (STAGING_GLOB, ".final.tmp-*", ".final.old-*", ".final-merged.tmp-*", ".final-merged.old-*")
+# What a run writes there under names common elsewhere too (a project's own config.yaml, logs/ or wandb/, another
+# trainer's checkpoint-N): a previous run's only next to one of its marks, and otherwise never removed.
+_COMMON_NAMES = (
+    "config.yaml", "metrics.json", "logs", "final", "final-merged", "tensorboard", "wandb", "hang", "profile",
 )  # fmt: skip
+_COMMON_PATTERNS = ("hang-*", "checkpoint-*")
 # What only a run that reached its end writes (global rank 0, after the last step).
 FINISHED_RUN_OUTPUTS = ("final", "final-merged", "metrics.json")
-# What else shardtune writes there: profiler traces, earlier hang reports, and the staging names of final/ and
-# final-merged/.
-_OTHER_ARTIFACTS = ("profile", "hang-*", ".final.tmp-*", ".final.old-*", ".final-merged.tmp-*", ".final-merged.old-*")
+
+
+def _marks_a_run(entry: Path) -> bool:
+    if checkpoint_step(entry) is not None:
+        return (entry / "manifest.json").is_file()
+    return entry.name in _RUN_MARKS or any(fnmatch(entry.name, pattern) for pattern in _STAGING_PATTERNS)
+
+
+def _has_a_common_name(entry: Path) -> bool:
+    return entry.name in _COMMON_NAMES or any(fnmatch(entry.name, pattern) for pattern in _COMMON_PATTERNS)
+
+
+def _run_names(output_dir: Path) -> tuple[bool, list[Path]]:
+    """Whether ``output_dir`` holds a run (one of its marks), and every entry there with a name a run writes."""
+    if not output_dir.is_dir():
+        return False, []
+    entries = [entry for entry in sorted(output_dir.iterdir()) if _marks_a_run(entry) or _has_a_common_name(entry)]
+    return any(_marks_a_run(entry) for entry in entries), entries
 
 
 def run_artifacts(output_dir: Path) -> list[Path]:
     """Everything a run wrote into ``output_dir`` (checkpoints and interrupted saves included), and
-    nothing else: a user's own files there are not a run's."""
-    if not output_dir.is_dir():
-        return []
-    found = []
-    for entry in sorted(output_dir.iterdir()):
-        name = entry.name
-        if (
-            name in RUN_ARTIFACTS
-            or checkpoint_step(entry) is not None
-            or fnmatch(name, STAGING_GLOB)
-            or any(fnmatch(name, pattern) for pattern in _OTHER_ARTIFACTS)
-        ):
-            found.append(entry)
-    return found
+    nothing else: a user's own files there are not a run's, nor is anything where no run has been."""
+    holds_a_run, entries = _run_names(output_dir)
+    return entries if holds_a_run else []
 
 
 def existing_run_artifacts(output_dir: Path) -> list[str]:
     """The names of ``run_artifacts``, for messages."""
     return [path.name for path in run_artifacts(output_dir)]
+
+
+def files_in_the_way(output_dir: Path) -> list[str]:
+    """What a run would write over in ``output_dir`` where no run has been (a project directory's own logs/ or
+    config.yaml, another trainer's checkpoints), by name: never removed, not even with ``overwrite_output_dir``."""
+    holds_a_run, entries = _run_names(output_dir)
+    return [] if holds_a_run else [entry.name for entry in entries]
 
 
 def output_dir_problem(training: TrainingConfig) -> str | None:
@@ -83,11 +100,18 @@ def output_dir_problem(training: TrainingConfig) -> str | None:
 
 
 def previous_run_problem(training: TrainingConfig) -> str | None:
-    """The line with which a run refuses the previous run in its output directory (``train``, and ahead of it
-    ``doctor`` and ``slurm``), or None: the directory holds no run, or the config replaces or continues it."""
+    """The line with which a run refuses its output directory for what is there (``train``, and ahead of it
+    ``doctor`` and ``slurm``): files of its own names that no run made, or a previous run the config neither
+    replaces nor continues. None where the directory is free."""
+    output_dir = Path(training.output_dir)
+    if foreign := files_in_the_way(output_dir):
+        return (
+            f"training.output_dir: {output_dir} holds {', '.join(foreign)}, which a run writes but no shardtune "
+            "run made there; choose a new or empty output_dir (overwrite_output_dir removes only a previous run's "
+            "files)"
+        )
     if training.overwrite_output_dir:
         return None
-    output_dir = Path(training.output_dir)
     resume = training.resume_from_checkpoint
     if resume == "auto":
         finished = [] if complete_checkpoints(output_dir) else finished_run_outputs(output_dir)
@@ -137,10 +161,10 @@ def _holds_a_run(output_dir: Path, names: list[str], branch_from: str | None = N
 def claim_output_dir(env: DistributedEnv, training: TrainingConfig, domains: StorageDomains) -> RunLock | None:
     """Every copy of the output directory taken for this run before anything in it is removed or written: global
     rank 0's and, on node-local storage, each other node's, by the lowest rank that sees it. Each such rank locks
-    its copy (a second run sharing only one node would mix its checkpoints with this run's there) and, for a fresh
-    run, refuses a previous run's files there (``previous_run_problem``); only once every copy is locked and free
-    does a fresh run clear them (``prepare_output_dir``). A collective: where any copy is refused, every rank stops
-    with its line, printed once. The lock this process holds, or None."""
+    its copy (a second run sharing only one node would mix its checkpoints with this run's there) and checks what
+    is there (``previous_run_problem``); only once every copy is locked and free does a new run (``starts_a_run``)
+    clear them (``prepare_output_dir``). A collective: where any copy is refused, every rank stops with its line,
+    printed once. The lock this process holds, or None."""
     output_dir = Path(training.output_dir)
     lock, refused = None, None
     if domains.is_leader:
@@ -219,7 +243,7 @@ def package_versions() -> dict[str, str]:
 
 def write_run_start(output_dir: Path, config: Config, argv: list[str], world: dict[str, Any]) -> None:
     """``config.yaml`` and the run manifest ``run_args.json`` (``world`` from ``describe_world``)."""
-    # Imported here: the CLI imports this module for RUN_ARTIFACTS, and run_manifest imports torch.
+    # Imported here: the command line (doctor, slurm, export) imports this module, and run_manifest imports torch.
     from shardtune.run_manifest import code_version, config_hash, device_versions
 
     write_atomic(output_dir / "config.yaml", dump_config(config))

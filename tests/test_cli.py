@@ -53,14 +53,15 @@ def test_train_then_generate(tmp_path: Path):
 def test_second_run_into_the_same_directory_is_refused(tmp_path: Path):
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
+    (out / "run_args.json").write_text("{}")  # what marks it as a shardtune run's
     result = shardtune(
         "train", "examples/quickstart.yaml", f"training.output_dir={out}", "training.overwrite_output_dir=false"
     )
     assert result.returncode == 2
     # No checkpoint there: resume_from_checkpoint=auto is not offered (it would start over and replace the run).
     assert result.stderr.strip().splitlines()[-1] == (
-        f"shardtune: error: training.output_dir: {out} already holds a run (logs); choose another output_dir or set "
-        "training.overwrite_output_dir=true"
+        f"shardtune: error: training.output_dir: {out} already holds a run (logs, run_args.json); choose another "
+        "output_dir or set training.overwrite_output_dir=true"
     )
 
 

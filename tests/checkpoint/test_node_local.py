@@ -182,6 +182,7 @@ def test_a_run_holding_another_nodes_disk_stops_every_rank_with_one_line_before_
     ]
     for host in HOSTS:
         (tmp_path / host / "checkpoint-9").mkdir(parents=True)
+        (tmp_path / host / "checkpoint-9" / "manifest.json").write_text("{}")  # a shardtune checkpoint's mark
         (tmp_path / host / "checkpoint-9" / "notes.txt").write_text(f"{host}'s run\n")
     hold = "import sys, time; from pathlib import Path; from shardtune.run_lock import RunLock; "
     hold += "lock = RunLock.take(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)"
@@ -226,6 +227,7 @@ def test_a_previous_run_on_another_nodes_disk_stops_a_fresh_run_on_every_rank_wi
     ]
     (tmp_path / "node-a").mkdir()
     (tmp_path / "node-b" / "checkpoint-9").mkdir(parents=True)
+    (tmp_path / "node-b" / "checkpoint-9" / "manifest.json").write_text("{}")  # a shardtune checkpoint's mark
     (tmp_path / "node-b" / "checkpoint-9" / "notes.txt").write_text("node-b's run\n")
     results = train_on_two_nodes(tmp_path, *common)
     assert [result.returncode for result in results] == [2, 2], results[0].stderr[-3000:] + results[1].stderr[-3000:]

@@ -96,6 +96,36 @@ def runs(tmp_path_factory):
     return {"tmp": tmp_path, "straight": straight, "resumed": resumed, "first_segment": first_segment}
 
 
+def test_a_directory_no_run_made_keeps_its_own_files_even_with_overwrite_output_dir(tmp_path):
+    """A project directory as output_dir, with its own config.yaml, logs/ and wandb/, and another trainer's
+    checkpoint-500: names a run writes, but no shardtune run made them (no run_args.json, heartbeat or checkpoint
+    with its manifest.json there). overwrite_output_dir (the quickstart's is true) used to remove them all. Refused
+    in one line, nothing changed, as ``doctor`` and ``slurm`` say ahead of the run; a directory holding only other
+    names takes the run."""
+    project = tmp_path / "project"
+    for name, text in [
+        ("config.yaml", "my: config\n"), ("logs/experiment.log", "week 1\n"), ("wandb/run-1/files.txt", "x\n"),
+        ("checkpoint-500/trainer_state.json", "{}\n"), ("notes.txt", "mine\n"),
+    ]:  # fmt: skip
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    before = snapshot(project)
+    refused = train(tmp_path, project, 1, "training.max_steps=2", "training.overwrite_output_dir=true", expect=2)
+    line = (
+        f"shardtune: error: training.output_dir: {project} holds checkpoint-500, config.yaml, logs, wandb, which a "
+        "run writes but no shardtune run made there; choose a new or empty output_dir (overwrite_output_dir removes "
+        "only a previous run's files)"
+    )
+    assert refused.stderr.strip().splitlines() == [line]
+    assert snapshot(project) == before
+    config = load_config(REPO / "examples/quickstart.yaml", [f"training.output_dir={project}"])
+    assert "shardtune: error: " + output_dir_problem(config.training) == line
+    for name in ("config.yaml", "logs", "wandb", "checkpoint-500"):
+        shutil.move(project / name, tmp_path / name)
+    train(tmp_path, project, 1, "training.max_steps=2", "training.overwrite_output_dir=true")
+    assert (project / "notes.txt").read_text() == "mine\n" and (project / "final/adapter_model.safetensors").is_file()
+
+
 def test_a_second_run_in_a_directory_in_use_stops_with_one_line_and_takes_over_once_the_first_is_gone(tmp_path):
     """Two runs in one directory at once: the second (resuming it, and with overwrite_output_dir, which would
     delete) stops with one line naming the first and changes nothing; once the first is killed (-9: nothing of it

@@ -56,7 +56,7 @@ def test_gpu_job_script(tmp_path, capsys):
     launch = " ".join(srun.replace("\\\n", " ").split())  # one line, without the continuations
     assert f'{sys.executable} -m shardtune launch --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 8 ' in launch
     assert '--rdzv-endpoint "$head_addr:29600" --rdzv-id "$SLURM_JOB_ID" --max-restarts 2 ' in launch
-    assert launch.endswith(f"{slurm_dir / 'config.yaml'} $resume &")
+    assert launch.endswith(f"{slurm_dir / 'config.yaml'} &")
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
     # The network section, shown as the variables shardtune launch sets on every worker.
     for name, value in [("NCCL_SOCKET_IFNAME", "ib0"), ("GLOO_SOCKET_IFNAME", "ib0"), ("NCCL_IB_DISABLE", "1")]:
@@ -109,9 +109,10 @@ def test_bad_input_exits_2_naming_the_option(tmp_path, capsys, options, message)
 
 def test_a_directory_holding_a_run_is_refused_before_the_queue(tmp_path, capsys):
     (tmp_path / "run" / "logs").mkdir(parents=True)
+    (tmp_path / "run" / "run_args.json").write_text("{}")  # what marks it as a shardtune run's
     keep = ["--nodes", "2", "training.overwrite_output_dir=false"]
     assert slurm(tmp_path, *keep) == 2
-    assert "already holds a run (logs)" in capsys.readouterr().err
+    assert "already holds a run (logs, run_args.json)" in capsys.readouterr().err
     assert slurm(tmp_path, *keep, "training.resume_from_checkpoint=auto") == 0  # continuing it is fine
 
 

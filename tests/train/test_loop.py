@@ -241,6 +241,7 @@ def test_existing_run_is_not_overwritten_silently(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.json").write_text("{}")
+    (out / "run_args.json").write_text("{}")
     with pytest.raises(ConfigError, match="already holds a run"):
         prepare_output_dir(out, overwrite=False)
     prepare_output_dir(out, overwrite=True)
