@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Iterator
@@ -163,7 +164,7 @@ def parallelize(
         _materialize_replica(model, env, materialized)
         # DDP's constructor broadcasts parameters from rank 0: the other ranks' empty tensors get rank
         # 0's weights. Buffers (rotary frequencies) are constants, sent once here rather than before
-        # every forward (broadcast_buffers=False also keeps the constructor from sending them).
+        # every forward (before torch 2.13, turning that off also kept the constructor from sending them).
         # Gradients are averaged over ranks (the loss is scaled for it) in the all-reduce buckets
         # themselves, with no copy in or out.
         _broadcast_buffers(model, None, env)
@@ -171,8 +172,8 @@ def parallelize(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             init_sync=True,
-            broadcast_buffers=False,
             gradient_as_bucket_view=True,
+            **_NO_BUFFER_SYNC_BEFORE_FORWARD,
         )
     else:
         model = model.to(env.device)
@@ -332,6 +333,15 @@ def _outer_wrapper(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.M
         if getattr(module, "_checkpoint_wrapped_module", None) is layer:
             return module
     return layer
+
+
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers, and warns on every rank of every run where
+# the old name is given; earlier versions know only the old one.
+_NO_BUFFER_SYNC_BEFORE_FORWARD = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def _broadcast_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor] | None, env: DistributedEnv) -> None:
