@@ -23,7 +23,7 @@ from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
 from shardtune.doctor import add_doctor_parser
-from shardtune.errors import EXIT_INTERRUPTED, InputError, RunFault
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_LOST_PEER, InputError, RunFault
 from shardtune.launch.elastic import add_node_arguments
 from shardtune.launch.local import close_unless_worker, say_once
 from shardtune.launch.slurm import add_slurm_parser
@@ -109,7 +109,7 @@ def _train_here(config: Config) -> int:
     """This process's part of the training: a worker, or the only process."""
     # Heavy imports only after the config is known to be good: errors above come back in a second.
     from shardtune.distributed.env import DistributedEnv
-    from shardtune.peer_stop import peer_stop_status
+    from shardtune.peer_stop import lost_peer_line, peer_stop_status
     from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
@@ -149,9 +149,12 @@ def _train_here(config: Config) -> int:
         # likewise after a peer stopped alone (out of memory, rank 0's W&B login), which said so itself.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
             status = peer_stop_status(error, env)
-            if status is None:
-                raise
-            return status
+            if status is not None:
+                return status
+            if lost := lost_peer_line(error):
+                say_once([lost])  # every surviving rank meets it: said once under shardtune's launcher
+                return EXIT_LOST_PEER
+            raise
         say_once([INTERRUPTED_LINE], every_rank_says_it=True)
         return EXIT_INTERRUPTED
     finally:

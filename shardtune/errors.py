@@ -16,6 +16,9 @@ EXIT_NONFINITE = 3
 EXIT_SAVE_FAILED = 4
 # A rank ran out of device memory (its allocator could not allocate); the same step would again.
 EXIT_OUT_OF_MEMORY = 5
+# A peer worker went away mid-collective without a word (killed, out of host memory, its node lost); this worker
+# said so in one line. The launcher restarts it (``--max-restarts``): the next attempt may well get through.
+EXIT_LOST_PEER = 6
 # Stopped by Ctrl-C (SIGINT), as a shell reports a process that SIGINT ended: 128 + 2.
 EXIT_INTERRUPTED = 130
 

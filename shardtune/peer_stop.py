@@ -5,6 +5,10 @@ Weights & Biases). It says its line itself (a ``ReportedError``) and, before it 
 rendezvous store. A peer whose collective then fails as that rank leaves finds the status there and stops quietly
 with it, so the run ends with the one line and no traceback from the others. The store outlives the ranks: the
 launcher holds it, one per restart attempt.
+
+A rank that stops without a word (killed by the kernel's out-of-memory killer or by hand, its node lost) leaves
+nothing in the store: its peers' collectives fail with the transport's words for a dropped connection, and they
+say so in one line (``lost_peer_line``) rather than each printing a traceback of the collective it waited in.
 """
 
 from __future__ import annotations
@@ -31,3 +35,20 @@ def peer_stop_status(error: BaseException, env: DistributedEnv) -> int | None:
         return int(store.get(STOPPED_KEY)) if store.check([STOPPED_KEY]) else None
     except Exception:  # no store (one process without a group), or it went with the launcher: nothing to go on
         return None
+
+
+# gloo's and NCCL's words for a connection whose other end went away mid-collective.
+_LOST_PEER_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+
+
+def lost_peer_line(error: BaseException) -> str | None:
+    """The line for a collective that failed because a peer process is gone, or None for any other error."""
+    if not isinstance(error, RuntimeError):  # torch.distributed's DistBackendError is one
+        return None
+    words = next((words for words in _LOST_PEER_WORDS if words in str(error)), None)
+    if words is None:
+        return None
+    return (
+        f"shardtune: error: a worker left the run while the others waited for it in a collective ({words}): it "
+        "stopped without a word (killed, out of host memory, or its node lost); the launcher's line names it"
+    )

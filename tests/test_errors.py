@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -248,6 +249,24 @@ def test_wandb_without_credentials_is_one_line_from_rank_0_and_no_worker_waits(t
         "of global rank 0 (`wandb login`, or WANDB_API_KEY), or set logging.wandb.mode=offline and `wandb sync` the "
         "run later",
     )
+
+
+def test_a_worker_killed_mid_run_is_one_line_from_its_peers_and_one_from_the_launcher(tmp_path):
+    """A worker killed by a signal (the kernel's out-of-memory killer sends SIGKILL) leaves its peer waiting in a
+    collective, which then fails in the transport: one line from the peer and one from the launcher naming the
+    worker and the signal, with no traceback of the collective and no agent log line."""
+    result = train(tmp_path, 2, "training.max_steps=5", env={"SHARDTUNE_FAULT": "forward_backward:kill:rank=1:step=3"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]
+    [lost] = result.errors
+    assert re.fullmatch(
+        r"shardtune: error: a worker left the run while the others waited for it in a collective \(Connection "
+        r"(reset|closed) by peer\): it stopped without a word \(killed, out of host memory, or its node lost\); the "
+        r"launcher's line names it",
+        lost,
+    ), lost
+    killed = "shardtune: worker 1 was killed by SIGKILL: out of host memory (the kernel's OOM killer) or killed by hand"
+    assert result.stderr.splitlines().count(killed) == 1, result.stderr[-4000:]
+    assert "exitcode" not in result.stderr and "[rank0]" not in result.stderr, result.stderr[-4000:]
 
 
 def test_a_metrics_package_not_installed_is_a_preflight_line(monkeypatch):

@@ -33,6 +33,7 @@ from shardtune.config import NetworkConfig
 from shardtune.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
+    EXIT_LOST_PEER,
     EXIT_NONFINITE,
     EXIT_OUT_OF_MEMORY,
     EXIT_SAVE_FAILED,
@@ -233,12 +234,14 @@ class _AgentShutdownFilter(logging.Filter):
     """The agent logs every signal it passes on ("Received 2 death signal, shutting down workers",
     "Sending process 123 closing signal SIGINT") and every worker's non-zero exit ("failed (exitcode: 3)
     local_rank: 0 ..."). Where the workers stopped alike and said why in one line (bad input, a run
-    fault, Ctrl-C), that is noise after it."""
+    fault, Ctrl-C), or a worker was killed by a signal (the launcher names it), that is noise after it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if any(f"(exitcode: {code})" in message for code in SELF_REPORTED):
-            return False
+        if any(f"(exitcode: {code})" in message for code in (*SELF_REPORTED, EXIT_LOST_PEER)):
+            return False  # the workers said why, once
+        if "(exitcode: -" in message:
+            return False  # killed by a signal: the launcher names the worker and the signal
         return "death signal" not in message and "closing signal" not in message
 
 
@@ -288,8 +291,21 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
             return PREEMPTED_EXIT_CODE
         if error.exitcode in SELF_REPORTED:
             return error.exitcode  # every worker stopped alike and said why in one line, once (see say_once)
-        print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
-        return error.exitcode if error.exitcode > 0 else 1
+        killed = sorted((rank, -error.exitcode) for rank, error in failure.failures.items() if error.exitcode < 0)
+        for rank, signum in killed:
+            # A signal that no one sent through shardtune: the kernel's out-of-memory killer sends SIGKILL.
+            name = signal.Signals(signum).name
+            what = (
+                f"was killed by {name}: out of host memory (the kernel's OOM killer) or killed by hand"
+                if signum == signal.SIGKILL
+                else f"died of {name}"
+            )
+            print(f"shardtune: worker {rank} {what}", file=sys.stderr)
+        if killed:
+            return 1  # its peers, left waiting for it, said so (EXIT_LOST_PEER): the kill is the cause
+        if error.exitcode != EXIT_LOST_PEER:  # a worker on another node went away; this node's said so
+            print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
+        return error.exitcode
     except SignalException as signalled:
         name = signalled.sigval.name
         if signalled.sigval == signal.SIGINT:
