@@ -24,6 +24,14 @@ from shardtune.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def _home_expanded(value: object) -> object:
+    """A path written as ``~/...`` (``~user/...``) is the user's home, as in a shell: never a directory named ``~`` in
+    the working directory. A hub id, ``auto`` or any other name is left as it is."""
+    if isinstance(value, list):
+        return [_home_expanded(item) for item in value]
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
 class _Section(BaseModel):
     # extra="forbid": an unknown key is an error (with a suggestion), never silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -86,6 +94,8 @@ class ModelConfig(_Section):
             raise ValueError(f"init_routing: {self.init_routing} sets up random weights; needs init: random")
         return self
 
+    _model_path_at_home = field_validator("name_or_path", mode="before")(_home_expanded)
+
     @field_validator("experts_implementation", mode="before")
     @classmethod
     def _null_is_auto(cls, value: object) -> object:
@@ -119,6 +129,8 @@ class DataConfig(_Section):
     prepare_timeout_s: float = Field(
         4 * 3600.0, gt=0, description="how long a process waits for another to build the token store"
     )
+
+    _data_paths_at_home = field_validator("dataset_path", "eval_path", "cache_dir", mode="before")(_home_expanded)
 
     @property
     def paths(self) -> list[str]:
@@ -245,6 +257,8 @@ class TrainingConfig(_Section):
         description="a rank without progress this long: dump stacks and collectives, exit; null: half of "
         "parallel.timeout_s; 0: off",
     )
+
+    _run_paths_at_home = field_validator("output_dir", "resume_from_checkpoint", mode="before")(_home_expanded)
 
     @field_validator("loss_chunk_tokens", mode="before")
     @classmethod

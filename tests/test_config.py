@@ -93,6 +93,30 @@ def test_hub_ids_are_not_checked_on_disk(seed_config: Path):
     assert load_config(seed_config, ["model.name_or_path=mistralai/Mistral-7B-v0.1"]).model.name_or_path
 
 
+def test_paths_under_home_are_the_users_home_as_in_a_shell(seed_config: Path, tmp_path: Path, monkeypatch):
+    """``~/...`` in a path key is the home directory, never a directory named ``~`` in the working directory (a run
+    written there, and a later ``rm -rf ~`` to clean it up). Hub ids and ``auto`` stay as they are."""
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "data/rows.jsonl").write_text((FIXTURES.parent.parent / "examples/data/tiny_instruct.jsonl").read_text())
+    (home / "model").symlink_to(load_config(seed_config).model.name_or_path)
+    monkeypatch.setenv("HOME", str(home))
+    config = load_config(
+        seed_config,
+        [
+            "model.name_or_path=~/model", "data.dataset_path=[~/data/rows.jsonl, org/hub-dataset]",
+            "data.cache_dir=~/cache", "data.eval_path=~/data/rows.jsonl", "data.eval_split_ratio=0",
+            "training.output_dir=~/runs/one", "training.resume_from_checkpoint=auto",
+        ],
+    )  # fmt: skip
+    assert config.model.name_or_path == str(home / "model")
+    assert config.data.dataset_path == [str(home / "data/rows.jsonl"), "org/hub-dataset"]
+    assert config.data.eval_path == str(home / "data/rows.jsonl") and config.data.cache_dir == str(home / "cache")
+    assert config.training.output_dir == str(home / "runs/one") and config.training.resume_from_checkpoint == "auto"
+    resumed = load_config(seed_config, ["training.resume_from_checkpoint=~/runs/one/checkpoint-2"], check_paths=False)
+    assert resumed.training.resume_from_checkpoint == str(home / "runs/one/checkpoint-2")
+
+
 def test_cli_exits_2_with_one_line_per_problem(seed_config: Path, capsys):
     status = main(["train", str(seed_config), "lora.r=0", "training.learnig_rate=1"])
     assert status == 2
