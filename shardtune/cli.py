@@ -113,13 +113,12 @@ def _train_here(config: Config) -> int:
     from shardtune.train.loop import NothingToTrain, run_training
     from shardtune.train.preemption import INTERRUPTED_LINE, Preempted, catch_interrupts, interrupted
     from shardtune.train.preflight import preflight
+    from shardtune.train.watchdog import HANG_EXIT_CODE, enable_flight_recorder, wait_for_the_hang_report
 
     catch_interrupts()
     restarts = int(os.environ.get("SHARDTUNE_RESTART_COUNT", "0"))
     config, resume_otherwise = _as_continuation(config)
     if config.hang_timeout_s > 0:
-        from shardtune.train.watchdog import enable_flight_recorder
-
         enable_flight_recorder()  # before the process group exists: it records from its creation
     env = DistributedEnv.from_environment(config.parallel.timeout_s, config.parallel.expert_parallel_size)
     setup_logging(env.is_main)
@@ -148,6 +147,8 @@ def _train_here(config: Config) -> int:
         # After Ctrl-C, a rank whose peer was interrupted first fails in the collective it shared with it;
         # likewise after a peer stopped alone (out of memory, rank 0's W&B login), which said so itself.
         if not isinstance(error, KeyboardInterrupt) and not interrupted():
+            if wait_for_the_hang_report():
+                return HANG_EXIT_CODE
             status = peer_stop_status(error, env)
             if status is not None:
                 return status

@@ -291,21 +291,7 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
             return PREEMPTED_EXIT_CODE
         if error.exitcode in SELF_REPORTED:
             return error.exitcode  # every worker stopped alike and said why in one line, once (see say_once)
-        killed = sorted((rank, -error.exitcode) for rank, error in failure.failures.items() if error.exitcode < 0)
-        for rank, signum in killed:
-            # A signal that no one sent through shardtune: the kernel's out-of-memory killer sends SIGKILL.
-            name = signal.Signals(signum).name
-            what = (
-                f"was killed by {name}: out of host memory (the kernel's OOM killer) or killed by hand"
-                if signum == signal.SIGKILL
-                else f"died of {name}"
-            )
-            print(f"shardtune: worker {rank} {what}", file=sys.stderr)
-        if killed:
-            return 1  # its peers, left waiting for it, said so (EXIT_LOST_PEER): the kill is the cause
-        if error.exitcode != EXIT_LOST_PEER:  # a worker on another node went away; this node's said so
-            print(f"shardtune: worker {rank} failed with exit code {error.exitcode}", file=sys.stderr)
-        return error.exitcode
+        return _status_of(failure.failures, rank, error.exitcode)
     except SignalException as signalled:
         name = signalled.sigval.name
         if signalled.sigval == signal.SIGINT:
@@ -321,6 +307,31 @@ def _run_attempt(spec: NodeSpec, nproc: int, attempt: int, store, worker_command
             "Check that every node runs the same --nnodes, --rdzv-endpoint and --rdzv-id"
         ) from error
     return 0
+
+
+def _status_of(failures: dict, first_rank: int, first_status: int) -> int:
+    """The status of an attempt whose workers failed, with a line naming the worker behind it. A worker's own exit
+    status comes first. Once one has failed, the agent stops the others with SIGTERM; a worker ended by another
+    signal was ended from outside (SIGKILL: the kernel's out-of-memory killer, or by hand), and its peers, left
+    waiting for it, exited with ``EXIT_LOST_PEER`` after saying so."""
+    statuses = sorted((rank, failed.exitcode) for rank, failed in failures.items())
+    exited = [(rank, status) for rank, status in statuses if status > 0 and status != EXIT_LOST_PEER]
+    killed = [(rank, -status) for rank, status in statuses if status < 0 and -status != signal.SIGTERM]
+    for rank, signum in killed:
+        name = signal.Signals(signum).name
+        what = (
+            f"was killed by {name}: out of host memory (the kernel's OOM killer) or killed by hand"
+            if signum == signal.SIGKILL
+            else f"died of {name}"
+        )
+        print(f"shardtune: worker {rank} {what}", file=sys.stderr)
+    if killed and not exited:
+        return 1
+    if not exited and first_status == EXIT_LOST_PEER:
+        return EXIT_LOST_PEER  # a worker on another node went away; this node's workers said so
+    rank, status = exited[0] if exited else (first_rank, first_status)
+    print(f"shardtune: worker {rank} failed with exit code {status}", file=sys.stderr)
+    return status if status > 0 else 1
 
 
 def endpoint_addresses(host: str) -> list[str]:

@@ -42,6 +42,19 @@ log = logging.getLogger("shardtune")
 HANG_EXIT_CODE = 124  # as timeout(1): the run was ended for taking too long
 HANG_DIR = "hang"
 FLIGHT_RECORDER_ENTRIES = "2000"
+# Set once this process's watchdog has begun to report a hang, after which it ends the process itself.
+_reporting_a_hang = threading.Event()
+_LONGEST_REPORT_S = 60.0  # the longest a report can take: gather_s is at most 30 s
+
+
+def wait_for_the_hang_report() -> bool:
+    """Whether this process's watchdog is reporting a hang; if so, wait for it to end the process. A rank's peer
+    exits as the report ends, so this rank's collective fails while its own report is still being written: the
+    report and its exit status are what the run ends with, not the failed collective."""
+    if not _reporting_a_hang.is_set():
+        return False
+    time.sleep(_LONGEST_REPORT_S)  # the watchdog's os._exit ends the process long before
+    return True
 
 
 def enable_flight_recorder() -> None:
@@ -194,6 +207,7 @@ class HangWatchdog:
         faulthandler.dump_traceback_later(self.timeout_s + self.gather_s + 2 * self.poll_s + 10, exit=True)
 
     def _diagnose_and_exit(self) -> None:
+        _reporting_a_hang.set()
         rank = self.heartbeat.rank
         try:
             self._diagnose(rank)
