@@ -68,8 +68,9 @@ def _run_names(output_dir: Path) -> tuple[bool, list[Path]]:
     """Whether ``output_dir`` holds a run (one of its marks), and every entry there with a name a run writes."""
     if not output_dir.is_dir():
         return False, []
-    entries = [entry for entry in sorted(output_dir.iterdir()) if _marks_a_run(entry) or _has_a_common_name(entry)]
-    return any(_marks_a_run(entry) for entry in entries), entries
+    marked = [(entry, _marks_a_run(entry)) for entry in sorted(output_dir.iterdir())]
+    entries = [entry for entry, mark in marked if mark or _has_a_common_name(entry)]
+    return any(mark for _, mark in marked), entries
 
 
 def run_artifacts(output_dir: Path) -> list[Path]:
@@ -82,13 +83,6 @@ def run_artifacts(output_dir: Path) -> list[Path]:
 def existing_run_artifacts(output_dir: Path) -> list[str]:
     """The names of ``run_artifacts``, for messages."""
     return [path.name for path in run_artifacts(output_dir)]
-
-
-def files_in_the_way(output_dir: Path) -> list[str]:
-    """What a run would write over in ``output_dir`` where no run has been (a project directory's own logs/ or
-    config.yaml, another trainer's checkpoints), by name: never removed, not even with ``overwrite_output_dir``."""
-    holds_a_run, entries = _run_names(output_dir)
-    return [] if holds_a_run else [entry.name for entry in entries]
 
 
 def output_dir_problem(training: TrainingConfig) -> str | None:
@@ -104,9 +98,13 @@ def previous_run_problem(training: TrainingConfig) -> str | None:
     ``doctor`` and ``slurm``): files of its own names that no run made, or a previous run the config neither
     replaces nor continues. None where the directory is free."""
     output_dir = Path(training.output_dir)
-    if foreign := files_in_the_way(output_dir):
+    holds_a_run, entries = _run_names(output_dir)
+    names = [entry.name for entry in entries]
+    if names and not holds_a_run:
+        # What a run would write over where no run has been (a project directory's own logs/ or config.yaml,
+        # another trainer's checkpoints): never removed, not even with ``overwrite_output_dir``.
         return (
-            f"training.output_dir: {output_dir} holds {', '.join(foreign)}, which a run writes but no shardtune "
+            f"training.output_dir: {output_dir} holds {', '.join(names)}, which a run writes but no shardtune "
             "run made there; choose a new or empty output_dir (overwrite_output_dir removes only a previous run's "
             "files)"
         )
@@ -116,9 +114,8 @@ def previous_run_problem(training: TrainingConfig) -> str | None:
     if resume == "auto":
         finished = [] if complete_checkpoints(output_dir) else finished_run_outputs(output_dir)
         return nothing_to_resume_line(output_dir, finished) if finished else None
-    if starts_a_run(training):
-        existing = existing_run_artifacts(output_dir)
-        return _holds_a_run(output_dir, existing, branch_from=resume) if existing else None
+    if starts_a_run(training) and holds_a_run:
+        return _holds_a_run(output_dir, names, branch_from=resume)
     return None
 
 
@@ -145,7 +142,7 @@ def finished_run_outputs(output_dir: Path) -> list[str]:
     return [name for name in FINISHED_RUN_OUTPUTS if (output_dir / name).exists()]
 
 
-def _holds_a_run(output_dir: Path, names: list[str], branch_from: str | None = None) -> str:
+def _holds_a_run(output_dir: Path, names: list[str], branch_from: str | None) -> str:
     """A fresh run's line, or (``branch_from``) that of a run resumed from another directory's checkpoint, which
     is a new run too: it would mix its checkpoints with that run's, and a later ``auto`` take the newest of either."""
     start = f"; to train from {branch_from}, choose" if branch_from else "; choose"
@@ -186,12 +183,10 @@ def claim_output_dir(env: DistributedEnv, training: TrainingConfig, domains: Sto
 
 
 def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """A fresh run's directory: refuse to mix two runs in one, or with ``overwrite`` remove what the
-    previous run wrote (only that) before this one writes anything, so neither checkpoint rotation nor a
+    """A new run's directory, once ``previous_run_problem`` has found it free: with ``overwrite`` what the previous
+    run wrote there (only that) is removed before this one writes anything, so neither checkpoint rotation nor a
     later ``resume_from_checkpoint: auto`` ever sees the old checkpoints."""
-    existing = run_artifacts(output_dir)
-    if existing and not overwrite:
-        raise ConfigError(_holds_a_run(output_dir, [path.name for path in existing]))
+    existing = run_artifacts(output_dir) if overwrite else []
     if existing:
         log.info(
             "training.overwrite_output_dir: removing the previous run's %s from %s",

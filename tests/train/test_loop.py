@@ -14,11 +14,12 @@ from cli_runs import schema_checked_logs
 from conftest import REPO, make_config
 from transformers import AutoModelForCausalLM
 
+from shardtune.config import TrainingConfig
 from shardtune.data.collate import collate
 from shardtune.data.prepare import prepare_dataset
 from shardtune.metrics.schema import SCHEMA_VERSION
 from shardtune.model.load import load_model, load_tokenizer
-from shardtune.run_dir import prepare_output_dir
+from shardtune.run_dir import prepare_output_dir, previous_run_problem
 from shardtune.train.loop import accumulate_gradients, run_training
 
 
@@ -236,16 +237,20 @@ def test_eval_subset_is_seeded_and_fixed(tmp_path, alpaca_file, tokenizer):
 
 
 def test_existing_run_is_not_overwritten_silently(tmp_path):
-    from shardtune.errors import ConfigError
-
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.json").write_text("{}")
     (out / "run_args.json").write_text("{}")
-    with pytest.raises(ConfigError, match="already holds a run"):
-        prepare_output_dir(out, overwrite=False)
+    (out / "notes.txt").write_text("mine")
+    assert previous_run_problem(TrainingConfig(output_dir=str(out))) == (
+        f"training.output_dir: {out} already holds a run (metrics.json, run_args.json); choose another output_dir "
+        "or set training.overwrite_output_dir=true"
+    )
+    prepare_output_dir(out, overwrite=False)
+    assert (out / "metrics.json").exists()
+    assert previous_run_problem(TrainingConfig(output_dir=str(out), overwrite_output_dir=True)) is None
     prepare_output_dir(out, overwrite=True)
-    assert not (out / "metrics.json").exists()
+    assert sorted(path.name for path in out.iterdir()) == ["notes.txt"]
 
 
 def test_full_model_is_exported_in_the_compute_dtype(tmp_path, tiny_model_dir, tokenizer):
