@@ -5,7 +5,8 @@ Charts, each a PNG in the output directory: ``loss.png`` (train loss, and eval l
 ``throughput.png`` (tokens/s per device, target tokens dashed), ``mfu.png`` (TFLOP/s per device and MFU),
 ``memory.png`` (peak memory), ``step_time.png`` (per-rank step time: the band from the fastest to the
 slowest rank around the median, and data wait), and for MoE runs the expert-usage heatmap of
-``shardtune expert-usage``. A chart whose fields no run logged is left out.
+``shardtune expert-usage``. A chart or panel whose fields no run logged is left out (MFU on a CPU, whose peak
+rate shardtune does not know).
 """
 
 from __future__ import annotations
@@ -83,8 +84,15 @@ def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     written = []
 
     def chart(name: str, panels: list[tuple[str, list[tuple[str, str, str]]]]) -> None:
-        """One PNG with a panel per (y label, [(log, field, style)]), a line per run and field."""
-        plotted = False
+        """One PNG with a panel per (y label, [(log, field, style)]) that some run logged, a line per run and field;
+        none where no run logged any."""
+        panels = [
+            (ylabel, lines)
+            for ylabel, lines in panels
+            if any(_series(run_logs[kind], field)[0] for run_logs in logs.values() for kind, field, _ in lines)
+        ]
+        if not panels:
+            return
         figure, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True, squeeze=False)
         for axis, (ylabel, lines) in zip(axes[:, 0], panels, strict=True):
             for index, (label, run_logs) in enumerate(logs.items()):
@@ -97,17 +105,15 @@ def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
                     suffix = f" {field}" if len(lines) > 1 else ""
                     marker = "o" if len(steps) < 30 else None
                     axis.plot(steps, values, style, color=color, marker=marker, markersize=3, label=label + suffix)
-                    plotted = True
             axis.set_ylabel(ylabel)
             axis.grid(alpha=0.3)
             if axis.lines:
                 axis.legend(fontsize="small")
         axes[-1, 0].set_xlabel("step")
         figure.tight_layout()
-        if plotted:
-            path = out / f"{name}.png"
-            figure.savefig(path, dpi=100)
-            written.append(path)
+        path = out / f"{name}.png"
+        figure.savefig(path, dpi=100)
+        written.append(path)
         plt.close(figure)
 
     chart("loss", [("loss", [("train", "loss", "-"), ("eval", "eval_loss", "--")])])

@@ -33,6 +33,13 @@ def has_color(png, color, tolerance=0.02) -> bool:
     return bool((abs(pixels - color).max(axis=-1) < tolerance).any())
 
 
+def panel_count(png) -> int:
+    """The panels of a chart: ``write_charts`` draws each 320 pixels high."""
+    import matplotlib.image
+
+    return matplotlib.image.imread(png).shape[0] // 320
+
+
 def test_the_moe_run_logs_match_the_schema(runs):
     logs = schema_checked_logs(runs["moe"])
     assert [row["step"] for row in logs["expert_usage"]] == [1, 2, 3]
@@ -48,6 +55,9 @@ def test_one_run(runs, capsys):
         assert f"wrote {png}" in printed
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000, name
     assert has_color(out / "loss.png", FIRST_RUN) and not has_color(out / "loss.png", SECOND_RUN)
+    # A CPU has no peak rate, so no MFU: its panel is left out, not drawn empty, and TFLOP/s alone remains.
+    assert all(row.get("mfu") is None for row in schema_checked_logs(runs["moe"])["train"])
+    assert panel_count(out / "mfu.png") == 1 and panel_count(out / "step_time.png") == 2
 
 
 def test_two_runs_overlaid(runs, capsys):
