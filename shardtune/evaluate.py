@@ -71,9 +71,10 @@ def check_weights_match(weights: TrainedWeights, config: Config, config_path: st
     kind_wanted = "adapter" if config.lora.enabled else "model"
     if weights.kind != "checkpoint" and weights.kind != kind_wanted:
         held = "a LoRA adapter" if weights.kind == "adapter" else "a full model"
+        has, wanted = (str(setting).lower() for setting in (config.lora.enabled, not config.lora.enabled))
         raise ConfigError(
-            f"{config_path} does not match {weights.path}: it holds {held}, but the config has "
-            f"lora.enabled: {str(config.lora.enabled).lower()}; evaluate it with the config it was trained with"
+            f"{config_path} does not match {weights.path}: it holds {held}, but the config has lora.enabled: {has}; "
+            f"set lora.enabled={wanted}, or evaluate it with the config it was trained with"
         )
     if weights.saved_config is None:
         return

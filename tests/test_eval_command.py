@@ -154,7 +154,10 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
         (["--checkpoint", str(tmp_path / "nothing")], "no such file or directory"),
         (["--checkpoint", str(out / "logs")], "neither a checkpoint (manifest.json) nor a final/ directory"),
         (["--checkpoint", checkpoint, "lora.r=4"], "lora.r is 4 here, 16 there"),
-        (["--checkpoint", str(out / "final"), "lora.enabled=false"], "it holds a LoRA adapter"),
+        (
+            ["--checkpoint", str(out / "final"), "lora.enabled=false"],
+            "it holds a LoRA adapter, but the config has lora.enabled: false; set lora.enabled=true, or",
+        ),
         (["--checkpoint", checkpoint, "--data", str(tmp_path / "missing.jsonl")], "--data"),
         (["--checkpoint", checkpoint, "data.eval_path=null"], "no eval data"),
     ]
