@@ -315,6 +315,28 @@ def test_no_usable_row_counts_the_reasons_once_for_two_workers(tmp_path):
     )
 
 
+def test_no_usable_row_accounts_for_every_row_read(tmp_path, tokenizer):
+    """The counts add up to the rows read: the eval rows held out are all counted, not the subset evaluated, and
+    the rows data.subset_size left out are named."""
+    from conftest import make_config
+
+    from shardtune.data.prepare import prepare_dataset
+    from shardtune.errors import DataError
+
+    rows = [{"instruction": "word " * 300, "output": "cut off"}] * 1200  # every response beyond max_length
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    config = make_config(
+        tmp_path, data, data={"eval_split_ratio": 0.1, "subset_size": 1000}, training={"eval_subset_size": 10}
+    )
+    with pytest.raises(DataError) as error:
+        prepare_dataset(config, tokenizer)
+    assert error.value.lines == [
+        f"{data}: no training example left of 1,200 rows read: 1,000 no target token left (e.g. the response cut off "
+        "by data.max_length); 120 held out for evaluation (data.eval_split_ratio); 80 left out by data.subset_size "
+        f"(1,000) (first: {data}:1); fix or replace the rows, or raise data.max_length (128)"
+    ]
+
+
 def test_the_summary_lists_every_dropped_row(tmp_path, tokenizer):
     from conftest import make_config
 

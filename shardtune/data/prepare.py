@@ -143,9 +143,12 @@ def select_rows(
             rows = [row for i, row in enumerate(rows) if i not in held_out]
         sources.append({"path": path, "weight": weight, "rows": len(rows)})
         train += _weighted(rows, weight, rng)
+    held_out_for_eval = 0 if data.eval_path else len(eval_rows)
     if data.eval_path:
         eval_rows = reader.read(SourceSpec(data.eval_path))
+    left_out_by_subset = 0
     if data.subset_size is not None and data.subset_size < len(train):
+        left_out_by_subset = len(train) - data.subset_size
         train = _sample(train, data.subset_size, rng)
     if training.eval_subset_size is not None and training.eval_subset_size < len(eval_rows):
         eval_rows = _sample(eval_rows, training.eval_subset_size, random.Random(training.seed + 1))
@@ -154,6 +157,8 @@ def select_rows(
         "bad_rows": dict(reader.bad_rows),
         "bad_row_locations": reader.bad_row_locations,
         "sources": sources,
+        "held_out_for_eval": held_out_for_eval,
+        "left_out_by_subset": left_out_by_subset,
     }
     return train, eval_rows, read
 
@@ -190,7 +195,7 @@ def build_splits(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[di
     train, train_summary = _tokenize_split(train_rows, example_tokenizer, config.data.packing, config.data.max_length)
     eval_split, eval_summary = _tokenize_split(eval_rows, example_tokenizer, False, config.data.max_length)
     if len(train) == 0:
-        raise DataError(no_training_example(config, read, train_summary, eval_summary))
+        raise DataError(no_training_example(config, read, train_summary))
     summary = {
         **read,
         "train": train_summary.as_dict(),
@@ -207,7 +212,7 @@ DROP_REASONS = {
 }
 
 
-def no_training_example(config: Config, read: dict[str, Any], train: SplitSummary, evaluation: SplitSummary) -> str:
+def no_training_example(config: Config, read: dict[str, Any], train: SplitSummary) -> str:
     """Why no training example is left, counted by reason, with the first row of each and what to change."""
     data = config.data
     counts: list[str] = []
@@ -215,13 +220,15 @@ def no_training_example(config: Config, read: dict[str, Any], train: SplitSummar
     if read["rows_read"] == 0:
         counts.append("the file holds no rows" if len(data.paths) == 1 else "the files hold no rows")
     for reason, count in sorted(read["bad_rows"].items()):
-        counts.append(f"{count} bad ({reason})")
+        counts.append(f"{count:,} bad ({reason})")
         first.append(read["bad_row_locations"][reason][0])
     for reason, count in sorted(train.dropped.items()):
-        counts.append(f"{count} {DROP_REASONS.get(reason, reason)}")
+        counts.append(f"{count:,} {DROP_REASONS.get(reason, reason)}")
         first.append(train.dropped_rows[reason][0])
-    if evaluation.rows and not data.eval_path:
-        counts.append(f"{evaluation.rows} held out for evaluation (data.eval_split_ratio)")
+    if read["held_out_for_eval"]:
+        counts.append(f"{read['held_out_for_eval']:,} held out for evaluation (data.eval_split_ratio)")
+    if read["left_out_by_subset"]:
+        counts.append(f"{read['left_out_by_subset']:,} left out by data.subset_size ({data.subset_size:,})")
     selected = sum(source["rows"] for source in read["sources"])
     if selected and not train.rows:
         counts.append("no row selected by data.dataset_weights")
