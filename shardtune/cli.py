@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune import __version__
+from shardtune import __version__, rank_zero_log
 from shardtune.bench import add_bench_parser
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.convert import add_convert_parser
@@ -43,6 +43,7 @@ def setup_logging(is_main: bool) -> None:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    rank_zero_log.install()
     # transformers' and PEFT's own progress bars and advice would interleave with ours.
     import transformers
 

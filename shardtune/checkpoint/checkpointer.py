@@ -78,6 +78,7 @@ from shardtune.distributed.mesh import ParallelDims
 from shardtune.distributed.storage import StorageDomains
 from shardtune.errors import CheckpointSaveError, ConfigError, InputError, first_line
 from shardtune.faults import fault_point
+from shardtune.rank_zero_log import SAID_BY_RANK_ZERO
 from shardtune.run_dir import finished_run_outputs, nothing_to_resume_line
 from shardtune.run_manifest import config_hash
 
@@ -208,7 +209,7 @@ def _newest_everywhere(config: Config, env: DistributedEnv) -> Path | None:
     if newest_anywhere > max(common):
         log.warning(
             "resume_from_checkpoint: checkpoint-%d is not complete on every node; using checkpoint-%d",
-            newest_anywhere, max(common),
+            newest_anywhere, max(common), extra=SAID_BY_RANK_ZERO,
         )  # fmt: skip
     return output_dir / f"checkpoint-{max(common)}"
 
@@ -487,7 +488,7 @@ class Checkpointer:
         else:
             log.warning(
                 "%s predates saved run totals: metrics.json will count the tokens and time from step %d on",
-                path, manifest["step"],
+                path, manifest["step"], extra=SAID_BY_RANK_ZERO,
             )  # fmt: skip
         if optimizer_state is not None:
             _read_shards(optimizer_view, readers["optimizer"], path, "optimizer")
@@ -496,7 +497,10 @@ class Checkpointer:
             if manifest["world_size"] == self.env.world_size and rng_file.is_file():
                 _set_rng_state(torch.load(rng_file, weights_only=False))
         else:
-            log.warning("resuming from lite checkpoint %s: weights only, the optimizer state starts fresh", path)
+            log.warning(
+                "resuming from lite checkpoint %s: weights only, the optimizer state starts fresh",
+                path, extra=SAID_BY_RANK_ZERO,
+            )  # fmt: skip
         log.info(
             "resumed from %s (step %d, saved by %d rank(s) with %s, now %d rank(s))",
             path, manifest["step"], manifest["world_size"], manifest["strategy"], self.env.world_size,

@@ -22,6 +22,7 @@ import torch._functorch.config
 
 from shardtune.distributed.shared_input_gemms import fuse_shared_input_linears
 from shardtune.errors import first_line
+from shardtune.rank_zero_log import SAID_BY_RANK_ZERO
 
 log = logging.getLogger("shardtune")
 
@@ -59,6 +60,7 @@ class LayerCompiler:
                 "parallel.compile: torch.compile failed (%s); the decoder layers run eagerly, the chunked "
                 "loss's softmax too (same results, slower); set parallel.compile=false to skip the attempt",
                 self.failure,
+                extra=SAID_BY_RANK_ZERO,
             )
             return graph.forward
         finally:

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from shardtune.errors import first_line
 from shardtune.model.moe import RoutingRecorder
+from shardtune.rank_zero_log import SAID_BY_RANK_ZERO
 
 log = logging.getLogger("shardtune")
 
@@ -298,6 +299,7 @@ class LayerGraphs:
                 "set parallel.cuda_graphs=false to skip the attempt",
                 type(error).__name__,
                 first_line(error),
+                extra=SAID_BY_RANK_ZERO,
             )
         finally:
             torch.cuda.current_stream().wait_stream(stream)

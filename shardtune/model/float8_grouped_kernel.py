@@ -35,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from shardtune.errors import first_line
 from shardtune.model import triton_kernels
+from shardtune.rank_zero_log import SAID_BY_RANK_ZERO
 
 log = logging.getLogger("shardtune")
 
@@ -128,6 +129,7 @@ def _float8_grouped_mm(
                 "model.grouped_gemm: shardtune's float8 grouped GEMM failed (%s); torch's computes the float8 "
                 "experts from here on (the same results); set model.grouped_gemm: torch to skip it",
                 _Kernel.failure,
+                extra=SAID_BY_RANK_ZERO,
             )
     from shardtune.model.float8 import float8_grouped_mm  # torch's kernel; float8 imports this module
 

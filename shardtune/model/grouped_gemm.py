@@ -26,6 +26,7 @@ import logging
 import torch
 
 from shardtune.errors import ConfigError, first_line
+from shardtune.rank_zero_log import SAID_BY_RANK_ZERO
 
 log = logging.getLogger("shardtune")
 
@@ -196,6 +197,7 @@ def _quack_failed(error: Exception) -> None:
         "model.grouped_gemm: quack's kernel failed (%s); torch._grouped_mm computes the experts from "
         "here on (the same results); set model.grouped_gemm: torch to skip quack",
         _Quack.failure,
+        extra=SAID_BY_RANK_ZERO,
     )
 
 
