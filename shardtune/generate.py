@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from shardtune.checkpoint.export import saved_run_config
-from shardtune.checkpoint.layout import is_checkpoint
+from shardtune.checkpoint.layout import is_checkpoint, what_to_name_in_a_run
 from shardtune.config import looks_local
 from shardtune.data.formats import render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
@@ -85,7 +85,10 @@ def _check_model_dir(model_dir: Path) -> None:
                 f"{model_dir}: a training checkpoint, not a model: export it first (shardtune export {model_dir} "
                 "--out DIR) and name DIR, or name the run's final/"
             )
-        raise InputError(f"{model_dir}: neither a PEFT adapter (adapter_config.json) nor a model (config.json)")
+        raise InputError(
+            f"{model_dir}: neither a PEFT adapter (adapter_config.json) nor a model (config.json)"
+            + what_to_name_in_a_run(model_dir, checkpoints_too=False)
+        )
 
 
 def data_format(model_dir: Path, given: str | None) -> str:

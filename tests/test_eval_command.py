@@ -153,6 +153,7 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
     cases = [
         (["--checkpoint", str(tmp_path / "nothing")], "no such file or directory"),
         (["--checkpoint", str(out / "logs")], "neither a checkpoint (manifest.json) nor a final/ directory"),
+        (["--checkpoint", str(out)], f"{out} is a run's directory: name {out / 'final'} or {out / 'checkpoint-4'}"),
         (["--checkpoint", checkpoint, "lora.r=4"], "lora.r is 4 here, 16 there"),
         (
             ["--checkpoint", str(out / "final"), "lora.enabled=false"],

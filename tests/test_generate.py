@@ -179,6 +179,11 @@ def test_generate_bad_input_is_one_line_with_exit_status_2(tmp_path: Path, capsy
             "--out DIR) and name DIR, or name the run's final/",
         ),
         ([str(tmp_path)], "neither a PEFT adapter (adapter_config.json) nor a model (config.json)"),
+        (
+            [str(final.parent)],
+            f"{final.parent}: neither a PEFT adapter (adapter_config.json) nor a model (config.json); {final.parent} "
+            f"is a run's directory: name {final}",
+        ),
         ([str(final), "--base", str(tmp_path / "no-base")], "--base: "),
         ([str(moved)], "base_model_name_or_path of"),
         ([str(final), "--system", SYSTEM], "--system: a system prompt is for messages-format models"),

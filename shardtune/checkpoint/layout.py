@@ -64,6 +64,15 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [path for step, path in sorted((s, p) for s, p in found if s is not None) if is_checkpoint(path)]
 
 
+def what_to_name_in_a_run(path: Path, checkpoints_too: bool) -> str:
+    """Where ``path`` is a run's directory, named where a command wants trained weights: the end of the line
+    that refuses it, naming its ``final/`` (and, ``checkpoints_too``, its newest complete checkpoint); "" else."""
+    choices = [str(path / "final")] if (path / "final").is_dir() else []
+    if checkpoints_too and (checkpoints := complete_checkpoints(path)):
+        choices.append(str(checkpoints[-1]))
+    return f"; {path} is a run's directory: name {' or '.join(choices)}" if choices else ""
+
+
 def enclosing_checkpoint(path: Path) -> Path | None:
     """The checkpoint that ``path`` is, or lies inside (links resolved), or None: what is never written to."""
     target = path.resolve()

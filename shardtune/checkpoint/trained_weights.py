@@ -13,7 +13,7 @@ import torch
 
 from shardtune.checkpoint.checkpointer import read_trainable_shards, read_trainable_state, trainable_state_dict
 from shardtune.checkpoint.export import saved_run_config
-from shardtune.checkpoint.layout import checkpoint_step, not_a_checkpoint, read_step
+from shardtune.checkpoint.layout import checkpoint_step, not_a_checkpoint, read_step, what_to_name_in_a_run
 from shardtune.config import Config, load_config
 from shardtune.errors import InputError, first_line
 
@@ -48,6 +48,7 @@ def find_trained_weights(path: Path, argument: str = "--checkpoint") -> TrainedW
     else:
         raise InputError(
             f"{named}: neither a checkpoint (manifest.json) nor a final/ directory (adapter_config.json or config.json)"
+            + what_to_name_in_a_run(path, checkpoints_too=True)
         )
     return TrainedWeights(path, kind, _final_step(path), saved_run_config(path))
 
