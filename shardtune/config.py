@@ -106,7 +106,9 @@ FORMAT_FIELDS = {"alpaca": ("instruction", "input", "output"), "messages": ("mes
 
 
 class DataConfig(_Section):
-    dataset_path: str | list[str] = Field(description="file(s) (.jsonl, .json, .parquet) or hub dataset id(s)")
+    dataset_path: str | list[str] = Field(
+        description="file(s) (.jsonl, .json, .csv, .tsv, .parquet) or hub dataset id(s)"
+    )
     dataset_weights: list[float] | None = Field(None, description="per source: times each row is used per epoch")
     dataset_split: str = "train"
     dataset_subset: str | None = None

@@ -200,7 +200,9 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
         description='Write one {"messages": [system?, user, assistant]} line per row with a non-empty input and '
         "output column; rows without are skipped and counted by reason.",
     )
-    convert.add_argument("source", help="a .jsonl, .json or .parquet file, a directory of data files, or a hub id")
+    convert.add_argument(
+        "source", help="a .jsonl, .json, .csv, .tsv or .parquet file, a directory of data files, or a hub id"
+    )
     convert.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     convert.add_argument("--input-col", required=True, help="column holding the user's message")
     convert.add_argument("--output-col", required=True, help="column holding the assistant's reply")

@@ -1,4 +1,4 @@
-"""Rows of a dataset source — a local JSONL, JSON or Parquet file, or a Hugging Face dataset — read lazily,
+"""Rows of a dataset source — a local JSONL, JSON, CSV/TSV or Parquet file, or a Hugging Face dataset — read lazily,
 each with its exact location, so any message about a row can name it.
 
 Reading never decides what a bad row means: a line that is not a JSON object comes back as a ``BadRow`` and
@@ -11,17 +11,20 @@ must not cost the import time of either, nor require them installed.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardtune.errors import DataError, first_and_last_line
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
+# A spreadsheet's export: the first line names the columns; a field may hold line breaks inside quotes.
+_DELIMITERS = {".csv": ",", ".tsv": "\t"}
 
 _HASH_CHUNK_BYTES = 1 << 20
 
@@ -30,8 +33,8 @@ _HASH_CHUNK_BYTES = 1 << 20
 class SourceSpec:
     """Where rows come from.
 
-    ``path`` is a local ``.jsonl``/``.json``/``.parquet`` file, a local directory of data files (read by
-    ``datasets`` as it reads a hub dataset), or a hub dataset id (``org/name`` or ``name``). ``split`` and
+    ``path`` is a local ``.jsonl``/``.json``/``.csv``/``.tsv``/``.parquet`` file, a local directory of data files
+    (read by ``datasets`` as it reads a hub dataset), or a hub dataset id (``org/name`` or ``name``). ``split`` and
     ``subset`` (the hub's config name) apply to directories and hub datasets only.
     """
 
@@ -52,8 +55,9 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class Row:
-    """A row that is a JSON object; ``where`` is ``file.jsonl:12`` (1-based line), ``file.json:row 3`` or
-    ``file.parquet:row 3`` (0-based index), or ``org/name[train]:row 5``."""
+    """A row that is a JSON object (a CSV row: its header's names to its strings); ``where`` is ``file.jsonl:12`` or
+    ``file.csv:12`` (the 1-based line it starts on), ``file.json:row 3`` or ``file.parquet:row 3`` (0-based index),
+    or ``org/name[train]:row 5``."""
 
     data: dict
     where: str
@@ -104,6 +108,8 @@ def iter_rows(spec: SourceSpec) -> Generator[Row | BadRow, None, None]:
         return _iter_jsonl(path, spec.path)
     if suffix == ".json":
         return _iter_json(path, spec.path)
+    if suffix in _DELIMITERS:
+        return _iter_delimited(path, spec.path, _DELIMITERS[suffix])
     return _iter_parquet(path, spec.path, _import_pyarrow_parquet(spec.path))
 
 
@@ -196,6 +202,43 @@ def _iter_json(path: Path, name: str) -> Generator[Row | BadRow, None, None]:
         where = f"{name}:row {index}"
         reason = _object_or_reason(item)
         yield Row(item, where) if reason is None else BadRow(where, reason)
+
+
+def _iter_delimited(path: Path, name: str, delimiter: str) -> Generator[Row | BadRow, None, None]:
+    # Python's csv module, not pandas or datasets: rows one at a time, each with the line it starts on (a quoted
+    # field may span lines), and every value the text the file holds, never a number or a date guessed from it.
+    with open(path, "rb") as handle:
+        # strict: a quote that is never closed is an error, not a field holding the rest of the file.
+        reader = csv.reader(_utf8_lines(handle, name), delimiter=delimiter, strict=True)
+        start = 1  # the line the row being read starts on
+        try:
+            header = next(reader, None)
+            if header is None:
+                return
+            if len(set(header)) < len(header) or "" in header:
+                raise DataError(f"{name}:1: the header must name every column once (got {header}); fix the first line")
+            start = reader.line_num + 1
+            for fields in reader:
+                where, start = f"{name}:{start}", reader.line_num + 1
+                if not fields:
+                    continue  # an empty line
+                if len(fields) != len(header):
+                    yield BadRow(where, f"{len(fields)} fields where the header names {len(header)}")
+                    continue
+                yield Row(dict(zip(header, fields, strict=True)), where)
+        except csv.Error as exc:
+            raise DataError(f"{name}:{start}: not readable as {path.suffix[1:].upper()} ({exc})") from None
+
+
+def _utf8_lines(handle: BinaryIO, name: str) -> Generator[str, None, None]:
+    """The file's lines, line ends kept (as the csv module wants them), decoded one by one: bad UTF-8 is named by
+    its line, which a decoder reading ahead in blocks could not say."""
+    for number, raw in enumerate(handle, start=1):
+        try:
+            # Only the first line may carry a byte-order mark (spreadsheets on Windows write one).
+            yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{name}:{number}: not valid UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
 
 
 def _import_pyarrow_parquet(name: str) -> Any:

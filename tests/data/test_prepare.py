@@ -64,6 +64,30 @@ def test_unknown_role_in_messages_names_the_line(tmp_path, tokenizer):
         prepare_dataset(config, tokenizer)
 
 
+def test_a_csv_file_trains_on_what_its_jsonl_twin_does(tmp_path, tokenizer, capsys):
+    """The same rows as CSV (a spreadsheet's export: quotes, a comma and a line break in a field) and as JSONL give
+    the same sequences; ``shardtune prepare`` reads the CSV from the command line."""
+    import csv
+
+    from shardtune.cli import main
+
+    rows = [*GOOD, {"instruction": 'Say "a, b"\nthen stop.', "input": "", "output": "a, b"}]
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with open(tmp_path / "rows.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["instruction", "input", "output"])
+        writer.writeheader()
+        writer.writerows(rows)
+    by_source = {}
+    for path in (jsonl, tmp_path / "rows.csv"):
+        data = prepare_dataset(make_config(tmp_path, path, data={"eval_split_ratio": 0.0}), tokenizer)
+        by_source[path.suffix] = [data.train.sequence(i)[0].tolist() for i in range(len(data.train))]
+    assert len(by_source[".csv"]) == len(rows) and by_source[".csv"] == by_source[".jsonl"]
+    config = REPO / "examples/quickstart.yaml"
+    overrides = [f"data.dataset_path={tmp_path / 'rows.csv'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["prepare", str(config), *overrides, "data.eval_split_ratio=0"]) == 0
+    assert f"{len(rows)} rows read; train: {len(rows)} examples kept" in capsys.readouterr().out
+
+
 def test_mixing_weights_and_several_sources(tmp_path, tokenizer):
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"plain text number {i}"} for i in range(8)])
     pa = pytest.importorskip("pyarrow")

@@ -31,6 +31,7 @@ def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_is_local():
     assert is_local("data/train.jsonl") and is_local("rows.JSON") and is_local("x.parquet")  # missing, by suffix
+    assert is_local("rows.csv") and is_local("rows.tsv")
     assert is_local("./data") and is_local("../data") and is_local("/abs/data") and is_local("~/data")
     assert is_local(str(REPO / "examples"))  # exists, no suffix
     assert not is_local("tatsu-lab/alpaca") and not is_local("squad")
@@ -144,11 +145,51 @@ def test_missing_file_raises_at_the_call(tmp_path: Path):
 
 
 def test_unsupported_file_type(tmp_path: Path):
-    path = tmp_path / "rows.csv"
-    path.write_text("a,b\n1,2\n")
+    path = tmp_path / "rows.xlsx"
+    path.write_bytes(b"PK")
     with pytest.raises(DataError) as caught:
         read(path)
-    assert caught.value.lines == [f"{path}: unsupported file type (expected .jsonl, .json, .parquet)"]
+    assert caught.value.lines == [f"{path}: unsupported file type (expected .jsonl, .json, .csv, .tsv, .parquet)"]
+
+
+def test_csv_and_tsv_rows_are_their_headers_text_with_the_line_each_starts_on(tmp_path: Path):
+    path = tmp_path / "rows.csv"
+    path.write_bytes(
+        "\ufeffinstruction,input,output\r\n".encode()  # a spreadsheet's export: a byte-order mark, CRLF
+        + b"Add 1 and 2.,,3\r\n"
+        + b'"Say ""hi"", then\r\na new line",x,007\r\n'  # quotes, a line break inside a field, digits kept as text
+        + b"one,too many,fields,here\r\n"
+        + b"\r\n"
+        + "été,,é\r\n".encode()
+        + b"short,row"  # no final line end
+    )
+    assert read(path) == [
+        Row({"instruction": "Add 1 and 2.", "input": "", "output": "3"}, f"{path}:2"),
+        Row({"instruction": 'Say "hi", then\r\na new line', "input": "x", "output": "007"}, f"{path}:3"),
+        BadRow(f"{path}:5", "4 fields where the header names 3"),
+        Row({"instruction": "été", "input": "", "output": "é"}, f"{path}:7"),
+        BadRow(f"{path}:8", "2 fields where the header names 3"),
+    ]
+    tsv = tmp_path / "rows.tsv"
+    tsv.write_text("instruction\toutput\nAdd, then say, 1\t2\n")
+    assert read(tsv) == [Row({"instruction": "Add, then say, 1", "output": "2"}, f"{tsv}:2")]
+
+
+def test_a_csv_file_that_cannot_be_read_is_one_line(tmp_path: Path):
+    path = tmp_path / "rows.csv"
+    for content, line in [
+        (b"a,a\n1,2\n", f"{path}:1: the header must name every column once (got ['a', 'a']); fix the first line"),
+        (b"a,\n1,2\n", f"{path}:1: the header must name every column once (got ['a', '']); fix the first line"),
+        (b"a,b\n1,2\n3,\xff\n", f"{path}:3: not valid UTF-8 (invalid start byte at byte 3)"),
+        (b'a,b\n"1,2\n', f"{path}:2: not readable as CSV (unexpected end of data)"),  # a quote never closed
+        (b'a,b\n1,2\n"x"y,z\n', f"{path}:3: not readable as CSV (',' expected after '\"')"),
+    ]:
+        path.write_bytes(content)
+        with pytest.raises(DataError) as caught:
+            read(path)
+        assert caught.value.lines == [line]
+    path.write_bytes(b"")
+    assert read(path) == []
 
 
 def test_split_or_subset_on_a_file_is_refused(tmp_path: Path):
