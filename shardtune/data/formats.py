@@ -57,12 +57,27 @@ def canonical_row(data: dict, columns: dict[str, str]) -> dict:
     return row
 
 
+# What a row of each format must have: the fields that tell a row's format by looking at it.
+REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
+
+
+def _missing_field(name: str, row: dict) -> RowError:
+    """A field the format needs is not in the row; where the row has every field another format needs (a file of
+    messages read as alpaca, the usual slip), the line names that format."""
+    line = f"missing field '{name}' (fields: {sorted(row)})"
+    fits = [form for form, fields in REQUIRED_FIELDS.items() if name not in fields and set(fields) <= row.keys()]
+    if fits:
+        line += f"; the row has the fields of data.format {fits[0]}: set data.format={fits[0]}, or map columns with "
+        line += "data.columns"
+    return RowError(line)
+
+
 def _string_field(row: dict, name: str, required: bool = True) -> str:
     value = row.get(name)
     if value is None and not required:
         return ""
     if value is None:
-        raise RowError(f"missing field '{name}' (fields: {sorted(row)})")
+        raise _missing_field(name, row)
     if not isinstance(value, str):
         raise RowError(f"field '{name}' must be a string, got {type(value).__name__}")
     return value
@@ -88,7 +103,7 @@ def parse_messages(row: dict) -> list[dict[str, str]]:
     """Validated ``[{role, content}]``; ShareGPT turns are translated."""
     messages = row.get("messages")
     if messages is None:
-        raise RowError(f"missing field 'messages' (fields: {sorted(row)})")
+        raise _missing_field("messages", row)
     if not isinstance(messages, list) or not messages:
         raise RowError("'messages' must be a non-empty list of {role, content} objects")
     parsed = []

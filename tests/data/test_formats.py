@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from copy import deepcopy
 
 import pytest
@@ -135,11 +136,29 @@ def test_sharegpt_turns_are_read(tokenizer):
         ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no assistant message"),
         ({"messages": "hi"}, "messages", "'messages' must be a non-empty list"),
-        ({"body": "x"}, "text", "missing field 'text'"),
+        ({"body": "x"}, "text", "missing field 'text' (fields: ['body'])"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "alpaca",
+            "missing field 'instruction' (fields: ['messages']); the row has the fields of data.format messages: set "
+            "data.format=messages, or map columns with data.columns",
+        ),
+        (
+            {"instruction": "x", "input": "", "output": "y"},
+            "messages",
+            "missing field 'messages' (fields: ['input', 'instruction', 'output']); the row has the fields of "
+            "data.format alpaca: set data.format=alpaca, or map columns with data.columns",
+        ),
+        (
+            {"text": "x", "output": "y"},
+            "alpaca",
+            "missing field 'instruction' (fields: ['output', 'text']); the row "
+            "has the fields of data.format text: set data.format=text",
+        ),
     ],
 )
 def test_bad_rows_say_why(tokenizer, row, format, reason):
-    with pytest.raises(RowError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(RowError, match=re.escape(reason)):
         tokenize(tokenizer, row, format=format)
 
 
