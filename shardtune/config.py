@@ -667,10 +667,21 @@ def looks_local(name_or_path: str) -> bool:
 def load_config(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Read, override and validate a config; raise ``ConfigError`` naming every bad key."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.glob("*.yaml")) + sorted(path.glob("*.yml"))
+        hint = f": name a config file in it ({', '.join(map(str, inside[:3]))})" if inside else ""
+        raise ConfigError(f"config file {path} is a directory{hint}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not valid UTF-8 ({exc.reason}); save the config as UTF-8") from None
+    try:
+        tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from shardtune.cli import main
 from shardtune.config import ConfigError, dump_config, load_config, parse_override
@@ -132,6 +133,26 @@ def test_cli_rejects_malformed_yaml(tmp_path: Path, capsys):
     path.write_text("model:\n  name_or_path: [unclosed\n")
     assert main(["train", str(path)]) == 2
     assert f"{path}:" in capsys.readouterr().err
+
+
+def test_a_config_that_is_a_directory_or_not_utf8_is_one_line(tmp_path: Path, capsys):
+    run = tmp_path / "run"  # a run's directory, given where its config.yaml was meant
+    run.mkdir()
+    (run / "config.yaml").write_text((REPO / "examples/quickstart.yaml").read_text())
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"model:\n  name_or_path: examples/tiny-llama\n# caf\xe9\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, line in [
+        (run, f"config file {run} is a directory: name a config file in it ({run / 'config.yaml'})"),
+        (empty, f"config file {empty} is a directory"),
+        (latin1, f"{latin1}:3: not valid UTF-8 (invalid continuation byte); save the config as UTF-8"),
+    ]:
+        assert main(["train", str(path)]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"shardtune: error: {line}"]
+    with_mark = tmp_path / "bom.yaml"  # an editor's byte-order mark is not part of the first key
+    with_mark.write_bytes(b"\xef\xbb\xbf" + (REPO / "examples/quickstart.yaml").read_bytes())
+    assert load_config(with_mark, check_paths=False).model.name_or_path == "examples/tiny-llama"
 
 
 def test_auto_attention_is_flex_for_packed_sequences_on_gpus_only(tmp_path, alpaca_file):
