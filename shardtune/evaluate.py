@@ -20,6 +20,7 @@ from shardtune.checkpoint.trained_weights import TrainedWeights, find_trained_we
 from shardtune.config import Config, looks_local
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError, DataError, InputError
+from shardtune.metrics.progress import EvalProgress
 from shardtune.run_dir import write_atomic
 
 log = logging.getLogger("shardtune")
@@ -184,9 +185,13 @@ def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:
     log.info("%s", plan.describe(env.world_size))
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main)
     install_faults(env.rank).attach(model)
-    measured = evaluate_run_model(
-        model, examples, config, env, precision, tokenizer.pad_token_id, on_batch=lambda: fault_point("eval.batch")
-    )
+    said = EvalProgress(log.info)  # rank 0 alone logs at this level
+
+    def on_batch(done: int, total: int) -> None:
+        fault_point("eval.batch")
+        said(done, total)
+
+    measured = evaluate_run_model(model, examples, config, env, precision, tokenizer.pad_token_id, on_batch=on_batch)
     result = {
         "checkpoint": str(weights.path),
         "kind": weights.kind,

@@ -206,3 +206,32 @@ def test_a_checkpoints_relative_model_path_matches_the_same_model_named_from_els
     assert config_mismatches(saved, other) == [
         f"model.name_or_path is {str(tmp_path)!r} here, 'examples/tiny-llama' there"
     ]
+
+
+def test_a_long_evaluation_says_how_far_it_has_got(lora_run: dict, tmp_path: Path):
+    """Every EVAL_PROGRESS_EVERY_S seconds (0 here: after each batch but the last) rank 0 says how many of the
+    evaluation's batches are done, in ``shardtune eval`` and in a run's own evaluation."""
+    patched = (
+        "import sys; import shardtune.metrics.progress as progress; progress.EVAL_PROGRESS_EVERY_S = 0.0; "
+        "from shardtune.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    checkpoint = lora_run["out"] / "checkpoint-2"
+    common = ["examples/quickstart.yaml", *lora_run["overrides"]]
+    commands = {
+        "eval": ["eval", *common, "--checkpoint", str(checkpoint), "--out", str(tmp_path / "eval.json")],
+        "train": ["train", *common, f"training.output_dir={tmp_path / 'run'}", "training.max_steps=2",
+                  "training.eval_steps=2", "training.eval_on_start=false"],
+    }  # fmt: skip
+    for name, command in commands.items():
+        result = subprocess.run(
+            [sys.executable, "-c", patched, *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        said = [
+            line.split(" INFO ")[1].split("  elapsed")[0]
+            for line in result.stderr.splitlines()
+            if "INFO eval: " in line
+        ]
+        expected = [f"eval: {done} of {EVAL_ROWS} batches ({done / EVAL_ROWS:.0%})" for done in range(1, EVAL_ROWS)]
+        assert said == expected, (name, result.stderr[-3000:])

@@ -1,17 +1,21 @@
 """A live progress bar on a terminal; plain log lines when output goes to a file. Both show the loss,
-learning rate, tokens/s, MFU (when the device's peak is known) and the time left."""
+learning rate, tokens/s, MFU (when the device's peak is known) and the time left. A long evaluation says how far
+it has got (``EvalProgress``)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
 
 log = logging.getLogger("shardtune")
 
+# How often a long evaluation says how far it has got: one that ends sooner says nothing before its result.
+EVAL_PROGRESS_EVERY_S = 30.0
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}, eta {remaining}{postfix}]"
 
 
@@ -74,6 +78,27 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class EvalProgress:
+    """Called after each evaluation batch with (batches done, batches in all): every ``EVAL_PROGRESS_EVERY_S``
+    seconds, a line through ``say`` with the share done and the time left. Rank 0's batches stand for every rank's:
+    each runs as many (``batches_per_rank``)."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < EVAL_PROGRESS_EVERY_S or done >= total:
+            return
+        self.last = now
+        elapsed = now - self.started
+        self.say(
+            f"eval: {done:,} of {total:,} batches ({done / total:.0%})  elapsed {_clock(elapsed)}  "
+            f"eta {_clock(elapsed / done * (total - done))}"
+        )
 
 
 def _clock(seconds: float) -> str:

@@ -37,11 +37,12 @@ def evaluate(
     autocast_dtype: torch.dtype | None,
     loss_chunk_tokens: int | str = 0,
     fused_loss: bool = False,
-    on_batch: Callable[[], None] | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Loss = sum of token losses / number of target tokens, over all ranks' shares of ``examples``.
 
-    ``on_batch`` is called after every forward pass (the heartbeat: a long evaluation is progress)."""
+    ``on_batch`` is called after every forward pass with the passes done and the passes in all (the heartbeat:
+    a long evaluation is progress; and the progress line)."""
     was_training = model.training
     model.eval()
     # Each rank takes a strided share; sorting by length first keeps padding per batch small.
@@ -50,14 +51,15 @@ def evaluate(
     mine = sorted(range(mesh.dp_rank, len(examples), mesh.dp_size), key=lambda i: (lengths[i], i))
     # Sums stay on the device and are reduced once at the end: no host sync per batch.
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    for index in range(batches_per_rank(len(examples), batch_size, mesh.dp_size)):
+    passes = batches_per_rank(len(examples), batch_size, mesh.dp_size)
+    for index in range(passes):
         share = mine[index * batch_size : (index + 1) * batch_size]
         sequences = [examples.sequence(i) for i in share] if share else _padding(examples, lengths)
         batch = collate(sequences, pad_token_id, packed=False).to(env.device)
         totals[0] += summed_token_loss(model, batch, autocast_dtype, loss_chunk_tokens, fused_loss).double()
         totals[1] += batch.num_targets
         if on_batch is not None:
-            on_batch()
+            on_batch(index + 1, passes)
     env.all_reduce_sum(totals)
     model.train(was_training)
     loss = (totals[0] / totals[1]).item()

@@ -51,7 +51,7 @@ from shardtune.faults import install_faults
 from shardtune.metrics.flops import peak_flops
 from shardtune.metrics.memory import peak_memory_gib, start_training_peak
 from shardtune.metrics.profiler import StepProfiler
-from shardtune.metrics.progress import Progress
+from shardtune.metrics.progress import EvalProgress, Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.metrics.train_interval import TrainInterval
 from shardtune.model.fused_moe import use_fused_experts
@@ -127,10 +127,10 @@ def evaluate_run_model(
     env: DistributedEnv,
     precision: Precision,
     pad_token_id: int,
-    on_batch: Callable[[], None] | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """The run's evaluation (its batch size and loss settings): during training and in ``shardtune eval``.
-    ``on_batch`` runs after each batch (the heartbeat's progress)."""
+    ``on_batch`` runs after each batch, with the batches done and in all (``evaluate``)."""
     training = config.training
     return evaluate(
         model,
@@ -332,9 +332,13 @@ def _train(
             return
         heartbeat.beat(step, "eval")
         started = time.perf_counter()
-        result = evaluate_run_model(
-            model, data.eval, config, env, precision, pad_id, on_batch=lambda: heartbeat.progress("eval.batch")
-        )
+        said = EvalProgress(progress.message)
+
+        def on_batch(done: int, total: int) -> None:
+            heartbeat.progress("eval.batch")
+            said(done, total)
+
+        result = evaluate_run_model(model, data.eval, config, env, precision, pad_id, on_batch=on_batch)
         result = {**result, "eval_time_s": time.perf_counter() - started}
         eval_results.append(result)
         for sink in sinks:
