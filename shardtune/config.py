@@ -674,11 +674,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_path
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        line = raw[: exc.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}: not valid UTF-8 ({exc.reason}); save the config as UTF-8") from None
     try:
         tree = yaml.safe_load(text) or {}

@@ -160,13 +160,10 @@ def _json_type_name(value: Any) -> str:
 def _iter_jsonl(path: Path, name: str) -> Generator[Row | BadRow, None, None]:
     # Bytes, decoded line by line: one line of bad UTF-8 is one bad row, not the end of the file.
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        for number, line, bad_utf8 in _decoded_lines(handle):
             where = f"{name}:{number}"
-            try:
-                # Only the first line may carry a byte-order mark (editors on Windows write one).
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                yield BadRow(where, f"not valid UTF-8 ({exc.reason} at byte {exc.start + 1})")
+            if bad_utf8:
+                yield BadRow(where, bad_utf8)
                 continue
             if not line.strip():
                 continue
@@ -230,15 +227,24 @@ def _iter_delimited(path: Path, name: str, delimiter: str) -> Generator[Row | Ba
             raise DataError(f"{name}:{start}: not readable as {path.suffix[1:].upper()} ({exc})") from None
 
 
-def _utf8_lines(handle: BinaryIO, name: str) -> Generator[str, None, None]:
-    """The file's lines, line ends kept (as the csv module wants them), decoded one by one: bad UTF-8 is named by
-    its line, which a decoder reading ahead in blocks could not say."""
+def _decoded_lines(handle: BinaryIO) -> Generator[tuple[int, str, str | None], None, None]:
+    """Each line of the file (line end kept) decoded on its own, as (1-based number, text, why it is not UTF-8 or
+    None): bad UTF-8 is named by its line, which a decoder reading ahead in blocks could not say."""
     for number, raw in enumerate(handle, start=1):
         try:
-            # Only the first line may carry a byte-order mark (spreadsheets on Windows write one).
-            yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            # Only the first line may carry a byte-order mark (editors and spreadsheets on Windows write one).
+            yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8"), None
         except UnicodeDecodeError as exc:
-            raise DataError(f"{name}:{number}: not valid UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
+            yield number, "", f"not valid UTF-8 ({exc.reason} at byte {exc.start + 1})"
+
+
+def _utf8_lines(handle: BinaryIO, name: str) -> Generator[str, None, None]:
+    """The file's lines as the csv module reads them; bad UTF-8 stops the read, naming its line (a CSV row may
+    span lines, so one bad line cannot be skipped as a row)."""
+    for number, line, bad_utf8 in _decoded_lines(handle):
+        if bad_utf8:
+            raise DataError(f"{name}:{number}: {bad_utf8}")
+        yield line
 
 
 def _import_pyarrow_parquet(name: str) -> Any:
