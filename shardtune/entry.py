@@ -11,10 +11,12 @@ from __future__ import annotations
 import sys
 
 from shardtune.errors import EXIT_INTERRUPTED
-from shardtune.launch.local import exit_worker, running_as_worker, say_once
+from shardtune.launch.local import end_with_the_launcher, exit_worker, running_as_worker, say_once
 
 
 def main(argv: list[str] | None = None) -> int:
+    if running_as_worker():
+        end_with_the_launcher()
     try:
         from shardtune.cli import main as run_command
 

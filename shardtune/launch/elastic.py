@@ -39,7 +39,7 @@ from shardtune.errors import (
     EXIT_SAVE_FAILED,
     InputError,
 )
-from shardtune.launch.local import REPORTED_ERRORS_VARIABLE
+from shardtune.launch.local import LAUNCHER_PID_VARIABLE, REPORTED_ERRORS_VARIABLE
 from shardtune.launch.network import apply_network_environment
 from shardtune.train.preemption import COMMAND_VARIABLE, PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS
 
@@ -191,6 +191,7 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
     # Workers that stop on the same input error print it once (see say_once).
     reported_errors = tempfile.TemporaryDirectory(prefix="shardtune-errors-")
     os.environ[REPORTED_ERRORS_VARIABLE] = reported_errors.name
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # the workers end with it (end_with_the_launcher)
     store = _host_or_join_store(spec) if spec.multi_node else None
     if spec.multi_node:
         os.environ.update(

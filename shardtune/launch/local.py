@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -16,11 +17,33 @@ if TYPE_CHECKING:
 # Set by our launcher for its workers: a directory where the first worker to report an error claims it,
 # so that N workers stopped by the same input print its line once, not N times.
 REPORTED_ERRORS_VARIABLE = "SHARDTUNE_REPORTED_ERRORS"
+# Set by our launcher for its workers: its process id (see end_with_the_launcher).
+LAUNCHER_PID_VARIABLE = "SHARDTUNE_LAUNCHER_PID"
+# prctl(2)'s option: the signal the kernel sends this process when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
 
 
 def running_as_worker() -> bool:
     """Started by torchrun, by our own launcher, or as one task of a multi-task srun."""
     return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def end_with_the_launcher() -> None:
+    """Have the kernel send this worker SIGTERM when our launcher dies, as Ctrl-C or a SIGTERM to the launcher
+    would reach it: it stops at a step boundary, with a checkpoint where ``training.save_steps`` is set.
+
+    Why: torch's agent starts each worker in a session of its own, so a launcher killed outright (SIGKILL, the
+    kernel's out-of-memory killer) passes nothing on, and its workers, orphaned, train on and hold their GPUs
+    until the collective timeout or for good. Linux only (prctl); elsewhere, and under torchrun or srun,
+    nothing changes."""
+    launcher = os.environ.get(LAUNCHER_PID_VARIABLE)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != int(launcher):  # it died before the request took hold
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_worker(code: int) -> NoReturn:

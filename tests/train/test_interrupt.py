@@ -146,6 +146,39 @@ def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tm
     assert len(checkpoints) == 1 and f"saved {checkpoints[0]};" in lines[0]
 
 
+def process_state(pid: int) -> str:
+    """/proc's one-letter state of ``pid`` ("Z" for a zombie), or "gone"."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal (prctl) is Linux's")
+def test_workers_of_a_launcher_killed_outright_save_a_checkpoint_and_end(tmp_path):
+    """SIGKILL on the launcher (or the out-of-memory killer): its workers, each in a session of its own, are
+    told by the kernel and stop as on SIGTERM, instead of training on orphaned and holding their GPUs."""
+    out = tmp_path / "run"
+    process = start(tmp_path, out, "training.max_steps=8", "training.save_steps=100", fault="optimizer:slow:rank=1")
+    wait_for(lambda: logged_steps(out) >= 2, process)
+    workers = children_of(process.pid)
+    assert len(workers) == 2
+    process.kill()
+    try:
+        _, stderr = process.communicate(timeout=240)  # the workers hold its pipes until they end
+    finally:
+        for worker in workers:
+            if process_state(worker) not in ("Z", "gone"):
+                os.kill(worker, signal.SIGKILL)
+    assert [process_state(worker) in ("Z", "gone") for worker in workers] == [True, True]
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1, stderr[-4000:]
+    stopped = json.loads((checkpoints[0] / "manifest.json").read_text())["step"]
+    assert 2 <= stopped < 8 and not (out / "final").exists()
+    assert f"shardtune: SIGTERM: stopping after step {stopped}; saved {checkpoints[0]}; resume with: " in stderr
+    assert "Traceback" not in stderr
+
+
 # Installed through PYTHONPATH as the process's sitecustomize: the first import of torch waits, as it does for
 # seconds on a cold disk, and says when it started waiting.
 STALLED_TORCH_IMPORT = """
