@@ -27,14 +27,17 @@ the quantization GPUs run, at the same precision up to summation order.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from shardtune.errors import ConfigError
+from shardtune.model.triton_kernels import KERNELS_MAY_RUN
 
-try:  # Triton ships with CUDA builds of torch; without it torch._scaled_grouped_mm runs
-    from shardtune.model import float8_grouped_kernel
-except ImportError:
-    float8_grouped_kernel = None
+float8_grouped_kernel = None  # without Triton, or on a CPU build of torch, torch._scaled_grouped_mm runs
+if KERNELS_MAY_RUN:
+    with contextlib.suppress(ImportError):
+        from shardtune.model import float8_grouped_kernel
 
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448

@@ -27,6 +27,7 @@ longer runs) from inside the graph: a compiled decoder layer has no graph break 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -61,19 +62,21 @@ from shardtune.model.moe import (
     sum_real,
     token_statistics,
 )
-from shardtune.model.triton_kernels import runs_on
+from shardtune.model.triton_kernels import KERNELS_MAY_RUN, runs_on
 
-try:  # Triton ships with CUDA builds of torch; without it these run as torch ops
-    from shardtune.model import routing_kernels
-    from shardtune.model.weighted_silu_kernel import (
-        FLOAT8_ROW_TILE,
-        weighted_silu_mul_backward,
-        weighted_silu_mul_backward_float8,
-        weighted_silu_mul_float8,
-    )
-except ImportError:
-    routing_kernels = weighted_silu_mul_backward = weighted_silu_mul_backward_float8 = weighted_silu_mul_float8 = None
-    FLOAT8_ROW_TILE = 0
+# Without Triton, or on a CPU build of torch, these run as torch ops.
+routing_kernels = weighted_silu_mul_backward = weighted_silu_mul_backward_float8 = weighted_silu_mul_float8 = None
+FLOAT8_ROW_TILE = 0
+if KERNELS_MAY_RUN:
+    with contextlib.suppress(ImportError):
+        from shardtune.model import routing_kernels
+    with contextlib.suppress(ImportError):
+        from shardtune.model.weighted_silu_kernel import (
+            FLOAT8_ROW_TILE,
+            weighted_silu_mul_backward,
+            weighted_silu_mul_backward_float8,
+            weighted_silu_mul_float8,
+        )
 
 log = logging.getLogger("shardtune")
 
