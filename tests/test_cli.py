@@ -103,6 +103,7 @@ def test_malformed_data_row_names_file_and_line(tmp_path: Path):
     assert result.stderr.strip().splitlines()[-1].startswith(f"shardtune: error: {data}:2: not valid JSON")
 
 
+@pytest.mark.variants
 def test_wandb_offline_logs_without_network(tmp_path: Path):
     pytest.importorskip("wandb")
     out = tmp_path / "run"

@@ -156,6 +156,7 @@ def test_two_workers_share_directories_and_measure_bandwidth(tmp_path):
     assert not list((tmp_path / "run").glob(".domain-*")), "the shared-directory marker is removed"
 
 
+@pytest.mark.variants
 def test_two_nodes_with_node_local_output_dirs(tmp_path):
     """Node ranks 0 and 1 on one host, as two `launch`-style commands; each node names its own output dir."""
     port = free_port()
@@ -181,6 +182,7 @@ def test_two_nodes_with_node_local_output_dirs(tmp_path):
     assert "(2 ranks, gloo on cpu)" in rows["all", "all-reduce 16 MiB"][1]
 
 
+@pytest.mark.variants
 def test_srun_tasks_check_without_a_launching_command(tmp_path):
     """As the tasks of srun: SLURM_* variables and MASTER_ADDR/PORT, no RANK; each task is a rank and exits
     with the verdict itself."""

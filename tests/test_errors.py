@@ -76,6 +76,7 @@ def resume(tmp_path: Path, run: Path, nproc: int = 2) -> Result:
     return train(tmp_path, nproc, "training.max_steps=4", "training.resume_from_checkpoint=auto", out=run)
 
 
+@pytest.mark.variants
 def test_a_truncated_checkpoint_shard_is_named_with_the_host_that_wrote_it(tmp_path, saved_run):
     run = Path(shutil.copytree(saved_run, tmp_path / "run"))
     shard = run / "checkpoint-2" / "model" / "__0_0.distcp"
@@ -355,6 +356,7 @@ def test_the_summary_lists_every_dropped_row(tmp_path, tokenizer):
     )
 
 
+@pytest.mark.variants
 def test_worker_counts(tmp_path):
     assert_one_line(train(tmp_path, 0), "--nproc: must be at least 1, got 0")
     # Two workers on one core: a warning, once; then an output directory below a file stops both with one line.

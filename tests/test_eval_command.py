@@ -116,6 +116,7 @@ def test_eval_on_two_processes_equals_the_single_process_runs_eval(lora_run: dic
         assert completed.stdout.count("eval ") == 1, "the result line is printed once, by rank 0"
 
 
+@pytest.mark.variants
 def test_eval_out_of_memory_on_one_rank_is_one_line_with_exit_status_5(lora_run: dict, tmp_path: Path):
     target = tmp_path / "eval.json"
     # Rank 1 (3 batches of one example) runs out of memory in its second batch's forward.
@@ -133,6 +134,7 @@ def test_eval_out_of_memory_on_one_rank_is_one_line_with_exit_status_5(lora_run:
     assert not target.exists()
 
 
+@pytest.mark.variants
 def test_eval_of_a_full_fine_tuning_checkpoint_and_final(tmp_path: Path):
     """Full fine-tuning, with full checkpoints (optimizer state beside the weights): the DCP checkpoint and
     the HF model in final/."""
@@ -208,6 +210,7 @@ def test_a_checkpoints_relative_model_path_matches_the_same_model_named_from_els
     ]
 
 
+@pytest.mark.variants
 def test_a_long_evaluation_says_how_far_it_has_got(lora_run: dict, tmp_path: Path):
     """Every EVAL_PROGRESS_EVERY_S seconds (0 here: after each batch but the last) rank 0 says how many of the
     evaluation's batches are done, in ``shardtune eval`` and in a run's own evaluation."""

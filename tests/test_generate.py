@@ -121,6 +121,7 @@ def test_generate_on_a_messages_run_answers_through_the_chat_template(tmp_path: 
     assert answer == tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
+@pytest.mark.variants
 def test_final_and_exports_load_from_any_directory(tmp_path: Path):
     """The quickstart names its model relatively (examples/tiny-llama); its outputs still load elsewhere."""
     run = train(tmp_path, "run", 1, "training.save_steps=2", steps=2)

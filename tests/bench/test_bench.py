@@ -80,6 +80,7 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     assert "max_steps: 4" in config and "max_length: 64" in config
 
 
+@pytest.mark.variants
 def test_a_baseline_that_does_not_fit_leaves_shardtunes_run_without_a_ratio(tmp_path, capsys, monkeypatch):
     """HF + PEFT out of device memory without checkpointing and with it (Qwen3-30B-A3B with LoRA on the routed
     experts at batch 2 on an 80 GB GPU): bench keeps shardtune's measured run and says so, where it used to stop
@@ -111,6 +112,7 @@ def test_a_baseline_that_does_not_fit_leaves_shardtunes_run_without_a_ratio(tmp_
     assert f"the HF baseline ran out of memory with every layer checkpointed too (see {out / 'hf.log'})" in printed
 
 
+@pytest.mark.variants
 def test_alpaca_like_bench_packs_for_shardtune_and_pads_for_the_baseline(tmp_path):
     """At the seed's setting the baseline trains one padded example per sequence; shardtune packs several."""
     out = tmp_path / "bench"
@@ -140,6 +142,7 @@ def test_alpaca_like_bench_packs_for_shardtune_and_pads_for_the_baseline(tmp_pat
     assert baseline["padding"] == "max_length" and results["data"] == "alpaca-like"
 
 
+@pytest.mark.variants
 def test_bench_on_a_given_file_with_its_own_tokenizer(tmp_path, tiny_model_dir, alpaca_file):
     out = tmp_path / "bench"
     args = ["bench", "--shape", "llama-tiny", "--seq", "128", "--batch", "2", "--steps", "2", "--warmup", "1"]
@@ -172,6 +175,7 @@ def test_bench_bad_input(tmp_path, capsys):
     )
 
 
+@pytest.mark.variants
 def test_bench_times_one_epoch_of_a_given_number_of_examples(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--shape", "llama-tiny", "--seq", "128", "--batch", "2", "--warmup", "1", "--data", "alpaca-like"]

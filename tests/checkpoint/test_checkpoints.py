@@ -122,6 +122,7 @@ def test_rotation_manifest_and_lite_resume(tmp_path):
     assert len(warnings) == 1, log
 
 
+@pytest.mark.variants
 def test_partial_checkpoints_are_ignored_and_missing_files_named(tmp_path):
     out = tmp_path / "run"
     train(tmp_path, out, 1, "training.max_steps=2", "training.save_steps=1")
@@ -167,6 +168,7 @@ def test_rotation_that_cannot_move_a_checkpoint_aside_keeps_it_and_fails_nothing
     assert warnings[0].endswith("; it stays")
 
 
+@pytest.mark.variants
 def test_kill_during_saves_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen(

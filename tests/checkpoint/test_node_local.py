@@ -113,6 +113,7 @@ def test_each_node_commits_its_own_shards_and_resumes(tmp_path, strategy):
     assert resumed[2:] == pytest.approx(losses(straight)[2:], rel=1e-5)
 
 
+@pytest.mark.variants
 def test_a_resume_lacking_another_nodes_shards_names_them_and_where(tmp_path):
     common = ["parallel.strategy=fsdp", "lora.lora_dropout=0", "training.save_steps=2", "training.max_steps=2"]
     succeeded(train_on_two_nodes(tmp_path, *common))
@@ -135,6 +136,7 @@ def test_a_resume_lacking_another_nodes_shards_names_them_and_where(tmp_path):
     assert adapter(tmp_path / "alone").keys()
 
 
+@pytest.mark.variants
 def test_replicated_lora_resumes_from_one_node_alone(tmp_path):
     """DDP keeps a whole copy of the adapter on every node, so one node's disk is enough for one process."""
     common = ["parallel.strategy=ddp", "lora.lora_dropout=0", "training.save_steps=2"]
@@ -149,6 +151,7 @@ def test_replicated_lora_resumes_from_one_node_alone(tmp_path):
     assert losses(tmp_path / "alone") == pytest.approx(losses(straight)[2:], rel=1e-5)
 
 
+@pytest.mark.variants
 def test_overwrite_output_dir_clears_the_previous_run_from_every_nodes_disk(tmp_path):
     """Rotation runs on each node's own disk: an old checkpoint left on node-b would outlive the new run's."""
     common = ["parallel.strategy=ddp", "lora.lora_dropout=0", "training.checkpoint_mode=lite"]
@@ -241,6 +244,7 @@ def test_a_previous_run_on_another_nodes_disk_stops_a_fresh_run_on_every_rank_wi
     assert existing_run_artifacts(tmp_path / "node-b") == ["checkpoint-9"]
 
 
+@pytest.mark.variants
 def test_auto_resume_with_no_checkpoint_on_every_node_never_replaces_the_finished_run(tmp_path):
     """node-a holds the finished run and its checkpoint, node-b lost its copy of the checkpoint: ``auto`` has
     nothing every node can continue from, and starting over would replace final/ on node-a, so every rank stops with

@@ -164,6 +164,7 @@ def test_a_second_run_in_a_directory_in_use_stops_with_one_line_and_takes_over_o
     assert not (out / ".shardtune.lock").exists()
 
 
+@pytest.mark.variants
 def test_metrics_after_a_resume_count_the_whole_run(runs):
     straight = json.loads((runs["straight"] / "metrics.json").read_text())
     resumed = json.loads((runs["resumed"] / "metrics.json").read_text())
@@ -217,6 +218,7 @@ def test_resuming_with_another_adapter_is_one_line_naming_the_keys(runs):
     assert snapshot(runs["resumed"]) == before
 
 
+@pytest.mark.variants
 def test_resuming_from_an_older_checkpoint_in_place_is_refused_and_branches_into_another_output_dir(runs):
     """checkpoint-3 of a run that went on to checkpoint-6: its steps redone in that directory would replace
     checkpoint-6 when saved again, and any later checkpoint they did not reach would stay for rotation and ``auto``
@@ -243,6 +245,7 @@ def test_resuming_from_an_older_checkpoint_in_place_is_refused_and_branches_into
     assert snapshot(runs["resumed"]) == before
 
 
+@pytest.mark.variants
 def test_branching_into_a_directory_that_holds_another_run_is_refused_unless_it_is_replaced(runs):
     """A resume from another directory's checkpoint starts a new run: into a directory holding a run it would mix
     its checkpoints with that run's (a later ``auto`` would take the newest of either), and its final/ and
@@ -384,6 +387,7 @@ def test_a_failed_export_over_an_old_one_leaves_the_old_one(runs, tmp_path, monk
     assert sorted(p.name for p in adapter.iterdir()) == ["old.txt"]
 
 
+@pytest.mark.variants
 def test_resuming_after_the_training_data_changed_is_one_line(tmp_path):
     data = tmp_path / "data.jsonl"
     rows = (REPO / "examples/data/tiny_instruct.jsonl").read_text().splitlines(keepends=True)

@@ -54,6 +54,7 @@ def test_rank_killed_during_a_save_fails_the_job_and_the_restart_resumes_from_th
     assert not list(out.glob(".checkpoint-*.tmp"))
 
 
+@pytest.mark.variants
 def test_a_kill_while_rotation_removes_a_checkpoint_leaves_no_checkpoint_without_its_manifest(tmp_path):
     out = tmp_path / "run"
     # save_total_limit=1: saving step 4 removes checkpoint-2, and the process dies in that removal.
@@ -135,6 +136,7 @@ def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_
         )
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("killed_at", [3, 5], ids=["before-its-first-save", "after-it"])
 def test_a_restart_of_a_run_branched_from_another_directory_carries_on_from_its_own_newest_else_the_branch_point(
     tmp_path, killed_at
@@ -169,6 +171,7 @@ def test_a_restart_of_a_run_branched_from_another_directory_carries_on_from_its_
         ), again.log[-3000:]
 
 
+@pytest.mark.variants
 def test_a_restart_of_a_run_resumed_from_a_checkpoint_in_place_carries_on_from_its_own_newest(tmp_path):
     """Resumed from checkpoint-2 of its own directory, the run saves checkpoint-4 and then loses a worker: the restart
     continues from checkpoint-4 (``auto``), neither redoing steps 3-4 nor refusing checkpoint-2 as older."""

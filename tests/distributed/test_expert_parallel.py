@@ -150,7 +150,8 @@ def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
     assert run["metrics"]["world_size"] == 4
 
 
-@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix)])
+@ep_matrix
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
     single, ep2 = runs.single(arch), runs.ep2(arch)
     from_ep2 = runs.resumed(arch, ep2, "ep2-to-1", 1, "training.gradient_accumulation_steps=2")
@@ -164,7 +165,8 @@ def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
     assert_same_adapter(adapter(from_single["out"] / "final"), adapter(single["out"] / "final"), rel=1e-4)
 
 
-@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci)])
+@ep_matrix
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path):
     run = runs.ep2(arch)
     checkpoint = run["out"] / f"checkpoint-{STEPS}"
@@ -303,6 +305,7 @@ def test_settings_expert_parallelism_cannot_run_are_config_errors(overrides, err
         load_config(REPO / "examples/quickstart.yaml", [*EP2, *overrides], check_paths=False)
 
 
+@pytest.mark.variants
 def test_a_dense_model_with_expert_parallelism_stops_with_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "shardtune", "train", "examples/quickstart.yaml", "--nproc", "2", *EP2,

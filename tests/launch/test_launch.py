@@ -133,6 +133,7 @@ def test_a_killed_worker_is_restarted_and_training_resumes(tmp_path):
     assert losses(out) == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.variants
 def test_sigusr1_commits_a_checkpoint_and_the_next_run_resumes(tmp_path):
     steps = ["training.max_steps=60"]
     out, port = tmp_path / "preempted", free_port()

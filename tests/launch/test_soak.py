@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 from faulty_runs import command, final_adapter, run, same_weights, train_log, worker_env
 
@@ -79,6 +80,7 @@ def interrupt_when_due(process: subprocess.Popen, out: Path, due: Interruption, 
     return True
 
 
+@pytest.mark.variants
 def test_soak_random_preemptions_and_kills_end_with_the_uninterrupted_weights(tmp_path):
     reference = tmp_path / "reference"
     result = run(tmp_path, reference, 2, *SETTINGS, timeout=120 + 3 * STEPS)

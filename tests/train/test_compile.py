@@ -35,6 +35,7 @@ def test_compiled_layers_train_like_eager_ones(tmp_path):
     assert fallback["losses"] == pytest.approx(eager["losses"], rel=1e-6)
 
 
+@pytest.mark.variants
 def test_ddp_runs_each_compiled_layer_as_one_graph_and_trains_like_one_process(tmp_path):
     # r=512: a layer's adapters (1.8 MB) pass DDP's first 1 MB bucket, where dynamo's DDP optimizer
     # would split the layer's graph in two (and log the split under TORCH_LOGS=ddp_graphs).
@@ -46,6 +47,7 @@ def test_ddp_runs_each_compiled_layer_as_one_graph_and_trains_like_one_process(t
     assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-5)
 
 
+@pytest.mark.variants
 def test_fused_moe_layers_compile_without_a_graph_break_and_train_like_eager(tmp_path):
     """A fused MoE block reports its routing from inside the graph: its compiled decoder layer is one graph,
     and the compiled run trains to the eager run's losses and expert counts, LoRA on the routed experts and

@@ -286,6 +286,7 @@ def test_quantized_experts_keep_their_parameters_and_compute_within_float8s_prec
         assert relative_error(got[name], expected[name]) < gradients, name
 
 
+@pytest.mark.variants
 def test_compiled_bf16_float8_layers_are_one_graph_each_and_train_like_eager(qwen3_moe):
     """What GPUs run, on the CPU: the model cast to bf16 and then quantized (Module.to(dtype) would convert the
     float8 weights too), inductor compiling each checkpointed decoder layer outside its wrapper with fullgraph

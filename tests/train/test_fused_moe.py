@@ -343,10 +343,10 @@ def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, 
     assert losses[0][-1] < losses[0][0]
 
 
-# sublayers recomputes both the attention and the MoE block: the cases of each alone run with -m variants.
+# Minutes of inductor on a CPU: with -m variants. The default run compiles checkpointed MoE layers in
+# test_compiled_checkpointed_layers_record_once_and_equal_eager.
 @pytest.mark.parametrize(
-    "part", [pytest.param("attention", marks=pytest.mark.variants), pytest.param("mlp", marks=pytest.mark.variants),
-             "sublayers"],
+    "part", [pytest.param(part, marks=pytest.mark.variants) for part in ("attention", "mlp", "sublayers")],
 )  # fmt: skip
 def test_compiled_layers_recomputing_their_sublayers_train_like_eager_and_keep_only_their_inputs(moe_dirs, part):
     """A compiled layer whose attention, MoE block (``mlp``) or both (``sublayers``) are checkpointed inside
@@ -455,7 +455,7 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
 
 @pytest.mark.parametrize(
     ("arch", "targets"),
-    [pytest.param("glm4_moe", "[attention]", marks=pytest.mark.slow), ("qwen3_moe", "[attention,routed_experts]")],
+    [pytest.param("glm4_moe", "[attention]", marks=pytest.mark.variants), ("qwen3_moe", "[attention,routed_experts]")],
 )
 def test_training_losses_and_expert_usage_equal_transformers_eager(moe_dirs, tmp_path, arch, targets):
     common = [

@@ -85,6 +85,7 @@ def test_ctrl_c_on_the_process_group_saves_says_how_to_resume_once_and_the_comma
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.variants
 def test_ctrl_c_without_save_steps_stops_at_a_step_boundary_and_says_nothing_was_saved(tmp_path):
     out = tmp_path / "run"
     process = start(tmp_path, out, "training.max_steps=8", fault="optimizer:slow:rank=0")
@@ -97,6 +98,7 @@ def test_ctrl_c_without_save_steps_stops_at_a_step_boundary_and_says_nothing_was
     assert not list(out.glob("checkpoint-*")) and not (out / "final").exists()
 
 
+@pytest.mark.variants
 def test_ctrl_c_during_the_final_evaluation_is_one_line_and_exit_130(tmp_path):
     out = tmp_path / "run"
     # Eight evaluation batches of a second each, after the last step: outside the step loop.

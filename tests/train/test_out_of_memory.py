@@ -28,7 +28,7 @@ def errors_of(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("shardtune: error:")]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.variants), "fsdp"])
 def test_one_rank_out_of_memory_stops_the_run_with_one_line_and_keeps_its_checkpoints(tmp_path, strategy):
     out = tmp_path / "run"
     # Rank 1 alone runs out of memory in step 3's forward; rank 0 is then inside a collective with it.

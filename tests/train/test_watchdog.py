@@ -85,6 +85,7 @@ def test_who_is_behind_without_a_flight_recorder_and_with_missing_reports(tmp_pa
     assert "Behind: rank(s) 1, 2" in text and "  rank 2: no report" in text
 
 
+@pytest.mark.variants
 def test_a_long_healthy_evaluation_does_not_trip_a_short_hang_timeout(tmp_path):
     out = tmp_path / "run"
     # Four evaluation batches per rank of 3 s each (12 s in all) under a 5 s hang timeout: each batch beats.
@@ -99,6 +100,7 @@ def test_a_long_healthy_evaluation_does_not_trip_a_short_hang_timeout(tmp_path):
     assert json.loads((out / "metrics.json").read_text())["eval_loss"] > 0
 
 
+@pytest.mark.variants
 def test_a_stuck_evaluation_is_reported_naming_the_phase_and_the_rank(tmp_path):
     out = tmp_path / "run"
     result = run(
@@ -114,6 +116,7 @@ def test_a_stuck_evaluation_is_reported_naming_the_phase_and_the_rank(tmp_path):
     assert not (out / "final").exists()
 
 
+@pytest.mark.variants
 def test_a_stuck_checkpoint_save_is_reported_naming_the_phase_and_the_rank(tmp_path):
     out = tmp_path / "run"
     result = run(
