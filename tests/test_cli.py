@@ -65,6 +65,7 @@ def test_second_run_into_the_same_directory_is_refused(tmp_path: Path):
     )
 
 
+@pytest.mark.variants
 def test_auto_resume_without_a_checkpoint_never_replaces_a_finished_run(tmp_path: Path):
     """``save_steps`` is off by default: a finished run may hold no checkpoint. ``auto`` then has nothing to continue
     from, and starting over would replace the run's final/ and metrics.json: only overwrite_output_dir may."""

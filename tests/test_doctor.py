@@ -95,6 +95,7 @@ def test_good_config_on_one_cpu_process(tmp_path):
     assert result.stdout.rstrip().endswith(f"shardtune doctor: all {len(rows)} checks ok")
 
 
+@pytest.mark.variants
 def test_missing_data_path_fails(tmp_path):
     missing = tmp_path / "nowhere" / "train.jsonl"
     result = doctor(tmp_path, f"data.dataset_path={missing}", "--port", str(free_port()))
@@ -106,6 +107,7 @@ def test_missing_data_path_fails(tmp_path):
     assert result.stdout.rstrip().endswith(f"1 failed, 0 warnings in {len(rows)} checks")
 
 
+@pytest.mark.variants
 def test_unwritable_output_dir_fails(tmp_path):
     # Tests run as root, who may write anywhere: a directory below a regular file cannot exist for anyone.
     blocker = tmp_path / "a-file"

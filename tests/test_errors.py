@@ -132,6 +132,7 @@ def truncated_copy(source: Path, target: Path, name: str) -> tuple[Path, int]:
     return weights, size
 
 
+@pytest.mark.variants
 def test_truncated_model_weights_are_named_before_anything_is_written(tmp_path):
     weights, size = truncated_copy(TINY_MODEL, tmp_path / "model", "model.safetensors")
     result = train(tmp_path, 1, f"model.name_or_path={tmp_path / 'model'}")

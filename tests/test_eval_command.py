@@ -68,6 +68,7 @@ def result_of(completed: subprocess.CompletedProcess, path: Path) -> dict:
     return result
 
 
+@pytest.mark.variants
 def test_eval_of_checkpoints_and_final_equals_the_runs_eval(lora_run: dict):
     out = lora_run["out"]
     for source, step in ((out / "checkpoint-2", 2), (out / "checkpoint-4", 4), (out / "final", 4)):

@@ -75,6 +75,7 @@ def test_routing_weights_depend_on_the_seed_only():
     assert len({digest("skewed", 3), digest("skewed", 4), digest("balanced", 3), digest("random", 3)}) == 4
 
 
+@pytest.mark.variants
 def test_bench_routing_and_layers_on_both_sides(tmp_path, capsys):
     """Skewed routing (the default) on a 3-layer qwen3-moe-tiny: both runs measure the same load from the
     same routers; balanced gives a lower one and --layers a model of that many layers, FLOPs included."""

@@ -173,6 +173,7 @@ def test_overwrite_output_dir_clears_the_previous_run_from_every_nodes_disk(tmp_
     assert "checkpoint-3 (step 3, saved by 2 rank(s)" in log
 
 
+@pytest.mark.variants
 def test_a_run_holding_another_nodes_disk_stops_every_rank_with_one_line_before_anything_is_removed(tmp_path):
     """The output directory is node-local, and node-b's copy is in use by another run (a job sharing only that node):
     the run stops on every rank with one line naming that run and the disk, before rank 0 clears its own copy for

@@ -39,7 +39,7 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.variants), "fsdp"])
 def test_an_uneven_eval_set_on_two_ranks_gives_the_one_process_eval_loss(tmp_path, single, size, strategy):
     reference = single(size)
     run = train(

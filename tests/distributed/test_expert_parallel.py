@@ -189,7 +189,8 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
         assert tensor.equal(final_merged[name]), name
 
 
-@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci)])
+@ep_matrix
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
     # 3 examples, one a batch, on 2 ranks: rank 1's second forward is a padding batch (no target), whose
     # tokens still go through every all-to-all. The loss is the one worker's, as without EP.

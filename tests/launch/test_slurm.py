@@ -228,6 +228,7 @@ def test_sbatch_refusal_is_reported(cluster, tmp_path, capsys, monkeypatch):
     assert f"sbatch {tmp_path / 'run' / 'slurm' / 'job.sbatch'} failed (exit 1)" in error and "nosuch" in error
 
 
+@pytest.mark.variants
 def test_two_node_job_trains_like_one_process(cluster, tmp_path, cache_dir, single_process_losses):
     out = tmp_path / "run"
     job_id = submit(cluster, out, cache_dir)

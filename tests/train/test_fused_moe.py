@@ -280,7 +280,7 @@ def test_fixed_addresses_give_each_forward_its_own_mask_and_balance_gradient(moe
         assert len(recorder.records) == 2
 
 
-@pytest.mark.parametrize("compiled", ["outside", "inside"])
+@pytest.mark.parametrize("compiled", ["outside", pytest.param("inside", marks=pytest.mark.variants)])
 def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled):
     """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
     graph break fails the test) or inside it (where FSDP's hooks on the experts break the graph anyway),

@@ -131,6 +131,7 @@ def test_ctrl_c_during_setup_is_one_line_and_exit_130(tmp_path):
     assert logged_steps(out) == 0
 
 
+@pytest.mark.variants
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
 def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tmp_path):
     out = tmp_path / "run"
