@@ -87,7 +87,9 @@ def test_pad_to_max_length(examples):
     assert batch.attention_mask.sum().item() == len(examples[0])
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
+# FlexAttention's case compiles its block mask (a minute of inductor on a CPU): with -m variants. The default run
+# checks shardtune's flex mask in test_packed_rows_under_flex_attention_get_shardtunes_mask_only_where_it_is_the_models.
+@pytest.mark.parametrize("attn", ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.variants)])
 def test_packed_loss_equals_the_examples_run_one_by_one(examples, tiny_model_dir, attn):
     model = load_model(ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation=attn), torch.float32, 0).eval()
     chosen = examples[:8]
