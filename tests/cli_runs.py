@@ -67,15 +67,21 @@ def schema_checked_logs(out: Path) -> dict[str, list[dict]]:
     return logs
 
 
+def process_status(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (its state, "Z" for a zombie, then its parent's
+    id, ...), or None once it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def children_of(parent: int) -> list[int]:
     """Processes whose parent is ``parent`` (a launcher): its workers."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            status = process_status(int(entry.name))
+            if status is not None and int(status[1]) == parent:
                 found.append(int(entry.name))
     return found

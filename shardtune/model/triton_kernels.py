@@ -11,7 +11,7 @@ import torch
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Whether to import the kernels at all. Triton ships with torch's CUDA and ROCm builds; on a CPU build only its
 # interpreter can run them, so they are not imported there: importing them (Triton, inductor's utilities, and
-# torch.library parsing each kernel's source) would add about 1.5 s to the start of every command.
+# torch.library parsing each kernel's source) would add about 1.3 s to the start of every command.
 KERNELS_MAY_RUN = INTERPRETED or torch.version.cuda is not None or torch.version.hip is not None
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runs import children_of
+from cli_runs import children_of, process_status
 from conftest import REPO
 from faulty_runs import command, train_log, worker_env
 
@@ -149,12 +149,9 @@ def test_ctrl_c_on_one_worker_stops_every_rank_at_the_same_step_with_one_line(tm
     assert len(checkpoints) == 1 and f"saved {checkpoints[0]};" in lines[0]
 
 
-def process_state(pid: int) -> str:
-    """/proc's one-letter state of ``pid`` ("Z" for a zombie), or "gone"."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
+def ended(pid: int) -> bool:
+    status = process_status(pid)
+    return status is None or status[0] == "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal (prctl) is Linux's")
@@ -171,9 +168,9 @@ def test_workers_of_a_launcher_killed_outright_save_a_checkpoint_and_end(tmp_pat
         _, stderr = process.communicate(timeout=240)  # the workers hold its pipes until they end
     finally:
         for worker in workers:
-            if process_state(worker) not in ("Z", "gone"):
+            if not ended(worker):
                 os.kill(worker, signal.SIGKILL)
-    assert [process_state(worker) in ("Z", "gone") for worker in workers] == [True, True]
+    assert [ended(worker) for worker in workers] == [True, True]
     checkpoints = sorted(out.glob("checkpoint-*"))
     assert len(checkpoints) == 1, stderr[-4000:]
     stopped = json.loads((checkpoints[0] / "manifest.json").read_text())["step"]
