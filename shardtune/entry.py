@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from shardtune.errors import EXIT_INTERRUPTED
-from shardtune.launch.local import end_with_the_launcher, exit_worker, running_as_worker, say_once
+from shardtune.launch.local import end_with_the_launcher, exit_without_finalization, running_as_worker, say_once
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,9 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say_once([f"shardtune: SIGINT: stopped ({_command_name(argv)})"], every_rank_says_it=True)
         status = EXIT_INTERRUPTED
-    if running_as_worker():
-        # Finished or stopped on an error it reported, a worker ends without the interpreter's finalization.
-        exit_worker(status)
+    if argv is None or running_as_worker():  # the process's own command line (not a caller's): it ends here
+        exit_without_finalization(status, worker=running_as_worker())
     return status
 
 

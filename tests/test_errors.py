@@ -222,9 +222,10 @@ def test_flash_attention_without_the_package_and_the_doctor_agrees(tmp_path):
             "model.grouped_gemm=quack",
             "model.grouped_gemm: quack cannot run here: its kernels need a CUDA device; set it to auto or torch",
         ),
-        (
+        pytest.param(  # test_layer_graphs.py checks the same line by default
             "parallel.cuda_graphs=true",
             "parallel.cuda_graphs: true needs a CUDA GPU; set parallel.cuda_graphs: auto or false",
+            marks=pytest.mark.variants,
         ),
         (
             "model.attn_implementation=flex_attention",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -46,17 +48,29 @@ def end_with_the_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def exit_worker(code: int) -> NoReturn:
-    """End a worker (``shardtune.entry.main`` does, whatever its command returned) without the interpreter's
-    finalization; its process group ends with the process (``close_unless_worker``).
+def exit_without_finalization(code: int, *, worker: bool) -> NoReturn:
+    """End the process (``shardtune.entry.main`` does, whatever its command returned) without the interpreter's
+    finalization; a worker's process group ends with the process (``close_unless_worker``).
 
-    Why: the collective backends keep C++ threads and static objects alive until the process ends. When
-    one of them releases a tensor (and so takes the GIL) while Python is finalizing, CPython ends that
-    thread with a forced unwind that C++ turns into std::terminate: a rare "terminate called without an
-    active exception" and SIGABRT after a run that succeeded, which the launcher reports as a failed
-    worker (and would restart). Everything the run writes is closed by the time this is called; only the
-    standard streams and logging handlers still need flushing.
+    Why, for a worker: the collective backends keep C++ threads and static objects alive until the process
+    ends. When one of them releases a tensor (and so takes the GIL) while Python is finalizing, CPython ends
+    that thread with a forced unwind that C++ turns into std::terminate: a rare "terminate called without an
+    active exception" and SIGABRT after a run that succeeded, which the launcher reports as a failed worker
+    (and would restart). A worker does not wait for its threads either: one stopped by a peer's failure may
+    have a thread blocked in a collective that will never complete.
+
+    Why, for the command a user typed: finalization tears torch's and transformers' modules down object by
+    object, about 2 s a command on a CPU, and writes nothing. What it would run first still runs: the
+    threads the process must wait for, then the atexit handlers (wandb's, inductor's compile workers').
+
+    Everything a command writes is closed by the time this is called; only the standard streams and
+    logging handlers still need flushing.
     """
+    if not worker:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()  # what Py_FinalizeEx runs after joining the threads: public in effect
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -66,7 +80,7 @@ def exit_worker(code: int) -> NoReturn:
 
 def close_unless_worker(env: DistributedEnv) -> None:
     """Destroy ``env``'s process group where the process goes on after the command; a worker's process group
-    ends with its process (``exit_worker``).
+    ends with its process (``exit_without_finalization``).
 
     Why: destroying it drops the process group's last reference but one, often a DDP reducer's, and freeing
     that later (the stopped run's frames go when its error has been reported) runs the backend's destructor in

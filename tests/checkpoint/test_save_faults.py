@@ -114,6 +114,7 @@ def small_filesystem(mount_point: Path, size: int):
         subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=60)
 
 
+@pytest.mark.variants  # a write error on one rank (the test above) takes the same path by default
 def test_a_full_filesystem_fails_the_save_on_every_rank_and_commits_nothing(tmp_path, uninterrupted):
     # Room for everything up to checkpoint-2, and half of another checkpoint: checkpoint-4 cannot fit.
     checkpoint = disk_usage(uninterrupted / "checkpoint-2")

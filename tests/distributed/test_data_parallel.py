@@ -136,7 +136,7 @@ def test_runs_as_the_tasks_of_srun(runs, tmp_path):
 def test_checkpointing_is_applied(runs):
     assert "INFO gradient checkpointing on every layer\n" in runs[("lora", "ddp+ac")]["log"]
     assert "INFO gradient checkpointing on 2 of 4 layers\n" in runs[("full", "fsdp+ac")]["log"]
-    assert "INFO gradient checkpointing off (auto)\n" in runs[("lora", "ddp")]["log"]  # the default, on CPU
+    assert "INFO gradient checkpointing off (auto)\n" in runs[("lora", "fsdp")]["log"]  # the default, on CPU
     long = runs[("lora", "fsdp+long")]
     assert "INFO gradient checkpointing on every layer\n" in long["log"]
     assert "activation offloading: checkpointed layers keep their inputs in host memory" in long["log"]
@@ -155,11 +155,16 @@ def test_profiled_steps_leave_a_report_and_a_trace_per_rank(runs):
         assert (profile / f"rank{rank}.trace.json.gz").stat().st_size > 1000
 
 
+# A DDP and an FSDP run of each kind, one of them among the runs CI trains anyway (IN_CI): checkpointed layers
+# change no weight (the chunked loss's other summation order moves a rare Adam update by 1e-4).
+DDP_AND_FSDP = {"lora": ("ddp+ac", "fsdp"), "full": ("ddp", "fsdp+ac")}
+
+
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_exported_weights_match_one_worker(runs, kind):
     name = "adapter_model.safetensors" if kind == "lora" else "model.safetensors"
     reference = load_file(runs[(kind, "single")]["out"] / "final" / name)
-    for strategy in ("ddp", "fsdp"):
+    for strategy in DDP_AND_FSDP[kind]:
         weights = load_file(runs[(kind, strategy)]["out"] / "final" / name)
         assert weights.keys() == reference.keys()
         for key in reference:
@@ -167,8 +172,7 @@ def test_exported_weights_match_one_worker(runs, kind):
 
 
 def test_fsdp_holds_half_the_parameters(runs):
-    ddp = runs[("full", "ddp")]["metrics"]["parameter_bytes_per_rank"]
-    fsdp = runs[("full", "fsdp")]["metrics"]["parameter_bytes_per_rank"]
+    ddp, fsdp = (runs[("full", strategy)]["metrics"]["parameter_bytes_per_rank"] for strategy in DDP_AND_FSDP["full"])
     assert ddp[0] == ddp[1]
     for rank_bytes in fsdp:
         assert rank_bytes == pytest.approx(ddp[0] / 2, rel=0.02)

@@ -8,26 +8,34 @@ import re
 import pytest
 from cli_runs import train
 
+# The chunked loss's softmax compiles too, chunks of 50 rows leaving a shorter last one.
+COMMON = ["training.gradient_checkpointing=true", "data.pad_to=max_length", "data.max_length=64",
+          "training.loss_chunk_tokens=50"]  # fmt: skip
 
-def test_compiled_layers_train_like_eager_ones(tmp_path):
-    # The chunked loss's softmax compiles too, chunks of 50 rows leaving a shorter last one.
-    common = ["training.gradient_checkpointing=true", "data.pad_to=max_length", "data.max_length=64",
-              "training.loss_chunk_tokens=50"]  # fmt: skip
-    eager = train(tmp_path, "eager", 1, *common, steps=3)
-    compiled = train(tmp_path, "compiled", 1, *common, "parallel.compile=true", steps=3)
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    run = train(tmp_path_factory.mktemp("compile"), "eager", 1, *COMMON, steps=3)
+    assert "50 tokens at a time in the forward pass, the softmax eager" in run["log"]
+    assert "torch.compile" not in run["log"]  # parallel.compile: auto, the default, is off on CPU
+    return run
+
+
+def test_compiled_layers_train_like_eager_ones(tmp_path, eager):
+    compiled = train(tmp_path, "compiled", 1, *COMMON, "parallel.compile=true", steps=3)
     assert "torch.compile on 4 decoder layers" in compiled["log"]
     assert "50 tokens at a time in the forward pass, the softmax compiled" in compiled["log"]
-    assert "50 tokens at a time in the forward pass, the softmax eager" in eager["log"]
     assert compiled["log"].count("graph(s) compiled in") == 1  # the compile time, once
     # LoRA on every linear layer: q/k/v's and gate/up's down-projections, one GEMM each (shared_input_gemms)
     assert re.search(r"compiled in [\d.]+ s; [1-9]\d* group\(s\) of narrow trainable GEMMs reading one input",
                      compiled["log"])  # fmt: skip
-    assert "torch.compile" not in eager["log"]  # parallel.compile: auto, the default, is off on CPU
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
 
-    # No working C++ compiler (inductor's CPU backend needs one, as its GPU backend needs Triton): one
-    # warning naming the cause, and the run trains eagerly to the same losses.
-    fallback = train(tmp_path, "fallback", 1, *common, "parallel.compile=true", steps=3, env={"CXX": "/no/such/g++"})
+
+def test_without_a_working_cxx_compiler_the_layers_train_eagerly_after_one_warning(tmp_path, eager):
+    # Inductor's CPU backend needs a C++ compiler, as its GPU backend needs Triton: one warning naming the
+    # cause, and the run trains eagerly to the same losses.
+    fallback = train(tmp_path, "fallback", 1, *COMMON, "parallel.compile=true", steps=3, env={"CXX": "/no/such/g++"})
     warnings = [line for line in fallback["log"].splitlines() if "torch.compile failed" in line]
     assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0], fallback["log"][-3000:]
     assert "the decoder layers run eagerly" in warnings[0] and "Traceback" not in fallback["log"]

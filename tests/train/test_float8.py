@@ -415,7 +415,7 @@ NO_FUSED_BLOCKS = (
 )
 
 
-@pytest.mark.parametrize("model", ["dense", "eager-experts"])
+@pytest.mark.parametrize("model", ["dense", pytest.param("eager-experts", marks=pytest.mark.variants)])
 def test_a_model_without_fused_experts_stops_with_one_line(tmp_path, qwen3_moe, model):
     import subprocess
     import sys

@@ -327,8 +327,11 @@ def checkpointed_eager_and_compiled(model: torch.nn.Module) -> tuple[torch.nn.Mo
 @pytest.mark.parametrize(
     ("arch", "targets"),
     [
-        pytest.param("qwen3_moe", ["attention"], marks=pytest.mark.variants),  # glm4_moe's case takes its paths too
-        ("glm4_moe", ["attention", "routed_experts"]),
+        # A minute and more of inductor compiling C++ on a CPU each: with -m variants. By default the MoE layers
+        # compile in test_compiled_checkpointed_layers_record_once_and_equal_eager and the LoRA-rows cases, and
+        # test_compile.py runs inductor on dense layers through the command line.
+        pytest.param("qwen3_moe", ["attention"], marks=pytest.mark.variants),
+        pytest.param("glm4_moe", ["attention", "routed_experts"], marks=pytest.mark.variants),
     ],
 )
 def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, arch, targets):
