@@ -202,3 +202,36 @@ def test_help_and_a_config_error_are_answered_without_importing_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines() == ["2 []"], result.stderr
     assert result.stderr.splitlines() == ["shardtune: error: training.nope: unknown key"]
+
+
+def test_a_command_ends_after_its_threads_and_exit_handlers_without_the_interpreters_finalization(tmp_path: Path):
+    """The command's own process skips the seconds of tearing torch and transformers down, but what
+    finalization runs first still runs: a non-daemon thread is waited for, atexit handlers (wandb's) run.
+    Called from Python (``main(argv)``), the command returns its status instead."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        f"""
+import atexit, pathlib, sys, threading, time
+marks = pathlib.Path({str(tmp_path)!r})
+atexit.register(lambda: (marks / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(2), (marks / "thread").write_text("ran"))).start()
+
+class Finalized:
+    def __del__(self):
+        (marks / "finalized").write_text("ran")
+
+finalized = Finalized()  # a module global: only the interpreter's finalization deletes it
+from shardtune.entry import main
+assert main(["plan", "examples/quickstart.yaml"]) == 0  # a caller's command line: it returns
+sys.argv = ["shardtune", "plan", "examples/quickstart.yaml"]
+main()
+(marks / "returned").write_text("ran")
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1].startswith("fits: "), result.stdout[-2000:]
+    assert sorted(path.name for path in tmp_path.iterdir() if path != probe) == ["atexit", "thread"]
