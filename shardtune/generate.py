@@ -20,6 +20,7 @@ from shardtune.config import looks_local
 from shardtune.data.formats import render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
 from shardtune.errors import InputError, first_line
+from shardtune.hub import not_cached_line, use_the_cache_if_the_hub_is_out_of_reach
 
 
 def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.nn.Module:
@@ -52,9 +53,12 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
         base = base or settings["base_model_name_or_path"]
         if looks_local(base) and not Path(base).expanduser().is_dir():
             raise InputError(f"{where}: {base}: directory not found; pass --base with the base model's directory")
+        out_of_reach = None if looks_local(base) else use_the_cache_if_the_hub_is_out_of_reach()
         try:
             base_model = AutoModelForCausalLM.from_pretrained(base)
         except (OSError, ValueError, KeyError) as error:
+            if out_of_reach is not None:
+                raise InputError(not_cached_line(where, base, out_of_reach, "pass --base DIR")) from None
             raise InputError(
                 f"{where}: {base} is not a model this machine can read ({first_line(error)}); "
                 "pass --base with the base model's directory or hub id"

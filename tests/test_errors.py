@@ -423,3 +423,47 @@ def test_config_only_contradictions_stop_before_anything_is_written(tmp_path, ov
     overrides = [override.format(softcapped=softcapped) for override in overrides]
     assert_one_line(train(tmp_path, 2, *overrides), line.format(softcapped=softcapped))
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+# A machine the hub is out of reach of: no HF_HUB_OFFLINE, a hub whose name does not resolve (.invalid never
+# does), a Hugging Face cache of the test's own.
+NO_HUB = {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None, "HF_DATASETS_OFFLINE": None,
+          "HF_ENDPOINT": "https://hub.invalid"}  # fmt: skip
+
+
+def why_no_hub() -> str:
+    """Why hub.invalid cannot be reached here, as the resolver says it (e.g. "Name or service not known")."""
+    with pytest.raises(OSError) as error:
+        socket.getaddrinfo("hub.invalid", 443)
+    return error.value.strerror
+
+
+def test_a_hub_model_not_in_the_cache_of_a_machine_without_the_hub_is_one_line_at_once(tmp_path):
+    env = {**NO_HUB, "HF_HOME": str(tmp_path / "hf")}
+    result = train(tmp_path, 1, "model.name_or_path=someone/some-model", env=env)
+    assert result.returncode == 2, result.stderr[-4000:]
+    # No retries (five over 23 s, two lines each) and no warning before the error: the line alone.
+    assert result.stderr.strip().splitlines() == [
+        "shardtune: error: model.name_or_path: someone/some-model is not in this machine's Hugging Face cache, and "
+        f"hub.invalid cannot be reached from here ({why_no_hub()}): download it where the hub can be "
+        "reached (hf download someone/some-model --local-dir DIR), copy DIR here and set model.name_or_path to it"
+    ]
+
+
+def test_a_hub_model_in_the_cache_trains_on_two_workers_without_the_hub(tmp_path):
+    """The hub id resolves to its snapshot in the cache (as ``hf download`` left it) with no request tried."""
+    snapshot = tmp_path / "hf" / "hub" / "models--someone--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(TINY_MODEL, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    env = {**NO_HUB, "HF_HOME": str(tmp_path / "hf")}
+    result = train(tmp_path, 2, "model.name_or_path=someone/tiny-llama", "training.max_steps=2", env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    said = [line for line in result.stderr.splitlines() if "cannot be reached" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"WARNING hub.invalid cannot be reached from here ({why_no_hub()}): hub ids are read from this "
+        "machine's Hugging Face cache alone (HF_HUB_OFFLINE=1)"
+    ), result.stderr[-4000:]
+    assert "Retry" not in result.stderr and "Traceback" not in result.stderr
+    adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "someone/tiny-llama"

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from shardtune.config import looks_local
 from shardtune.errors import DataError, first_and_last_line
+from shardtune.hub import not_cached_line, say_the_cache_serves, use_the_cache_if_the_hub_is_out_of_reach
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 # A spreadsheet's export: the first line names the columns; a field may hold line breaks inside quotes.
@@ -281,15 +283,24 @@ def _import_datasets(spec: SourceSpec) -> Any:
 
 def _load_dataset(spec: SourceSpec, datasets: Any) -> Any:
     path = os.path.expanduser(spec.path)
+    out_of_reach = None if looks_local(path) else use_the_cache_if_the_hub_is_out_of_reach()
+    if out_of_reach is not None:
+        datasets.config.HF_HUB_OFFLINE = True  # datasets keeps its own copy of huggingface_hub's setting
     try:
-        return datasets.load_dataset(path, name=spec.subset, split=spec.split)
+        dataset = datasets.load_dataset(path, name=spec.subset, split=spec.split)
     except (datasets.exceptions.DatasetsError, ValueError, FileNotFoundError, ConnectionError) as exc:
+        if out_of_reach is not None:
+            fix = "name DIR in its place in the config (a directory is read as the hub dataset is)"
+            raise DataError(not_cached_line(spec.label, spec.path, out_of_reach, fix)) from None
         # Unknown dataset, split or subset, no network, unparsable data files: all fixed by the user.
         cause = f" ({first_and_last_line(exc.__cause__)})" if exc.__cause__ is not None else ""
         hint = ""
         if os.path.isdir(path) and isinstance(exc, datasets.exceptions.DatasetGenerationError):
             hint = "; the data files of a directory must share one format and the same columns, else name one file"
         raise DataError(f"{spec.label}: {first_and_last_line(exc)}{cause}{hint}") from None
+    if out_of_reach is not None:
+        say_the_cache_serves(out_of_reach)
+    return dataset
 
 
 def _iter_datasets(spec: SourceSpec, datasets: Any) -> Generator[Row | BadRow, None, None]:
