@@ -206,7 +206,8 @@ def test_help_and_a_config_error_are_answered_without_importing_torch():
 
 def test_a_command_ends_after_its_threads_and_exit_handlers_without_the_interpreters_finalization(tmp_path: Path):
     """The command's own process skips the seconds of tearing torch and transformers down, but what
-    finalization runs first still runs: a non-daemon thread is waited for, atexit handlers (wandb's) run.
+    finalization runs first still runs: a non-daemon thread is waited for, a thread pool's idle workers are
+    stopped (not waited for forever), atexit handlers (wandb's) run.
     Called from Python (``main(argv)``), the command returns its status instead."""
     probe = tmp_path / "probe.py"
     probe.write_text(
@@ -215,6 +216,8 @@ import atexit, pathlib, sys, threading, time
 marks = pathlib.Path({str(tmp_path)!r})
 atexit.register(lambda: (marks / "atexit").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(2), (marks / "thread").write_text("ran"))).start()
+from concurrent.futures import ThreadPoolExecutor
+ThreadPoolExecutor(1).submit(lambda: (marks / "pool").write_text("ran"))  # its idle worker thread stays
 
 class Finalized:
     def __del__(self):
@@ -234,4 +237,4 @@ main()
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1].startswith("fits: "), result.stdout[-2000:]
-    assert sorted(path.name for path in tmp_path.iterdir() if path != probe) == ["atexit", "thread"]
+    assert sorted(path.name for path in tmp_path.iterdir() if path != probe) == ["atexit", "pool", "thread"]

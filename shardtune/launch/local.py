@@ -67,10 +67,11 @@ def exit_without_finalization(code: int, *, worker: bool) -> NoReturn:
     logging handlers still need flushing.
     """
     if not worker:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()  # what Py_FinalizeEx runs after joining the threads: public in effect
+        # What Py_FinalizeEx runs before tearing down: threading's own exit hooks (a ThreadPoolExecutor's
+        # workers are told to stop there; a bare join of them waits forever), the wait for every non-daemon
+        # thread, then the atexit handlers. threading._shutdown is that first step's only entry point.
+        threading._shutdown()
+        atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
