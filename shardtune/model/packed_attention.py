@@ -12,6 +12,7 @@ no token attends across a document boundary (a position id that does not follow 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -27,8 +28,6 @@ class PackedBlockMasks:
 
     def __call__(self, position_ids: torch.Tensor):
         """The BlockMask of the packed rows whose position ids are ``position_ids`` (batch x sequence)."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         key = (tuple(position_ids.shape), position_ids.device)
         if key not in self._by_shape:
             documents = torch.zeros(position_ids.shape, dtype=torch.int32, device=position_ids.device)
@@ -44,7 +43,17 @@ class PackedBlockMasks:
         before_first = position_ids[:, :1] - 1
         documents.copy_((torch.diff(position_ids, prepend=before_first, dim=-1) != 1).cumsum(-1))
         rows, length = position_ids.shape
-        return create_block_mask(mask_function, rows, None, length, length, device=position_ids.device, _compile=True)
+        return compiled_create_block_mask()(mask_function, rows, None, length, length, device=position_ids.device)
+
+
+@functools.cache
+def compiled_create_block_mask() -> Callable:
+    """``create_block_mask`` compiled: built eagerly it materializes the whole rows x length x length mask, compiled
+    it works block by block. torch.compile of the function itself is how torch asks for it since ``_compile=True``
+    was deprecated (the flag did the same, with a DeprecationWarning each call)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 packed_block_mask = PackedBlockMasks()

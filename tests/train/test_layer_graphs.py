@@ -79,7 +79,7 @@ def test_flex_attention_has_cuda_graphs_with_packed_batches_only():
 def test_a_packed_batchs_flex_mask_is_described_alike_every_batch_and_rebuilt_from_its_parts():
     """What a graph needs of FlexAttention's mask of packed rows: batches of one shape give calls a graph replays
     (one mask function, reading the documents the latest batch wrote; the block tensors as tensor arguments), and
-    the mask rebuilt from its parts is the mask."""
+    the mask rebuilt from its parts is the mask; made without a warning."""
     from torch.nn.attention.flex_attention import create_mask
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -92,7 +92,9 @@ def test_a_packed_batchs_flex_mask_is_described_alike_every_batch_and_rebuilt_fr
     rows = 256  # two blocks of 128
     first = torch.tensor([positions(100, 156), positions(200, 30, 26)])
     second = torch.tensor([positions(10, 246), positions(128, 128)])
-    masks = [packed_block_mask(first), packed_block_mask(second)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="shardtune")  # e.g. a deprecated way of compiling its construction
+        masks = [packed_block_mask(first), packed_block_mask(second)]
     assert masks[0].mask_mod is masks[1].mask_mod
     documents = torch.tensor([[0] * 10 + [1] * 246, [0] * 128 + [1] * 128])
     causal = torch.ones(rows, rows, dtype=torch.bool).tril()
