@@ -564,7 +564,13 @@ class Config(_Section):
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The CONFIG file and ``section.key=value`` overrides every config-reading command takes."""
     parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_override_arguments(parser)
+
+
+def add_override_arguments(parser: argparse.ArgumentParser) -> None:
+    """Any number of ``section.key=value`` overrides; the default makes argparse list them as optional (without
+    it, a missing CONFIG was reported as "required: config, section.key=value")."""
+    parser.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="override config values")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

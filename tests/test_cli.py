@@ -204,6 +204,25 @@ def test_help_and_a_config_error_are_answered_without_importing_torch():
     assert result.stderr.splitlines() == ["shardtune: error: training.nope: unknown key"]
 
 
+@pytest.mark.parametrize(
+    ("command", "required"),
+    [("train", "config"), ("prepare", "config"), ("plan", "config"), ("eval", "config, --checkpoint"),
+     ("bench", "--shape")],
+)  # fmt: skip
+def test_a_command_given_nothing_names_what_it_needs_and_not_the_overrides(
+    command: str, required: str, capsys: pytest.CaptureFixture[str]
+):
+    """``section.key=value`` overrides are optional: a command given nothing names only what it needs."""
+    from shardtune.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"shardtune {command}: error: the following arguments are required: {required}"
+    )
+
+
 def test_a_command_ends_after_its_threads_and_exit_handlers_without_the_interpreters_finalization(tmp_path: Path):
     """The command's own process skips the seconds of tearing torch and transformers down, but what
     finalization runs first still runs: a non-daemon thread is waited for, a thread pool's idle workers are

@@ -26,7 +26,7 @@ from shardtune.bench.data import (
     write_alpaca_like_data,
     write_synthetic_data,
 )
-from shardtune.config import Routing
+from shardtune.config import Routing, add_override_arguments
 from shardtune.errors import InputError
 
 
@@ -88,7 +88,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         help="the baseline's examples, one per sequence: padded to --seq (as the seeds) or to the batch's longest",
     )
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/bench-SHAPE)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    add_override_arguments(parser)
     parser.set_defaults(handler=cmd_bench)
 
 
