@@ -14,6 +14,7 @@ from pathlib import Path
 
 from conftest import TINY_MODEL
 from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 COMMON = {
     "vocab_size": 1024,  # the shipped tokenizer's
@@ -100,7 +101,43 @@ DEEPSEEK_V3 = {
     "num_key_value_heads": 4,  # MLA: keys and values per head
     "num_hidden_layers": 3,
 }
-FUSED_MOE_ARCHITECTURES = {**MOE_ARCHITECTURES, "deepseek_v3": DEEPSEEK_V3}
+# The Qwen2-MoE family: a softmax router, and a shared expert scaled by a sigmoid gate of its own.
+QWEN2_MOE = {
+    **MOE_ARCHITECTURES["qwen3_moe"], "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1
+}  # fmt: skip
+# Qwen3-Next's and Qwen3.5's hybrid layers: linear attention (Gated DeltaNet) in three of four.
+HYBRID_ATTENTION = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+# GLM-4.7-Flash's layout (glm4_moe_lite: MLA attention) and GLM-5's (glm_moe_dsa: MLA with DeepSeek's sparse
+# attention indexer): DeepSeek-V3's MoE block; the dense first layer is given as mlp_layer_types.
+GLM_AFTER_45 = {
+    **{key: value for key, value in DEEPSEEK_V3.items() if key != "first_k_dense_replace"},
+    "n_group": 1,
+    "routed_scaling_factor": 1.8,
+    "mlp_layer_types": ["dense", "sparse", "sparse"],
+}
+# Further architectures the fused block serves, tested in tests/train/test_fused_moe.py (the model types this
+# transformers has).
+MORE_FUSED_MOE_ARCHITECTURES = {
+    "deepseek_v3": DEEPSEEK_V3,
+    "glm4_moe_lite": GLM_AFTER_45,
+    "glm_moe_dsa": {**GLM_AFTER_45, "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "head_dim": 8},
+    "qwen2_moe": QWEN2_MOE,
+    "qwen3_next": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
+    "qwen3_5_moe_text": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
+    "olmoe": {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False},
+}
+FUSED_MOE_ARCHITECTURES = {
+    **MOE_ARCHITECTURES,
+    **{name: spec for name, spec in MORE_FUSED_MOE_ARCHITECTURES.items() if name in CONFIG_MAPPING},
+}
 
 
 def kernel_sized_qwen3_moe():

@@ -120,11 +120,19 @@ def _sigmoid_routing(router: torch.nn.Module) -> Routing:
 
 
 # The transformers blocks whose router rule is written out in Routing, by class name; each is checked
-# against transformers' own forward in tests/train/test_fused_moe.py.
+# against transformers' own forward in tests/train/test_fused_moe.py. The Qwen2-MoE family's blocks add a
+# shared expert scaled by a sigmoid gate of its own (FusedMoeBlock.forward); the GLM blocks after GLM-4.5
+# (GLM-4.7-Flash's, GLM-5's) are DeepSeek-V3's, as Glm4MoeMoE is.
 SUPPORTED_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": _softmax_routing,
+    "Qwen2MoeSparseMoeBlock": _softmax_routing,
+    "Qwen3NextSparseMoeBlock": _softmax_routing,
+    "Qwen3_5MoeSparseMoeBlock": lambda router: _softmax_routing(router, normalize=True),
+    "OlmoeSparseMoeBlock": _softmax_routing,
     "MixtralSparseMoeBlock": lambda router: _softmax_routing(router, normalize=True),
     "Glm4MoeMoE": _sigmoid_routing,
+    "Glm4MoeLiteMoE": _sigmoid_routing,
+    "GlmMoeDsaMoE": _sigmoid_routing,
     "DeepseekV3MoE": _sigmoid_routing,
 }
 
@@ -301,6 +309,8 @@ class FusedMoeBlock(torch.nn.Module):
         output = self.experts(tokens, chosen, weights)  # transformers' experts signature
         if hasattr(self, "shared_experts"):
             output = output + self.shared_experts(tokens)
+        elif hasattr(self, "shared_expert"):  # the Qwen2-MoE family: each token's share set by a gate
+            output = output + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         return output.reshape(shape)
 
 

@@ -60,14 +60,17 @@ def moe_lora_targets(
 
 def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:
     if block is not None and (path == block.path or path.startswith(block.path + ".")):
-        inside = path[len(block.path) :].lstrip(".")
-        if block.shared_name and (inside == block.shared_name or inside.startswith(block.shared_name + ".")):
+        inside = path[len(block.path) :].lstrip(".").split(".")[0]
+        # The Qwen2-MoE family's shared expert comes with the gate that scales it (shared_expert_gate).
+        if block.shared_name and inside in (block.shared_name, f"{block.shared_name}_gate"):
             return "shared_experts"
         if inside == block.router_name:
             return "router"
         return "routed_experts"  # per-expert nn.Linear modules (older layouts)
-    top = layer.get_submodule(path.split(".")[0])
-    return "attention" if "Attention" in type(top).__name__ else "dense_mlp"
+    name = path.split(".")[0]
+    # Token mixers: softmax attention, and the linear attention of hybrid models (Qwen3-Next's linear_attn).
+    mixes_tokens = "Attention" in type(layer.get_submodule(name)).__name__ or name.endswith("attn")
+    return "attention" if mixes_tokens else "dense_mlp"
 
 
 @contextlib.contextmanager

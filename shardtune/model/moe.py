@@ -4,7 +4,8 @@ forward pass, and the router load-balancing loss.
 Blocks are found by structure, not by architecture name: a sparse MoE block is a module with an
 ``experts`` child (the expert weights, fused 3-D parameters in transformers 5) and a router child
 (``gate`` or ``router``) whose weight has one row per expert. That covers Qwen3-MoE, Mixtral and
-Glm4Moe (GLM-4.5/4.6/4.7), and the DeepSeek-style models built the same way.
+Glm4Moe (GLM-4.5/4.6/4.7), the Qwen2-MoE family (Qwen3-Next, Qwen3.5-MoE), and the DeepSeek-style models
+built the same way (GLM-4.7-Flash, GLM-5).
 """
 
 from __future__ import annotations

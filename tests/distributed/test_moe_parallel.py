@@ -1,6 +1,7 @@
 """MoE models with two workers (gloo, CPU, fp32) train like one worker with twice the accumulation: same
 losses, and the expert counts summed over the ranks equal the one worker's counts. Qwen3-MoE, Mixtral
-and GLM-4.5 (Glm4Moe), with DDP and FSDP2 (experts sharded as units of their own), LoRA and full."""
+and GLM-4.5 (Glm4Moe), with DDP and FSDP2 (experts sharded as units of their own), LoRA and full; Qwen3.5 under
+FSDP2."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def runs(tmp_path_factory):
     experts = ["lora.moe_targets=[attention,routed_experts,router]", f"training.save_steps={STEPS}"]
     run("qwen3_moe", "experts-single", 1, *experts)
     run("qwen3_moe", "experts-fsdp", 2, "parallel.strategy=fsdp", *experts)
+    # Qwen3.5's layout: linear-attention layers, and a shared expert scaled by its own gate, inside FSDP units.
+    gated = ["lora.moe_targets=[attention,routed_experts,shared_experts]"]
+    run("qwen3_5_moe_text", "gated-single", 1, *gated)
+    run("qwen3_5_moe_text", "gated-fsdp", 2, "parallel.strategy=fsdp", *gated)
     # Full fine-tuning with the experts' own FSDP units, with activation checkpointing: around whole layers in
     # one process; around each layer's attention and MoE block (the experts' FSDP unit gathered again for
     # the recomputation) under FSDP; around the attention alone under DDP.
@@ -67,6 +72,7 @@ def runs(tmp_path_factory):
 
 CASES = [(arch, strategy) for arch in MOE_ARCHITECTURES for strategy in ("ddp", "fsdp")] + [
     ("qwen3_moe", "experts-fsdp"),
+    ("qwen3_5_moe_text", "gated-fsdp"),
     ("glm4_moe", "full-fsdp"),
     ("glm4_moe", "full-ddp"),
 ]

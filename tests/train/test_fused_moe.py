@@ -28,7 +28,9 @@ from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 from shardtune.plan.memory import Checkpointing
 
 ARCHS = list(FUSED_MOE_ARCHITECTURES)
-SHARED = ("glm4_moe", "deepseek_v3")  # the architectures with shared experts
+# The architectures with shared experts: added to the routed ones, or scaled by a gate of their own first.
+SHARED = {"glm4_moe": "added", "deepseek_v3": "added", "glm4_moe_lite": "added", "glm_moe_dsa": "added",
+          "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +69,17 @@ def fused_copy(model: torch.nn.Module) -> torch.nn.Module:
     return fused
 
 
-def assert_same(mine: torch.Tensor, reference: torch.Tensor, name: str = "") -> None:
-    """Equal to 1e-5 of the reference's largest magnitude (fp32; only summation orders differ)."""
+def assert_same(mine: torch.Tensor, reference: torch.Tensor, name: str = "", tolerance: float = 1e-5) -> None:
+    """Equal to ``tolerance`` of the reference's largest magnitude (fp32; only summation orders differ)."""
     scale = reference.abs().max().item()
-    assert (mine - reference).abs().max().item() <= 1e-5 * scale + 1e-9, name
+    assert (mine - reference).abs().max().item() <= tolerance * scale + 1e-9, name
+
+
+# Whole models whose gradients amplify summation-order differences: Qwen3-Next's and Qwen3.5's linear attention
+# (Gated DeltaNet, a recurrence over the sequence). transformers' own grouped_mm experts land up to 2.8e-5 of a
+# tensor's largest magnitude from its eager ones there (fused: up to 9e-5), against 1e-6 on Qwen2-MoE, whose MoE
+# block is the same; the MoE block alone is held to 1e-5 in test_an_expert_with_every_token_and_one_with_none.
+MODEL_TOLERANCE = {"qwen3_next": 2e-4, "qwen3_5_moe_text": 2e-4}
 
 
 def run(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -83,6 +92,8 @@ def run(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict[str,
     embedding = model.get_input_embeddings().weight  # bypassed: the input gradient is taken instead
     for name, param in model.named_parameters():
         if param.requires_grad and param is not embedding:
+            if ".indexer." in name and param.grad is None:
+                continue  # GLM-5's sparse-attention indexer: its top-k choice passes the LM loss no gradient
             assert param.grad is not None, name
             results[name] = param.grad
     return results
@@ -115,9 +126,10 @@ def test_full_finetuning_forward_loss_and_every_gradient_equal_eager(moe_dirs, a
     expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
     assert expected.keys() == got.keys()
     assert any(".experts." in name for name in got) and any("gate.weight" in name for name in got)
-    assert any("shared_experts" in name for name in got) == (arch in SHARED)
+    assert any(".shared_expert" in name for name in got) == (arch in SHARED)
+    assert any(".shared_expert_gate." in name for name in got) == (SHARED.get(arch) == "gated")
     for name in expected:
-        assert_same(got[name], expected[name], name)
+        assert_same(got[name], expected[name], name, MODEL_TOLERANCE.get(arch, 1e-5))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -130,7 +142,7 @@ def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, 
     assert expected.keys() == got.keys()
     assert any("experts.lora_A" in name for name in got) and any("experts.base_layer.lora_B" in name for name in got)
     for name in expected:
-        assert_same(got[name], expected[name], name)
+        assert_same(got[name], expected[name], name, MODEL_TOLERANCE.get(arch, 1e-5))
 
 
 def sparse_block(model: torch.nn.Module):
@@ -442,23 +454,28 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
     assert not any(isinstance(block.block, FusedMoeBlock) for block in blocks)
     dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert use_fused_experts(dense, decoder_layers(dense), "fused") == []
-    qwen2 = AutoModelForCausalLM.from_config(
+    phimoe = AutoModelForCausalLM.from_config(  # Phi-3.5-MoE's sparsemixer router: not one of the fused rules
         AutoConfig.for_model(
-            "qwen2_moe", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-            shared_expert_intermediate_size=8,
+            "phimoe", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8,
         )
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="model.experts_implementation: fused cannot run this model: Qwen2MoeSparse"):
-        use_fused_experts(qwen2, decoder_layers(qwen2), "fused")
-    assert not isinstance(find_moe_blocks(qwen2, decoder_layers(qwen2))[0].block, FusedMoeBlock)
-    use_fused_experts(qwen2, decoder_layers(qwen2), "auto")  # transformers' default, said once
-    assert "moe experts: transformers' default (Qwen2MoeSparseMoeBlock is not one of" in caplog.text
+    with pytest.raises(ConfigError, match="model.experts_implementation: fused cannot run this model: PhimoeSparse"):
+        use_fused_experts(phimoe, decoder_layers(phimoe), "fused")
+    assert not isinstance(find_moe_blocks(phimoe, decoder_layers(phimoe))[0].block, FusedMoeBlock)
+    use_fused_experts(phimoe, decoder_layers(phimoe), "auto")  # transformers' default, said once
+    assert "moe experts: transformers' default (PhimoeSparseMoeBlock is not one of" in caplog.text
 
 
 @pytest.mark.parametrize(
     ("arch", "targets"),
-    [pytest.param("glm4_moe", "[attention]", marks=pytest.mark.variants), ("qwen3_moe", "[attention,routed_experts]")],
+    [
+        pytest.param("glm4_moe", "[attention]", marks=pytest.mark.variants),
+        ("qwen3_moe", "[attention,routed_experts]"),
+        # GLM-4.7-Flash's and Qwen3.5's layouts through the command line (the latter's linear attention too)
+        pytest.param("glm4_moe_lite", "[attention,routed_experts,shared_experts]", marks=pytest.mark.variants),
+        pytest.param("qwen3_5_moe_text", "[attention,routed_experts,shared_experts]", marks=pytest.mark.variants),
+    ],
 )
 def test_training_losses_and_expert_usage_equal_transformers_eager(moe_dirs, tmp_path, arch, targets):
     common = [

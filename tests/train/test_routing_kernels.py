@@ -17,11 +17,11 @@ pytest.importorskip("triton")  # CUDA builds of torch ship it; the dev extra ins
 CHECK = Path(__file__).with_name("routing_kernels_interpreted.py")
 
 
-def test_the_kernels_equal_the_torch_ops_and_serve_every_fused_architecture():
+def test_the_kernels_equal_the_torch_ops_and_serve_every_routing_rule():
     """Interpreted on CPU: the expert order is torch.sort's stable one (with its inverse and bounds) for
     partial and many chunks, empty experts and one expert taking every pair; the top-k is torch.topk's, the lower
-    index first among ties and NaN first; each fused architecture's loss and gradients through the kernels
-    are those through the torch ops, and every MoE layer calls both kernels."""
+    index first among ties and NaN first; for an architecture of each routing rule, the loss and gradients through
+    the kernels are those through the torch ops, and every MoE layer calls both kernels."""
     tests = str(CHECK.parent.parent)  # for tiny_models
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=900)
