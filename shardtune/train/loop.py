@@ -68,6 +68,7 @@ from shardtune.train.loss import (
     SoftmaxGradient,
     compiled_softmax_gradient,
     describe_loss,
+    softmax_compiles_right_on,
     summed_token_loss,
 )
 from shardtune.train.nonfinite import NonFiniteGuard
@@ -283,7 +284,7 @@ def _train(
     vocab, tokens = shape.loss_head_vocab, micro_batch_tokens(config)
     compiler = LayerCompiler()
     # The chunked loss's softmax compiles with the layers, by the same compiler (and its eager fallback).
-    compiled = config.parallel.compiles_on(env.device.type)
+    compiled = config.parallel.compiles_on(env.device.type) and softmax_compiles_right_on(env.device.type)
     softmax_gradient = compiled_softmax_gradient(compiler) if compiled else None
     loss_kind = describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel, compiled)
     log.info("%s", loss_kind)

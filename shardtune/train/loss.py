@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from shardtune.data.collate import Batch
 from shardtune.data.tokenize import IGNORE_INDEX
@@ -184,6 +185,15 @@ def _fused_softmax_gradient_(logits: torch.Tensor, targets: torch.Tensor) -> tor
     hit = torch.arange(values.shape[1], device=values.device)[None, :] == targets[:, None]
     logits.copy_((torch.exp(values - log_total) - hit.float()) * kept[:, None])
     return loss
+
+
+def softmax_compiles_right_on(device_type: str) -> bool:
+    """Whether the chunked loss's softmax is compiled with the layers on this device: on GPUs (its loss and
+    gradient equal the eager ops', measured with torch 2.11: benchmarks/results/loss_kernels_h200.txt), and on
+    CPUs from torch 2.12. Inductor's C++ code in torch 2.11 computed the loss from the logits after overwriting
+    them with their gradient (8.42 for 7.52 at the quickstart's first step, the gradient right); the eager
+    softmax serves there."""
+    return device_type != "cpu" or TorchVersion(torch.__version__) >= (2, 12)
 
 
 def compiled_softmax_gradient(backend: Callable) -> SoftmaxGradient:

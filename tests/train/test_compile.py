@@ -8,6 +8,8 @@ import re
 import pytest
 from cli_runs import train
 
+from shardtune.train.loss import softmax_compiles_right_on
+
 # The chunked loss's softmax compiles too, chunks of 50 rows leaving a shorter last one.
 COMMON = ["training.gradient_checkpointing=true", "data.pad_to=max_length", "data.max_length=64",
           "training.loss_chunk_tokens=50"]  # fmt: skip
@@ -24,7 +26,9 @@ def eager(tmp_path_factory):
 def test_compiled_layers_train_like_eager_ones(tmp_path, eager):
     compiled = train(tmp_path, "compiled", 1, *COMMON, "parallel.compile=true", steps=3)
     assert "torch.compile on 4 decoder layers" in compiled["log"]
-    assert "50 tokens at a time in the forward pass, the softmax compiled" in compiled["log"]
+    # The softmax compiled too, except where inductor computes its loss wrong (torch 2.11 on a CPU): eager there.
+    softmax = "compiled" if softmax_compiles_right_on("cpu") else "eager"
+    assert f"50 tokens at a time in the forward pass, the softmax {softmax}" in compiled["log"]
     assert compiled["log"].count("graph(s) compiled in") == 1  # the compile time, once
     # LoRA on every linear layer: q/k/v's and gate/up's down-projections, one GEMM each (shared_input_gemms)
     assert re.search(r"compiled in [\d.]+ s; [1-9]\d* group\(s\) of narrow trainable GEMMs reading one input",

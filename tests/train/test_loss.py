@@ -18,6 +18,7 @@ from shardtune.train.loss import (
     compiled_softmax_gradient,
     describe_loss,
     head_vocab,
+    softmax_compiles_right_on,
     softmax_gradient_,
     summed_token_loss,
 )
@@ -69,6 +70,8 @@ def test_chunked_loss_refuses_models_that_transform_logits(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def compiled_softmax():
+    if not softmax_compiles_right_on("cpu"):  # training takes the eager softmax there (test_compile.py)
+        pytest.skip(f"torch {torch.__version__}'s inductor computes this loss wrong on a CPU")
     torch._dynamo.reset()
     compiler = LayerCompiler()
     yield compiler, compiled_softmax_gradient(compiler)
