@@ -133,6 +133,15 @@ MORE_FUSED_MOE_ARCHITECTURES = {
     "qwen3_next": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
     "qwen3_5_moe_text": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
     "olmoe": {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False},
+    # MiniMax-M2: a sigmoid router whose correction bias is its block's buffer.
+    "minimax_m2": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
 }
 FUSED_MOE_ARCHITECTURES = {
     **MOE_ARCHITECTURES,

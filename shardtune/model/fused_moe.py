@@ -134,6 +134,8 @@ SUPPORTED_BLOCKS = {
     "Glm4MoeLiteMoE": _sigmoid_routing,
     "GlmMoeDsaMoE": _sigmoid_routing,
     "DeepseekV3MoE": _sigmoid_routing,
+    # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
+    "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
 }
 
 
@@ -277,6 +279,8 @@ class FusedMoeBlock(torch.nn.Module):
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
+        for name, buffer in original.named_buffers(recurse=False):  # MiniMax-M2's correction bias
+            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
         self.routing = routing
         self.replaced = type(original).__name__
         self.router_name = "gate" if hasattr(self, "gate") else "router"
@@ -303,7 +307,9 @@ class FusedMoeBlock(torch.nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
-        logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing)
+        logits, weights, chosen = route(
+            self.get_submodule(self.router_name), tokens, self.routing, getattr(self, "e_score_correction_bias", None)
+        )
         if self.training:
             weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         output = self.experts(tokens, chosen, weights)  # transformers' experts signature
@@ -422,9 +428,10 @@ def _compute_dtype(weight: torch.Tensor, tokens: torch.Tensor) -> torch.dtype:
 
 
 def route(
-    router: torch.nn.Module, tokens: torch.Tensor, routing: Routing
+    router: torch.nn.Module, tokens: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k))."""
+    """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)). A sigmoid
+    router's correction bias is ``correction_bias`` where its block holds it, else the router's own."""
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
@@ -439,7 +446,8 @@ def route(
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights, chosen
         scores = logits.sigmoid()
-        for_choice = scores + router.e_score_correction_bias.float()
+        bias = router.e_score_correction_bias if correction_bias is None else correction_bias
+        for_choice = scores + bias.float()
         if routing.groups > 1:
             grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)

@@ -5,7 +5,7 @@ Blocks are found by structure, not by architecture name: a sparse MoE block is a
 ``experts`` child (the expert weights, fused 3-D parameters in transformers 5) and a router child
 (``gate`` or ``router``) whose weight has one row per expert. That covers Qwen3-MoE, Mixtral and
 Glm4Moe (GLM-4.5/4.6/4.7), the Qwen2-MoE family (Qwen3-Next, Qwen3.5-MoE), and the DeepSeek-style models
-built the same way (GLM-4.7-Flash, GLM-5).
+built the same way (GLM-4.7-Flash, GLM-5, MiniMax-M2).
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                     shared_name=shared_name,
                     num_experts=weight.shape[0],
                     top_k=int(top_k),
-                    scoring="sigmoid" if hasattr(router, "e_score_correction_bias") else "softmax",
+                    # The bias is the router's (GLM, DeepSeek-V3) or the block's (MiniMax-M2).
+                    scoring="sigmoid"
+                    if any(hasattr(m, "e_score_correction_bias") for m in (router, module))
+                    else "softmax",
                 )
             )
     return blocks

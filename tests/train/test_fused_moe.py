@@ -49,8 +49,8 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
     model.config.use_cache = False
     for block in find_moe_blocks(model, decoder_layers(model)):
         torch.nn.init.normal_(block.router.weight, std=0.5)
-        if hasattr(block.router, "e_score_correction_bias"):
-            block.router.e_score_correction_bias.normal_(std=0.1)
+        if (bias := correction_bias(block)) is not None:
+            bias.normal_(std=0.1)
     if lora_targets:
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0, moe_targets=lora_targets, shared_expert_adapter=shared)
         model = apply_lora(model, config)
@@ -60,6 +60,12 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
         if shared:
             share_expert_adapters(model)  # the random blocks made equal again
     return model.train()
+
+
+def correction_bias(block) -> torch.Tensor | None:
+    """A sigmoid router's correction bias: the router's (GLM, DeepSeek-V3) or its block's (MiniMax-M2)."""
+    holder = next((m for m in (block.router, block.block) if hasattr(m, "e_score_correction_bias")), None)
+    return None if holder is None else holder.e_score_correction_bias
 
 
 def fused_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -159,8 +165,8 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
     with torch.no_grad():
         router.weight[0] = 5.0
         router.weight[1] = -5.0
-        if hasattr(router, "e_score_correction_bias"):
-            router.e_score_correction_bias[:2] = torch.tensor([10.0, -10.0])
+        if (bias := correction_bias(sparse_block(reference))) is not None:
+            bias[:2] = torch.tensor([10.0, -10.0])
     fused = fused_copy(reference)
     hidden = router.weight.shape[1]
     tokens = torch.rand(3, 7, hidden, generator=torch.Generator().manual_seed(3)) + 0.1
@@ -173,7 +179,8 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
         grads.append({"output": out.detach(), "input": x.grad} | {
             name: param.grad for name, param in block.block.named_parameters() if param.grad is not None
         })  # fmt: skip
-    _, _, chosen = route(sparse_block(fused).router, tokens.reshape(-1, hidden), sparse_block(fused).block.routing)
+    block = sparse_block(fused)
+    _, _, chosen = route(block.router, tokens.reshape(-1, hidden), block.block.routing, correction_bias(block))
     counts = torch.bincount(chosen.reshape(-1), minlength=sparse_block(fused).num_experts)
     assert counts[0] == 21 and counts[1] == 0
     expected, got = grads
@@ -222,11 +229,13 @@ def assert_same_records(mine: list, theirs: list) -> None:
             assert_same(getattr(record, name).detach(), getattr(reference, name).detach(), name)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "minimax_m2"])
 def test_routing_records_and_balance_gradient_equal_the_router_hooks(moe_dirs, arch):
     """The fused block reports what hooks on transformers' routers record, and gives the routers (and
-    every weight below them) the load-balancing loss's gradient in its own backward."""
+    every weight below them) the load-balancing loss's gradient in its own backward. The statistics take
+    each router's own scores: sigmoid where a correction bias sits on the router or (MiniMax-M2) the block."""
     reference = build(moe_dirs[arch])
+    assert sparse_block(reference).scoring == ("softmax" if arch == "qwen3_moe" else "sigmoid")
     fused = fused_copy(reference)
     inputs, _ = padded_batch()
     results = []
