@@ -129,6 +129,10 @@ MORE_FUSED_MOE_ARCHITECTURES = {
     "deepseek_v3": DEEPSEEK_V3,
     "glm4_moe_lite": GLM_AFTER_45,
     "glm_moe_dsa": {**GLM_AFTER_45, "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "head_dim": 8},
+    "dots1": {
+        **DEEPSEEK_V3,
+        **{key: MOE_ARCHITECTURES["glm4_moe"][key] for key in ("head_dim", "num_key_value_heads")},
+    },
     "qwen2_moe": QWEN2_MOE,
     "qwen3_next": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
     "qwen3_5_moe_text": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},

@@ -134,6 +134,7 @@ SUPPORTED_BLOCKS = {
     "Glm4MoeLiteMoE": _sigmoid_routing,
     "GlmMoeDsaMoE": _sigmoid_routing,
     "DeepseekV3MoE": _sigmoid_routing,
+    "Dots1MoE": _sigmoid_routing,  # dots.llm1: DeepSeek-V3's block
     # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
     "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
 }

@@ -30,7 +30,7 @@ from shardtune.plan.memory import Checkpointing
 ARCHS = list(FUSED_MOE_ARCHITECTURES)
 # The architectures with shared experts: added to the routed ones, or scaled by a gate of their own first.
 SHARED = {"glm4_moe": "added", "deepseek_v3": "added", "glm4_moe_lite": "added", "glm_moe_dsa": "added",
-          "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated"}  # fmt: skip
+          "dots1": "added", "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
