@@ -284,9 +284,9 @@ def _train(
     vocab, tokens = shape.loss_head_vocab, micro_batch_tokens(config)
     compiler = LayerCompiler()
     # The chunked loss's softmax compiles with the layers, by the same compiler (and its eager fallback).
-    compiled = config.parallel.compiles_on(env.device.type) and softmax_compiles_right_on(env.device.type)
-    softmax_gradient = compiled_softmax_gradient(compiler) if compiled else None
-    loss_kind = describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel, compiled)
+    softmax_compiled = config.parallel.compiles_on(env.device.type) and softmax_compiles_right_on(env.device.type)
+    softmax_gradient = compiled_softmax_gradient(compiler) if softmax_compiled else None
+    loss_kind = describe_loss(training.loss_chunk_tokens, vocab, tokens, config.model.liger_kernel, softmax_compiled)
     log.info("%s", loss_kind)
     checkpointing = plan_checkpointing(shape, config, env, plan)
     model = parallelize(model, plan, config, env, precision.compute, materialized=env.is_main, compiler=compiler,
