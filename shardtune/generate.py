@@ -53,7 +53,7 @@ def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.
         base = base or settings["base_model_name_or_path"]
         if looks_local(base) and not Path(base).expanduser().is_dir():
             raise InputError(f"{where}: {base}: directory not found; pass --base with the base model's directory")
-        out_of_reach = None if looks_local(base) else use_the_cache_if_the_hub_is_out_of_reach()
+        out_of_reach = use_the_cache_if_the_hub_is_out_of_reach(base)
         try:
             base_model = AutoModelForCausalLM.from_pretrained(base)
         except (OSError, ValueError, KeyError) as error:

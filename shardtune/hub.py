@@ -14,6 +14,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
+from shardtune.config import looks_local
 from shardtune.rank_zero_log import SAID_BY_RANK_ZERO
 
 logger = logging.getLogger(__name__)
@@ -23,10 +24,13 @@ CONNECT_TIMEOUT_S = 5.0
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
-def use_the_cache_if_the_hub_is_out_of_reach() -> str | None:
-    """Before a hub id is fetched: if the hub's host does not resolve or take a connection within
-    ``CONNECT_TIMEOUT_S``, put this process (and the workers it starts) in huggingface_hub's offline mode. The
-    reason it is out of reach (e.g. "Name or service not known"), or None."""
+def use_the_cache_if_the_hub_is_out_of_reach(name: str) -> str | None:
+    """Before ``name`` (a model's or dataset's, as a config or option gives it) is fetched: where it is a hub id and
+    the hub's host does not resolve or take a connection within ``CONNECT_TIMEOUT_S``, put this process (and the
+    workers it starts) in huggingface_hub's offline mode. The reason the hub is out of reach (e.g. "Name or
+    service not known"), or None (a local path, or the hub in reach)."""
+    if looks_local(name):
+        return None
     reason = _out_of_reach()
     if reason is not None:
         from huggingface_hub import constants

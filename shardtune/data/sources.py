@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shardtune.config import looks_local
 from shardtune.errors import DataError, first_and_last_line
 from shardtune.hub import not_cached_line, say_the_cache_serves, use_the_cache_if_the_hub_is_out_of_reach
 
@@ -283,7 +282,7 @@ def _import_datasets(spec: SourceSpec) -> Any:
 
 def _load_dataset(spec: SourceSpec, datasets: Any) -> Any:
     path = os.path.expanduser(spec.path)
-    out_of_reach = None if looks_local(path) else use_the_cache_if_the_hub_is_out_of_reach()
+    out_of_reach = use_the_cache_if_the_hub_is_out_of_reach(path)
     if out_of_reach is not None:
         datasets.config.HF_HUB_OFFLINE = True  # datasets keeps its own copy of huggingface_hub's setting
     try:

@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from shardtune.config import Config, ModelConfig, looks_local
+from shardtune.config import Config, ModelConfig
 from shardtune.errors import ConfigError
 from shardtune.hub import use_the_cache_if_the_hub_is_out_of_reach
 from shardtune.model.fused_moe import TRANSFORMERS_IMPLEMENTATIONS
@@ -128,7 +128,7 @@ def supported_attention(model_config: PretrainedConfig, requested: str, chosen: 
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
-    use_the_cache_for(config)
+    use_the_cache_if_the_hub_is_out_of_reach(config.name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(
         config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
     )
@@ -138,14 +138,8 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def use_the_cache_for(config: ModelConfig) -> str | None:
-    """Where ``config`` names a hub id: the reason the hub is out of reach (its files then come from the cache
-    alone), or None."""
-    return None if looks_local(config.name_or_path) else use_the_cache_if_the_hub_is_out_of_reach()
-
-
 def load_model_config(config: ModelConfig) -> PretrainedConfig:
-    use_the_cache_for(config)
+    use_the_cache_if_the_hub_is_out_of_reach(config.name_or_path)
     return AutoConfig.from_pretrained(
         config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
     )
@@ -191,7 +185,7 @@ def load_model(
         with torch.device((random_init_device or "cpu") if materialize else "meta"):
             model = AutoModelForCausalLM.from_config(model_config, **common)
     else:
-        use_the_cache_for(config)
+        use_the_cache_if_the_hub_is_out_of_reach(config.name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
             config.name_or_path, config=model_config, revision=config.revision, **common
         )

@@ -43,14 +43,14 @@ def check_model(config: Config) -> PretrainedConfig:
 
 def read_model_config(config: Config) -> PretrainedConfig:
     """The model's config, or a ``ConfigError`` saying why this machine cannot read it."""
-    from shardtune.hub import not_cached_line, say_the_cache_serves
-    from shardtune.model.load import load_model_config, use_the_cache_for
+    from shardtune.hub import not_cached_line, say_the_cache_serves, use_the_cache_if_the_hub_is_out_of_reach
+    from shardtune.model.load import load_model_config
 
     model = config.model
+    out_of_reach = use_the_cache_if_the_hub_is_out_of_reach(model.name_or_path)
     try:
         model_config = load_model_config(model)
     except (OSError, ValueError, KeyError) as error:
-        out_of_reach = use_the_cache_for(model)
         if out_of_reach is not None:
             raise ConfigError(
                 not_cached_line("model.name_or_path", model.name_or_path, out_of_reach, "set model.name_or_path to it")
@@ -58,7 +58,6 @@ def read_model_config(config: Config) -> PretrainedConfig:
         raise ConfigError(
             f"model.name_or_path: {model.name_or_path} is not a model this machine can read ({first_line(error)})"
         ) from None
-    out_of_reach = use_the_cache_for(model)
     if out_of_reach is not None:
         say_the_cache_serves(out_of_reach)
     return model_config
