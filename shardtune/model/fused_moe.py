@@ -57,6 +57,7 @@ from shardtune.model.grouped_gemm import (
 from shardtune.model.moe import (
     MoeBlock,
     RoutingRecorder,
+    correction_bias,
     find_moe_blocks,
     routing_probabilities,
     sum_real,
@@ -308,9 +309,7 @@ class FusedMoeBlock(torch.nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
-        logits, weights, chosen = route(
-            self.get_submodule(self.router_name), tokens, self.routing, getattr(self, "e_score_correction_bias", None)
-        )
+        logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing, self)
         if self.training:
             weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         output = self.experts(tokens, chosen, weights)  # transformers' experts signature
@@ -429,10 +428,10 @@ def _compute_dtype(weight: torch.Tensor, tokens: torch.Tensor) -> torch.dtype:
 
 
 def route(
-    router: torch.nn.Module, tokens: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
+    router: torch.nn.Module, tokens: torch.Tensor, routing: Routing, block: torch.nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)). A sigmoid
-    router's correction bias is ``correction_bias`` where its block holds it, else the router's own."""
+    router's correction bias is its own or its ``block``'s (``moe.correction_bias``)."""
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
@@ -447,8 +446,7 @@ def route(
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights, chosen
         scores = logits.sigmoid()
-        bias = router.e_score_correction_bias if correction_bias is None else correction_bias
-        for_choice = scores + bias.float()
+        for_choice = scores + correction_bias(router, block).float()
         if routing.groups > 1:
             grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)

@@ -86,13 +86,20 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                     shared_name=shared_name,
                     num_experts=weight.shape[0],
                     top_k=int(top_k),
-                    # The bias is the router's (GLM, DeepSeek-V3) or the block's (MiniMax-M2).
-                    scoring="sigmoid"
-                    if any(hasattr(m, "e_score_correction_bias") for m in (router, module))
-                    else "softmax",
+                    scoring="sigmoid" if correction_bias(router, module) is not None else "softmax",
                 )
             )
     return blocks
+
+
+def correction_bias(router: torch.nn.Module, block: torch.nn.Module | None = None) -> torch.Tensor | None:
+    """A sigmoid router's score-correction bias, which marks one: the router's buffer (GLM, DeepSeek-V3) or its
+    block's (MiniMax-M2); None for a softmax router."""
+    for holder in (router, block):
+        bias = getattr(holder, "e_score_correction_bias", None)
+        if bias is not None:
+            return bias
+    return None
 
 
 def _strip_wrappers(path: str) -> str:

@@ -24,7 +24,7 @@ from shardtune.model import grouped_gemm
 from shardtune.model.fused_moe import Fp32Linear, FusedMoeBlock, route, use_fused_experts
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable, resolve_grouped_gemm
 from shardtune.model.lora import apply_lora, share_expert_adapters
-from shardtune.model.moe import RoutingRecorder, find_moe_blocks
+from shardtune.model.moe import RoutingRecorder, correction_bias, find_moe_blocks
 from shardtune.plan.memory import Checkpointing
 
 ARCHS = list(FUSED_MOE_ARCHITECTURES)
@@ -49,7 +49,7 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
     model.config.use_cache = False
     for block in find_moe_blocks(model, decoder_layers(model)):
         torch.nn.init.normal_(block.router.weight, std=0.5)
-        if (bias := correction_bias(block)) is not None:
+        if (bias := correction_bias(block.router, block.block)) is not None:
             bias.normal_(std=0.1)
     if lora_targets:
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0, moe_targets=lora_targets, shared_expert_adapter=shared)
@@ -60,12 +60,6 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
         if shared:
             share_expert_adapters(model)  # the random blocks made equal again
     return model.train()
-
-
-def correction_bias(block) -> torch.Tensor | None:
-    """A sigmoid router's correction bias: the router's (GLM, DeepSeek-V3) or its block's (MiniMax-M2)."""
-    holder = next((m for m in (block.router, block.block) if hasattr(m, "e_score_correction_bias")), None)
-    return None if holder is None else holder.e_score_correction_bias
 
 
 def fused_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -165,7 +159,7 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
     with torch.no_grad():
         router.weight[0] = 5.0
         router.weight[1] = -5.0
-        if (bias := correction_bias(sparse_block(reference))) is not None:
+        if (bias := correction_bias(router, sparse_block(reference).block)) is not None:
             bias[:2] = torch.tensor([10.0, -10.0])
     fused = fused_copy(reference)
     hidden = router.weight.shape[1]
@@ -180,8 +174,8 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
             name: param.grad for name, param in block.block.named_parameters() if param.grad is not None
         })  # fmt: skip
     block = sparse_block(fused)
-    _, _, chosen = route(block.router, tokens.reshape(-1, hidden), block.block.routing, correction_bias(block))
-    counts = torch.bincount(chosen.reshape(-1), minlength=sparse_block(fused).num_experts)
+    _, _, chosen = route(block.router, tokens.reshape(-1, hidden), block.block.routing, block.block)
+    counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
     assert counts[0] == 21 and counts[1] == 0
     expected, got = grads
     assert expected.keys() == got.keys() and len(got) > 2
