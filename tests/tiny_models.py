@@ -137,6 +137,104 @@ MORE_FUSED_MOE_ARCHITECTURES = {
     "qwen3_next": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
     "qwen3_5_moe_text": {**QWEN2_MOE, **HYBRID_ATTENTION, "head_dim": 16},
     "olmoe": {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False},
+    # DeepSeek-V2: softmax scores, not renormalized, the best of 2 groups of 4 experts by their best, scaled.
+    "deepseek_v2": {
+        **{key: value for key, value in DEEPSEEK_V3.items() if key != "num_hidden_layers"},
+        "topk_method": "group_limited_greedy",
+        "num_hidden_layers": 3,
+    },
+    # ERNIE 4.5: softmax scores chosen with a correction bias (its router's moe_statics), a shared expert.
+    "ernie4_5_moe": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "moe_num_experts": 8,
+        "moe_k": 2,
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "num_hidden_layers": 3,
+    },
+    # Granite-MoE: a softmax of the top-k logits; every layer sparse. Attention scaled by 1 / head size, as Granite's
+    # configs have it (the default, 1, sharpens a random model's attention until summation orders show in fp32).
+    "granitemoe": {
+        "attention_multiplier": 1 / 16,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    # Granite-MoE with a shared MLP beside each sparse block (the decoder layer's shared_mlp).
+    "granitemoeshared": {
+        "attention_multiplier": 1 / 16,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "intermediate_size": 32,
+        "shared_intermediate_size": 48,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    # LFM2-MoE: short-convolution and attention layers, a dense first one; sigmoid scores chosen with a correction
+    # bias that is its block's buffer, renormalized and scaled.
+    "lfm2_moe": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_dense_layers": 1,
+        "use_expert_bias": True,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.0,
+        "num_hidden_layers": 3,
+        "layer_types": ["full_attention", "conv", "full_attention"],
+    },
+    # DeepSeek-V3's block in models of their own attention: EXAONE-MoE (sliding-window layers, a dense first layer)
+    # and Solar-Open (every layer sparse).
+    "exaone_moe": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "num_hidden_layers": 3,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    },
+    "solar_open": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+    },
+    # Qwen3-MoE's block in Mellum (a sliding-window layer) and OLMoE's in FlexOlmo.
+    "mellum": {
+        **MOE_ARCHITECTURES["qwen3_moe"],
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "flex_olmo": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "intermediate_size": 32,  # the experts' width: no dense MLP
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
     # MiniMax-M2: a sigmoid router whose correction bias is its block's buffer.
     "minimax_m2": {
         "num_key_value_heads": 2,

@@ -90,6 +90,32 @@ SHAPES = {
             "tie_word_embeddings": False,
         },
     ),
+    # deepseek-ai/DeepSeek-V2-Lite: 27 layers (the first dense), MLA attention without a query compression, 64 routed
+    # experts (6 active, softmax routing, greedy top-k) and 2 shared ones; 15.7B / 2.4B.
+    "deepseek-v2-lite": (
+        "deepseek_v2",
+        {
+            "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64,
+            "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "max_position_embeddings": 163840, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # baidu/ERNIE-4.5-21B-A3B-PT: 28 layers (the first dense), 64 routed experts (6 active, softmax scores chosen
+    # with a correction bias) and 2 shared ones, tied embeddings; 21.8B / 3B.
+    "ernie-4.5-21b-a3b": (
+        "ernie4_5_moe",
+        {
+            "vocab_size": 103424, "hidden_size": 2560, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+            "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128,
+            "moe_num_experts": 64, "moe_num_shared_experts": 2, "moe_k": 6, "moe_layer_start_index": 1,
+            "moe_layer_interval": 1, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+            "use_bias": False, "tie_word_embeddings": True,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -128,6 +154,9 @@ HUB_SHAPES = {
     "zai-org/GLM-4.7": ("glm-4.7", {}),
     "mistralai/Mixtral-8x7B-v0.1": ("mixtral-8x7b", {}),
     "mistralai/Mixtral-8x7B-Instruct-v0.1": ("mixtral-8x7b", {}),
+    "deepseek-ai/DeepSeek-V2-Lite": ("deepseek-v2-lite", {}),
+    "deepseek-ai/DeepSeek-V2-Lite-Chat": ("deepseek-v2-lite", {}),
+    "baidu/ERNIE-4.5-21B-A3B-PT": ("ernie-4.5-21b-a3b", {}),
 }
 
 

@@ -32,7 +32,6 @@ import functools
 import logging
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +54,14 @@ from shardtune.model.grouped_gemm import (
     resolve_grouped_gemm,
 )
 from shardtune.model.moe import (
+    ROUTING_RULES,
     MoeBlock,
+    Routing,
     RoutingRecorder,
     correction_bias,
     find_moe_blocks,
     routing_probabilities,
+    routing_rule,
     sum_real,
     token_statistics,
 )
@@ -86,70 +88,16 @@ MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
-@dataclass(frozen=True)
-class Routing:
-    """How one architecture's router turns logits into (weights, experts) per token.
-
-    ``softmax``: softmax over all experts, top-k, renormalized over the k when ``normalize`` (Qwen3-MoE
-    with ``norm_topk_prob``; Mixtral always). ``sigmoid``: per-expert sigmoid scores; the choice adds
-    the score-correction bias and keeps the ``topk_group`` best of ``groups`` expert groups (a group's
-    score is the sum of its two best); weights are the chosen plain scores, renormalized when
-    ``normalize``, times ``scaling`` (GLM-4.5/4.7, DeepSeek-V3).
-    """
-
-    scoring: str
-    top_k: int
-    normalize: bool
-    groups: int = 1
-    topk_group: int = 1
-    scaling: float = 1.0
-
-
-def _softmax_routing(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
-    return Routing("softmax", router.top_k, bool(router.norm_topk_prob) if normalize is None else normalize)
-
-
-def _sigmoid_routing(router: torch.nn.Module) -> Routing:
-    return Routing(
-        "sigmoid",
-        router.top_k,
-        bool(router.norm_topk_prob),
-        groups=router.num_group,
-        topk_group=router.topk_group,
-        scaling=float(router.routed_scaling_factor),
-    )
-
-
-# The transformers blocks whose router rule is written out in Routing, by class name; each is checked
-# against transformers' own forward in tests/train/test_fused_moe.py. The Qwen2-MoE family's blocks add a
-# shared expert scaled by a sigmoid gate of its own (FusedMoeBlock.forward); the GLM blocks after GLM-4.5
-# (GLM-4.7-Flash's, GLM-5's) are DeepSeek-V3's, as Glm4MoeMoE is.
-SUPPORTED_BLOCKS = {
-    "Qwen3MoeSparseMoeBlock": _softmax_routing,
-    "Qwen2MoeSparseMoeBlock": _softmax_routing,
-    "Qwen3NextSparseMoeBlock": _softmax_routing,
-    "Qwen3_5MoeSparseMoeBlock": lambda router: _softmax_routing(router, normalize=True),
-    "OlmoeSparseMoeBlock": _softmax_routing,
-    "MixtralSparseMoeBlock": lambda router: _softmax_routing(router, normalize=True),
-    "Glm4MoeMoE": _sigmoid_routing,
-    "Glm4MoeLiteMoE": _sigmoid_routing,
-    "GlmMoeDsaMoE": _sigmoid_routing,
-    "DeepseekV3MoE": _sigmoid_routing,
-    "Dots1MoE": _sigmoid_routing,  # dots.llm1: DeepSeek-V3's block
-    # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
-    "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
-}
-
-
 def _unsupported(block: MoeBlock) -> str | None:
     """Why ``block`` cannot be fused, or None."""
     name = type(block.block).__name__
-    if name not in SUPPORTED_BLOCKS:
-        return f"{name} is not one of {', '.join(SUPPORTED_BLOCKS)}"
+    if name not in ROUTING_RULES:
+        return f"{name} is not one of {', '.join(ROUTING_RULES)}"
     experts = block.experts
     if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
         return f"{type(experts).__name__} stores transposed or biased expert weights"
-    if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+    act_fn = getattr(experts, "act_fn", None)
+    if act_fn is not F.silu and type(act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # LFM2: F.silu itself
         return f"{type(experts).__name__} does not use SiLU"
     return None
 
@@ -206,8 +154,7 @@ def use_fused_experts(
         )
     backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
     for block in blocks:
-        routing = SUPPORTED_BLOCKS[type(block.block).__name__](block.router)
-        fused = FusedMoeBlock(block.block, routing, backend)
+        fused = FusedMoeBlock(block.block, routing_rule(block.block, block.router), backend)
         parent = _parent_of(model, block.block)
         for name, child in list(parent.named_children()):
             if child is block.block:
@@ -430,33 +377,31 @@ def _compute_dtype(weight: torch.Tensor, tokens: torch.Tensor) -> torch.dtype:
 def route(
     router: torch.nn.Module, tokens: torch.Tensor, routing: Routing, block: torch.nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)). A sigmoid
-    router's correction bias is its own or its ``block``'s (``moe.correction_bias``)."""
+    """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)) by ``routing``'s
+    rule. A router's correction bias is its own or its ``block``'s (``moe.correction_bias``)."""
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         logits = Fp32Linear.apply(tokens, router.weight)
         for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
             logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
-        if routing.scoring == "softmax":
-            probabilities = logits.softmax(dim=-1)
-            chosen = top_k_experts(probabilities, routing.top_k)
-            weights = probabilities.gather(1, chosen)
-            if routing.normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return logits, weights, chosen
-        scores = logits.sigmoid()
-        for_choice = scores + correction_bias(router, block).float()
+        scores = logits.softmax(dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
+        bias = correction_bias(router, block)
+        for_choice = scores if bias is None else scores + bias.float()
         if routing.groups > 1:
             grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            if routing.group_score == "max":
+                group_scores = grouped.amax(dim=-1)
+            else:
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             best_groups = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
             for_choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
-        chosen = top_k_experts(for_choice, routing.top_k, best_first=False)
+        # Best first as softmax routers' torch.topk returns them (it decides only the order of a token's sum).
+        chosen = top_k_experts(for_choice, routing.top_k, best_first=routing.scoring == "softmax")
         weights = scores.gather(1, chosen)
         if routing.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.epsilon)
         return logits, weights * routing.scaling, chosen
 
 

@@ -68,8 +68,10 @@ def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> 
             return "router"
         return "routed_experts"  # per-expert nn.Linear modules (older layouts)
     name = path.split(".")[0]
-    # Token mixers: softmax attention, and the linear attention of hybrid models (Qwen3-Next's linear_attn).
-    mixes_tokens = "Attention" in type(layer.get_submodule(name)).__name__ or name.endswith("attn")
+    # Token mixers: softmax attention, and those of hybrid models: linear attention (Qwen3-Next's linear_attn) and
+    # short convolutions (LFM2's ShortConv, whose in_proj and out_proj are its linear layers).
+    kind = type(layer.get_submodule(name)).__name__
+    mixes_tokens = "Attention" in kind or "ShortConv" in kind or name.endswith("attn")
     return "attention" if mixes_tokens else "dense_mlp"
 
 

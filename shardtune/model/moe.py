@@ -6,6 +6,9 @@ Blocks are found by structure, not by architecture name: a sparse MoE block is a
 (``gate`` or ``router``) whose weight has one row per expert. That covers Qwen3-MoE, Mixtral and
 Glm4Moe (GLM-4.5/4.6/4.7), the Qwen2-MoE family (Qwen3-Next, Qwen3.5-MoE), and the DeepSeek-style models
 built the same way (GLM-4.7-Flash, GLM-5, MiniMax-M2).
+
+How each architecture's router decides is written out once, by block class, in ``ROUTING_RULES``: the fused
+block computes it, and the routing statistics of every block take its scores.
 """
 
 from __future__ import annotations
@@ -22,6 +25,111 @@ ROUTER_NAMES = ("gate", "router")
 SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert")
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How one architecture's router turns logits into (weights, experts) per token.
+
+    ``scoring``: the scores are a softmax over all experts, or a sigmoid of each. The choice is the ``top_k``
+    best scores plus the router's correction bias where it has one (``correction_bias``: GLM, DeepSeek-V3,
+    ERNIE 4.5, LFM2), among the ``topk_group`` best of ``groups`` expert groups, a group scored by the sum of its
+    two best (``group_score="top2"``: DeepSeek-V3, GLM) or its best (``"max"``: DeepSeek-V2). The weights are
+    the chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``.
+    """
+
+    scoring: str
+    top_k: int
+    normalize: bool
+    groups: int = 1
+    topk_group: int = 1
+    group_score: str = "top2"
+    scaling: float = 1.0
+    epsilon: float = 0.0
+
+
+def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
+    return Routing("softmax", router.top_k, bool(router.norm_topk_prob) if normalize is None else normalize)
+
+
+def _deepseek_v3_rule(router: torch.nn.Module) -> Routing:
+    return Routing(
+        "sigmoid",
+        router.top_k,
+        bool(router.norm_topk_prob),
+        groups=router.num_group,
+        topk_group=router.topk_group,
+        scaling=float(router.routed_scaling_factor),
+        epsilon=1e-20,
+    )
+
+
+def _deepseek_v2_rule(router: torch.nn.Module) -> Routing:
+    """Softmax scores, not renormalized; ``topk_method: group_limited_greedy`` keeps the best groups by their best
+    expert (``greedy``: no groups)."""
+    groups = router.num_group if router.topk_method == "group_limited_greedy" else 1
+    return Routing(
+        "softmax",
+        router.top_k,
+        normalize=False,
+        groups=groups,
+        topk_group=router.topk_group,
+        group_score="max",
+        scaling=float(router.routed_scaling_factor),
+    )
+
+
+def _lfm2_rule(router: torch.nn.Module) -> Routing:
+    return Routing(
+        "sigmoid",
+        router.top_k,
+        bool(router.norm_topk_prob),
+        scaling=float(router.routed_scaling_factor),
+        epsilon=1e-6,
+    )
+
+
+# The transformers blocks whose router rule Routing writes out, by class name; each is held to transformers' own
+# forward in tests/train/test_fused_moe.py. Blocks of one family share their rule: GLM's blocks after GLM-4.5
+# (GLM-4.7-Flash's, GLM-5's), dots.llm1's, EXAONE-MoE's and Solar-Open's are DeepSeek-V3's, Mellum's Qwen3-MoE's
+# and FlexOlmo's OLMoE's; the Qwen2-MoE family's blocks add a shared expert scaled by a sigmoid gate of its own
+# (FusedMoeBlock.forward).
+ROUTING_RULES = {
+    "Qwen3MoeSparseMoeBlock": _softmax_rule,
+    "Qwen2MoeSparseMoeBlock": _softmax_rule,
+    "Qwen3NextSparseMoeBlock": _softmax_rule,
+    "Qwen3_5MoeSparseMoeBlock": lambda router: _softmax_rule(router, normalize=True),
+    "OlmoeSparseMoeBlock": _softmax_rule,
+    "FlexOlmoSparseMoeBlock": _softmax_rule,
+    "MellumSparseMoeBlock": _softmax_rule,
+    "MixtralSparseMoeBlock": lambda router: _softmax_rule(router, normalize=True),
+    # Granite-MoE: a softmax of the top-k logits, which is the top-k probabilities renormalized.
+    "GraniteMoeMoE": lambda router: _softmax_rule(router, normalize=True),
+    "GraniteMoeSharedMoE": lambda router: _softmax_rule(router, normalize=True),
+    # ERNIE 4.5: softmax scores chosen with a correction bias (its router's moe_statics), renormalized (the clamp
+    # of the sum at moe_norm_min never acts on k softmax scores: their sum is at least k / experts).
+    "Ernie4_5_MoeSparseMoeBlock": lambda router: _softmax_rule(router, normalize=True),
+    "DeepseekV2Moe": _deepseek_v2_rule,
+    "Glm4MoeMoE": _deepseek_v3_rule,
+    "Glm4MoeLiteMoE": _deepseek_v3_rule,
+    "GlmMoeDsaMoE": _deepseek_v3_rule,
+    "DeepseekV3MoE": _deepseek_v3_rule,
+    "Dots1MoE": _deepseek_v3_rule,
+    "ExaoneMoeSparseMoEBlock": _deepseek_v3_rule,
+    "SolarOpenMoE": _deepseek_v3_rule,
+    # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
+    "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
+    # LFM2-MoE: sigmoid scores; with use_expert_bias, a correction bias that is its block's buffer expert_bias.
+    "Lfm2MoeSparseMoeBlock": _lfm2_rule,
+}
+
+
+def routing_rule(block: torch.nn.Module, router: torch.nn.Module) -> Routing | None:
+    """How ``block`` routes (a fused block: the rule it computes); None for a block ROUTING_RULES lacks."""
+    if isinstance(rule := getattr(block, "routing", None), Routing):
+        return rule
+    make = ROUTING_RULES.get(type(block).__name__)
+    return None if make is None else make(router)
+
+
 @dataclass(eq=False)
 class MoeBlock:
     """One sparse MoE block, by module object (they stay valid when PEFT or checkpointing wraps them)."""
@@ -35,8 +143,8 @@ class MoeBlock:
     shared_name: str | None  # child name of its shared experts, if it has any
     num_experts: int
     top_k: int
-    # Softmax routers (Qwen3-MoE, Mixtral) or sigmoid routers with a score-correction bias (GLM-4.5,
-    # DeepSeek-V3): it decides how router logits become per-expert probabilities.
+    # Softmax routers (Qwen3-MoE, Mixtral) or sigmoid ones (GLM-4.5, DeepSeek-V3): it decides how router
+    # logits become per-expert probabilities.
     scoring: str
 
 
@@ -86,19 +194,31 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                     shared_name=shared_name,
                     num_experts=weight.shape[0],
                     top_k=int(top_k),
-                    scoring="sigmoid" if correction_bias(router, module) is not None else "softmax",
+                    scoring=_scoring(module, router),
                 )
             )
     return blocks
 
 
+def _scoring(block: torch.nn.Module, router: torch.nn.Module) -> str:
+    """``softmax`` or ``sigmoid``: the rule's, or for a block without one, sigmoid where a correction bias marks
+    the router as DeepSeek-V3's (the rules' own blocks aside, such routers are all sigmoid ones)."""
+    rule = routing_rule(block, router)
+    if rule is not None:
+        return rule.scoring
+    return "sigmoid" if correction_bias(router, block) is not None else "softmax"
+
+
 def correction_bias(router: torch.nn.Module, block: torch.nn.Module | None = None) -> torch.Tensor | None:
-    """A sigmoid router's score-correction bias, which marks one: the router's buffer (GLM, DeepSeek-V3) or its
-    block's (MiniMax-M2); None for a softmax router."""
-    for holder in (router, block):
-        bias = getattr(holder, "e_score_correction_bias", None)
-        if bias is not None:
-            return bias
+    """The bias a router adds to its scores for the choice only, as an (experts,) view, or None: the router's
+    ``e_score_correction_bias`` (GLM, DeepSeek-V3), its ``moe_statics``' (ERNIE 4.5, a (1, experts) parameter),
+    its block's (MiniMax-M2) or its block's ``expert_bias`` (LFM2, with use_expert_bias)."""
+    holders = ((router, "e_score_correction_bias"), (getattr(router, "moe_statics", None), "e_score_correction_bias"),
+               (block, "e_score_correction_bias"), (block, "expert_bias"))  # fmt: skip
+    for holder, name in holders:
+        bias = getattr(holder, name, None)
+        if isinstance(bias, torch.Tensor):
+            return bias.view(-1)
     return None
 
 
@@ -209,11 +329,13 @@ class RoutingRecorder:
         def record(module: torch.nn.Module, inputs: tuple, output: object) -> None:
             if not self._active or torch._C._current_graph_task_id() != -1:
                 return  # not a training forward, or checkpointing's recomputation during backward
-            logits = output[0] if isinstance(output, tuple) else output
+            # Routers return their logits, and most their choice, in an order of their own (Granite-MoE's in
+            # transformers 5.17: choice, weights, logits): the logits are the floats with one column per expert.
+            parts = output if isinstance(output, tuple) else (output,)
+            logits = next(part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts)
             logits = logits.reshape(-1, block.num_experts)
-            if isinstance(output, tuple) and len(output) >= 3:
-                chosen = output[2]  # the router's own choice (group-limited and bias-corrected for GLM)
-            else:
+            chosen = next((part for part in parts if not part.is_floating_point()), None)  # the router's own
+            if chosen is None:
                 with torch.no_grad():  # softmax and sigmoid keep the order of the logits
                     chosen = logits.topk(block.top_k, dim=-1).indices
             self._routed.append((block, logits, chosen.reshape(-1, block.top_k)))

@@ -44,7 +44,9 @@ def test_glm_shapes_by_hand():
     )
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.7", "mixtral-8x7b"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.7", "mixtral-8x7b", "deepseek-v2-lite", "ernie-4.5-21b-a3b"]
+)
 def test_active_weights_match_the_built_model(name):
     """Every matmul weight of the model itself, with each routed expert's weights counted top_k / E times."""
     config = shape_config(name, layers=4)
@@ -58,6 +60,9 @@ def test_active_weights_match_the_built_model(name):
             continue  # norms, biases, correction biases; the input embedding is a lookup
         share = text.num_experts_per_tok / experts if ".experts." in parameter_name else 1.0
         active += parameter.numel() * share
+    head = model.get_output_embeddings().weight
+    if head is model.get_input_embeddings().weight:  # tied (ERNIE 4.5): the head's matmul takes the embedding
+        active += head.numel()
     assert active_matmul_params(config) == pytest.approx(active, rel=1e-12)
 
 

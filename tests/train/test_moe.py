@@ -239,3 +239,46 @@ def test_moe_metrics_reach_tensorboard_and_wandb(moe_dirs, tmp_path):
     assert {"train/moe_balance_loss", "train/moe_max_mean_ratio", "expert_usage/balance_loss"} <= tags
     wandb_runs = list((run["out"] / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(wandb_runs) == 1 and b"train/moe_balance_loss" in wandb_runs[0].read_bytes()
+
+
+class ChoiceFirstRouter(torch.nn.Module):
+    """A softmax top-2 router returning (choice, weights, logits), the order of transformers 5.17's Granite-MoE
+    router; transformers' other routers (and Granite-MoE's since) return (logits, weights, choice)."""
+
+    top_k = 2
+
+    def __init__(self, experts: int, hidden: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+
+    def forward(self, tokens: torch.Tensor):
+        logits = torch.nn.functional.linear(tokens, self.weight)
+        top, chosen = logits.topk(self.top_k, dim=-1)
+        return chosen, top.softmax(dim=-1), logits
+
+
+class ChoiceFirstBlock(torch.nn.Module):
+    def __init__(self, experts: int, hidden: int):
+        super().__init__()
+        self.router = ChoiceFirstRouter(experts, hidden)
+        self.experts = torch.nn.Linear(hidden, hidden)  # the block's output is not what this test looks at
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.router(tokens)
+        return self.experts(tokens)
+
+
+def test_router_hooks_tell_the_logits_and_the_choice_apart_in_any_order():
+    torch.manual_seed(0)
+    layer = torch.nn.Module()
+    layer.mlp = ChoiceFirstBlock(experts=8, hidden=16)
+    recorder = RoutingRecorder(find_moe_blocks(layer, [layer]))
+    tokens = torch.randn(10, 16)
+    with recorder.recording(None):
+        layer.mlp(tokens)
+    (record,) = recorder.records
+    logits = layer.mlp.router.weight.detach() @ tokens.t()
+    chosen = logits.t().topk(2, dim=-1).indices
+    assert torch.equal(record.counts, torch.bincount(chosen.reshape(-1), minlength=8).float())
+    torch.testing.assert_close(record.probability_sum.detach(), logits.t().softmax(dim=-1).sum(dim=0))
+    assert record.tokens == 10
