@@ -81,9 +81,7 @@ def assert_same(mine: torch.Tensor, reference: torch.Tensor, name: str = "", tol
 # (Gated DeltaNet, a recurrence over the sequence). transformers' own grouped_mm experts land up to 2.8e-5 of a
 # tensor's largest magnitude from its eager ones there (fused: up to 9e-5), against 1e-6 on Qwen2-MoE, whose MoE
 # block is the same; the MoE block alone is held to 1e-5 in test_an_expert_with_every_token_and_one_with_none.
-# Granite-MoE (every layer sparse, 8 experts 32 wide, LoRA weights drawn large): up to 1.2e-5, where transformers' own
-# grouped_mm experts land 3.7e-5 from its eager ones with the default attention scale and 3e-6 with Granite's.
-MODEL_TOLERANCE = {"qwen3_next": 2e-4, "qwen3_5_moe_text": 2e-4, "granitemoe": 3e-5, "granitemoeshared": 3e-5}
+MODEL_TOLERANCE = {"qwen3_next": 2e-4, "qwen3_5_moe_text": 2e-4}
 
 
 def run(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -140,6 +138,10 @@ def test_full_finetuning_forward_loss_and_every_gradient_equal_eager(moe_dirs, a
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, arch):
+    """Held to 3e-5 of each tensor's largest magnitude, not 1e-5: PEFT forms W + s·BA and multiplies once, the fused
+    block multiplies by W and by the low-rank factors apart (it never forms W + ΔW), a different rounding that adapters
+    drawn this large (std 0.3) make as large as W's own. With LoRA on attention alone the two land 5e-7 apart; with the
+    routed experts' and the router's too, up to 8e-6 on this CPU and 1.4e-5 on an AVX-512 one (OLMoE)."""
     targets = ["attention", "routed_experts", "router"] + (["shared_experts"] if arch in SHARED else [])
     reference = build(moe_dirs[arch], targets)
     fused = fused_copy(reference)
@@ -148,7 +150,7 @@ def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, 
     assert expected.keys() == got.keys()
     assert any("experts.lora_A" in name for name in got) and any("experts.base_layer.lora_B" in name for name in got)
     for name in expected:
-        assert_same(got[name], expected[name], name, MODEL_TOLERANCE.get(arch, 1e-5))
+        assert_same(got[name], expected[name], name, max(MODEL_TOLERANCE.get(arch, 0.0), 3e-5))
 
 
 def sparse_block(model: torch.nn.Module):
