@@ -192,6 +192,18 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "num_hidden_layers": 3,
         "layer_types": ["full_attention", "conv", "full_attention"],
     },
+    # DeepSeek-V3.2: DeepSeek-V3 with the sparse-attention indexer (its layer_types' name differs between
+    # transformers versions: left to the default).
+    "deepseek_v32": {**DEEPSEEK_V3, "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2},
+    # Kimi-Linear: DeepSeek-V3's MoE block with Kimi Delta Attention (linear) in two of three layers.
+    "kimi_linear": {
+        **{key: value for key, value in DEEPSEEK_V3.items() if key != "n_routed_experts"},
+        "num_local_experts": 8,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        "linear_head_dim": 16,
+        "linear_num_heads": 4,
+        "linear_conv_kernel_dim": 4,
+    },
     # DeepSeek-V3's block in models of their own attention: EXAONE-MoE (sliding-window layers, a dense first layer)
     # and Solar-Open (every layer sparse).
     "exaone_moe": {

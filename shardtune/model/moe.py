@@ -89,7 +89,8 @@ def _lfm2_rule(router: torch.nn.Module) -> Routing:
 
 # The transformers blocks whose router rule Routing writes out, by class name; each is held to transformers' own
 # forward in tests/train/test_fused_moe.py. Blocks of one family share their rule: GLM's blocks after GLM-4.5
-# (GLM-4.7-Flash's, GLM-5's), dots.llm1's, EXAONE-MoE's and Solar-Open's are DeepSeek-V3's, Mellum's Qwen3-MoE's
+# (GLM-4.7-Flash's, GLM-5's), DeepSeek-V3.2's, dots.llm1's, EXAONE-MoE's, Kimi-Linear's and Solar-Open's are
+# DeepSeek-V3's, Mellum's Qwen3-MoE's
 # and FlexOlmo's OLMoE's; the Qwen2-MoE family's blocks add a shared expert scaled by a sigmoid gate of its own
 # (FusedMoeBlock.forward).
 ROUTING_RULES = {
@@ -115,6 +116,8 @@ ROUTING_RULES = {
     "Dots1MoE": _deepseek_v3_rule,
     "ExaoneMoeSparseMoEBlock": _deepseek_v3_rule,
     "SolarOpenMoE": _deepseek_v3_rule,
+    "DeepseekV32MoE": _deepseek_v3_rule,
+    "KimiLinearMoE": _deepseek_v3_rule,
     # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
     "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
     # LFM2-MoE: sigmoid scores; with use_expert_bias, a correction bias that is its block's buffer expert_bias.

@@ -31,7 +31,7 @@ ARCHS = list(FUSED_MOE_ARCHITECTURES)
 # The architectures with shared experts: added to the routed ones, or scaled by a gate of their own first.
 SHARED = {"glm4_moe": "added", "deepseek_v3": "added", "glm4_moe_lite": "added", "glm_moe_dsa": "added",
           "dots1": "added", "deepseek_v2": "added", "ernie4_5_moe": "added", "exaone_moe": "added",
-          "solar_open": "added",
+          "solar_open": "added", "deepseek_v32": "added", "kimi_linear": "added",
           "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated"}  # fmt: skip
 
 
