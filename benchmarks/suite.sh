@@ -43,8 +43,8 @@
 # against HF, the routed-expert run (float8) and Mixtral-8x7B (default) against HF; BENCH_ONLY: run names), gemm-share (issue 20's GEMM share of device time: two profiled steps of the MoE
 # shapes whose GEMMs outweigh their attention most, GLM-4.5-Air at 20 layers and Mixtral-8x7B, in the default config
 # and with both float8 options; BENCH_ONLY: run names), ddp-graphs (the CUDA graphs under DDP on 2 GPUs against the same
-# layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite
-# and ERNIE-4.5-21B-A3B against HF, LoRA on attention, then on the routed experts too). Each run's bench.json (and profile report, where one is taken) is copied to
+# layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite,
+# ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -662,9 +662,10 @@ gemm-share)
 more-moe)
     # The fused block on the architectures it serves beyond issue 20's targets, in the default config against HF +
     # PEFT in the same run (LoRA on attention), then with LoRA on the routed experts too: DeepSeek-V2-Lite (softmax
-    # routing, MLA) and ERNIE-4.5-21B-A3B (softmax scores chosen with a correction bias).
+    # routing, MLA), ERNIE-4.5-21B-A3B (softmax scores chosen with a correction bias) and gpt-oss-20b (transposed,
+    # biased experts with a clamped GLU).
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
-    for shape in deepseek-v2-lite ernie-4.5-21b-a3b; do
+    for shape in deepseek-v2-lite ernie-4.5-21b-a3b gpt-oss-20b; do
         bench "more-$shape" --shape "$shape" --seq 4096 --batch 2 --steps 10 --warmup 3 --baseline hf "${extra[@]}"
         bench "more-$shape-experts" --shape "$shape" --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
             'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"

@@ -247,6 +247,19 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "num_experts": 8,
         "num_experts_per_tok": 2,
     },
+    # GPT-OSS: a biased softmax router; transposed, biased experts with a clamped GLU; sliding-window layers with
+    # attention sinks. Plain rotary positions (its YaRN scaling assumes 4,096 of them).
+    "gpt_oss": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+    },
     # MiniMax-M2: a sigmoid router whose correction bias is its block's buffer.
     "minimax_m2": {
         "num_key_value_heads": 2,

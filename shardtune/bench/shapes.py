@@ -116,6 +116,23 @@ SHAPES = {
             "use_bias": False, "tie_word_embeddings": True,
         },
     ),
+    # openai/gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention with sinks, 32 experts (4
+    # active; transposed, biased, clamped GLU) on every layer; 20.9B / 3.6B. Its experts ship in MXFP4; transformers
+    # trains them in bf16, as built here.
+    "gpt-oss-20b": (
+        "gpt_oss",
+        {
+            "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+            "num_experts_per_tok": 4, "sliding_window": 128, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,  # layer_types: the config's default, sliding and full in turn
+            "rope_parameters": {
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096,
+            },
+            "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -157,6 +174,7 @@ HUB_SHAPES = {
     "deepseek-ai/DeepSeek-V2-Lite": ("deepseek-v2-lite", {}),
     "deepseek-ai/DeepSeek-V2-Lite-Chat": ("deepseek-v2-lite", {}),
     "baidu/ERNIE-4.5-21B-A3B-PT": ("ernie-4.5-21b-a3b", {}),
+    "openai/gpt-oss-20b": ("gpt-oss-20b", {}),
 }
 
 

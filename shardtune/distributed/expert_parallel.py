@@ -108,6 +108,11 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
             "(model.experts_implementation: fused); this model's architecture has no fused MoE block; set it to 1"
         )
     for block in blocks:
+        if block.experts.activation != "silu":
+            raise ConfigError(
+                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts (biased, "
+                "transposed weights) yet; set it to 1"
+            )
         num_experts = block.num_routed_experts
         dims.check_experts(num_experts, type(model).__name__)
         experts = dims.local_experts(num_experts)

@@ -88,17 +88,34 @@ MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
+# Blocks whose forward returns (output, each token's routing weights), as GPT-OSS's does; its decoder layer drops
+# the weights.
+RETURNS_ROUTING_WEIGHTS = ("GptOssMLP",)
+
+
+def expert_activation(experts: torch.nn.Module) -> str | None:
+    """How routed experts (transformers' module, under no wrapper) turn their gate/up projection into the down
+    projection's input: ``silu``, SiLU(gate) * up of its [gate | up] halves, with (E, out, in) weights and no
+    biases (every architecture but GPT-OSS); ``clamped_glu``, GPT-OSS's: gate and up interleaved, each clamped at
+    ``limit`` (up on both sides), gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on
+    each projection; None for any other kind."""
+    if type(experts).__name__ == "GptOssExperts":
+        return "clamped_glu"
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+        return None
+    act_fn = getattr(experts, "act_fn", None)
+    if act_fn is F.silu or type(act_fn).__name__ in ("SiLU", "SiLUActivation"):  # LFM2: F.silu itself
+        return "silu"
+    return None
+
+
 def _unsupported(block: MoeBlock) -> str | None:
     """Why ``block`` cannot be fused, or None."""
     name = type(block.block).__name__
     if name not in ROUTING_RULES:
         return f"{name} is not one of {', '.join(ROUTING_RULES)}"
-    experts = block.experts
-    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
-        return f"{type(experts).__name__} stores transposed or biased expert weights"
-    act_fn = getattr(experts, "act_fn", None)
-    if act_fn is not F.silu and type(act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # LFM2: F.silu itself
-        return f"{type(experts).__name__} does not use SiLU"
+    if expert_activation(block.experts) is None:
+        return f"{type(block.experts).__name__} is neither SiLU-gated experts nor GPT-OSS's"
     return None
 
 
@@ -183,6 +200,11 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     backend = "torch"
     for block in blocks:
         experts = parameter_adapters(block.experts)[0]
+        if block.experts.activation != "silu":
+            raise ConfigError(
+                f"model.float8_experts: {type(experts).__name__} (transposed, biased expert weights) has no float8 "
+                "path; set it to false"
+            )
         backend = resolve_float8_grouped_gemm(grouped_gemm, experts.gate_up_proj.device)
         block.experts.float8_grouped_gemm = backend  # read by routed_experts, as grouped_gemm is
         for name in ("gate_up_proj", "down_proj"):
@@ -246,6 +268,8 @@ class FusedMoeBlock(torch.nn.Module):
         outer = self.experts
         outer.forward = types.MethodType(routed_experts, outer)
         outer.grouped_gemm = grouped_gemm  # the kernel routed_experts computes with (model.grouped_gemm)
+        outer.activation = expert_activation(parameter_adapters(outer)[0])
+        self.returns_routing_weights = self.replaced in RETURNS_ROUTING_WEIGHTS
 
     def extra_repr(self) -> str:
         return f"replaces={self.replaced}, {self.routing}"
@@ -264,6 +288,8 @@ class FusedMoeBlock(torch.nn.Module):
             output = output + self.shared_experts(tokens)
         elif hasattr(self, "shared_expert"):  # the Qwen2-MoE family: each token's share set by a gate
             output = output + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        if self.returns_routing_weights:
+            return output.reshape(shape), weights
         return output.reshape(shape)
 
 
@@ -383,6 +409,8 @@ def route(
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         logits = Fp32Linear.apply(tokens, router.weight)
+        if isinstance(getattr(router, "bias", None), torch.Tensor):  # GPT-OSS's router
+            logits = logits + router.bias.float()
         for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
             logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
         scores = logits.softmax(dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
@@ -463,6 +491,7 @@ def routed_experts(
     dispatch = getattr(experts, "expert_dispatch", None)
     backend = experts.grouped_gemm
     float8_backend = getattr(experts, "float8_grouped_gemm", "torch")
+    activation = experts.activation
     experts, adapters = parameter_adapters(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
     dtype = _compute_dtype(gate_up, tokens)
@@ -478,6 +507,8 @@ def routed_experts(
             *down_float8,
         )  # fmt: skip
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
+    if activation == "clamped_glu":
+        return _clamped_glu_experts(experts, adapters, rows, chosen, tokens, order, inverse, bounds, row_weights, dtype)
     if dispatch is not None:
         rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
 
@@ -513,6 +544,41 @@ def routed_experts(
     return SumRows.apply(outputs, order, inverse, top_k)
 
 
+def _clamped_glu_experts(
+    experts: torch.nn.Module,
+    adapters: dict[str, list[tuple]],
+    rows: torch.Tensor,
+    chosen: torch.Tensor,
+    tokens: torch.Tensor,
+    order: torch.Tensor,
+    inverse: torch.Tensor,
+    bounds: torch.Tensor,
+    row_weights: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows``: each projection adds
+    its expert's bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) =
+    (w h) W + w b). The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are
+    torch's, which take the (E, in, out) weights as they are. LoRA's A factors of gate/up build their rows again in
+    backward, as in ``routed_experts``; the down projection's adapters keep their rows."""
+    top_k = chosen.shape[1]
+    expert_of_row = chosen.reshape(-1).index_select(0, order)
+    projected = _projection(
+        rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch",
+        lambda a: LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k), transposed=True,
+    )  # fmt: skip
+    projected = projected + experts.gate_up_proj_bias.to(dtype).index_select(0, expert_of_row)
+    weights = row_weights.unsqueeze(-1)
+    gate, up = projected[..., ::2].float(), projected[..., 1::2].float()
+    gate, up = gate.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
+    hidden = (gate * torch.sigmoid(gate * experts.alpha) * (up + 1) * weights).to(dtype)
+    outputs = _projection(
+        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", transposed=True
+    )
+    outputs = outputs + (weights * experts.down_proj_bias.index_select(0, expert_of_row).float()).to(outputs.dtype)
+    return SumRows.apply(outputs, order, inverse, top_k)
+
+
 def _projection(
     rows: torch.Tensor,
     weight: torch.Tensor,
@@ -523,21 +589,25 @@ def _projection(
     low_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
     float8: tuple[torch.Tensor, ...] | None = None,
     float8_backend: str = "torch",
+    transposed: bool = False,
 ) -> torch.Tensor:
     """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight; in float8 by
     ``float8_backend`` where ``float8``, W's quantized forms, is given), plus each LoRA adapter's
     rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared adapter,
     without keeping ``rows`` for backward).
 
-    ``weight`` is transformers' (E, out, in). PEFT's ParamWrapper on it holds lora_A (r*E, in), whose
-    rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns e, e+E, ... are B_e (its
-    get_delta_weight: ΔW_e = B_e @ A_e * scaling). A shared adapter is the same for every expert.
+    ``weight`` is transformers' (E, out, in), or with ``transposed`` (GPT-OSS) (E, in, out), rows @ W_e. PEFT's
+    ParamWrapper on it holds lora_A (r*E, in), whose rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns
+    e, e+E, ... are B_e (its get_delta_weight: ΔW_e = B_e @ A_e * scaling, transposed for a transposed weight). A
+    shared adapter is the same for every expert.
     """
     num_experts = weight.shape[0]
     if float8 is not None:
         result = Float8Product.apply(rows, *float8, bounds, float8_backend)
     else:
-        result = grouped_mm(rows, weight.to(dtype).transpose(-2, -1), bounds, backend)
+        result = grouped_mm(
+            rows, weight.to(dtype) if transposed else weight.to(dtype).transpose(-2, -1), bounds, backend
+        )
     for lora_a, lora_b, scaling, rank, shared in adapters:
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
             a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)

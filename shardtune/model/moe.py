@@ -120,6 +120,9 @@ ROUTING_RULES = {
     "KimiLinearMoE": _deepseek_v3_rule,
     # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
     "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
+    # GPT-OSS: a softmax of the top-k logits (its router adds a bias to them), which is the top-k probabilities
+    # renormalized; its experts are transposed, biased and clamped (fused_moe.expert_activation).
+    "GptOssMLP": lambda router: _softmax_rule(router, normalize=True),
     # LFM2-MoE: sigmoid scores; with use_expert_bias, a correction bias that is its block's buffer expert_bias.
     "Lfm2MoeSparseMoeBlock": _lfm2_rule,
 }

@@ -53,6 +53,9 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
         torch.nn.init.normal_(block.router.weight, std=0.5)
         if (bias := correction_bias(block.router, block.block)) is not None:
             bias.normal_(std=0.1)
+        for name, param in block.block.named_parameters():
+            if name.endswith("bias"):  # GPT-OSS's router and experts
+                torch.nn.init.normal_(param, std=0.1)
     if lora_targets:
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0, moe_targets=lora_targets, shared_expert_adapter=shared)
         model = apply_lora(model, config)
@@ -178,6 +181,9 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
         block = sparse_block(model)
         x = tokens.clone().requires_grad_()
         out = block.block(x)
+        if isinstance(out, tuple):  # GPT-OSS's block: (output, routing weights), the same in both
+            out, routing_weights = out
+            assert routing_weights.shape == (21, block.top_k)
         (out * torch.linspace(-1, 1, hidden)).sum().backward()
         grads.append({"output": out.detach(), "input": x.grad} | {
             name: param.grad for name, param in block.block.named_parameters() if param.grad is not None
@@ -235,7 +241,7 @@ def assert_same_records(mine: list, theirs: list) -> None:
 # Each architecture's router scores, which the routing statistics take: a correction bias sits on the router
 # (DeepSeek-V3), its moe_statics (ERNIE 4.5) or its block (MiniMax-M2, LFM2-MoE), whatever the scores.
 SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "minimax_m2": "sigmoid", "ernie4_5_moe": "softmax",
-           "lfm2_moe": "sigmoid", "granitemoe": "softmax"}  # fmt: skip
+           "lfm2_moe": "sigmoid", "granitemoe": "softmax", "gpt_oss": "softmax"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", [arch for arch in SCORING if arch in ARCHS])
@@ -362,6 +368,10 @@ def checkpointed_eager_and_compiled(model: torch.nn.Module) -> tuple[torch.nn.Mo
         # test_compile.py runs inductor on dense layers through the command line.
         pytest.param("qwen3_moe", ["attention"], marks=pytest.mark.variants),
         pytest.param("glm4_moe", ["attention", "routed_experts"], marks=pytest.mark.variants),
+        *(
+            pytest.param("gpt_oss", ["attention", "routed_experts", "router"], marks=pytest.mark.variants)
+            for _ in range("gpt_oss" in ARCHS)
+        ),
     ],
 )
 def test_compiled_bf16_layers_are_one_graph_each_and_train_like_eager(moe_dirs, arch, targets):
@@ -494,7 +504,7 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
         pytest.param("glm4_moe_lite", "[attention,routed_experts,shared_experts]", marks=pytest.mark.variants),
         pytest.param("qwen3_5_moe_text", "[attention,routed_experts,shared_experts]", marks=pytest.mark.variants),
         # The routing rules after DeepSeek-V3's and Qwen3-MoE's: DeepSeek-V2 (groups by their best), ERNIE 4.5 (a
-        # softmax router's correction bias), LFM2-MoE (its block's bias; short convolutions) and Granite-MoE.
+        # softmax router's correction bias), LFM2-MoE (its block's bias; short convolutions), Granite-MoE and GPT-OSS.
         *(
             pytest.param(arch, targets, marks=pytest.mark.variants)
             for arch, targets in [
@@ -502,6 +512,7 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
                 ("ernie4_5_moe", "[attention,routed_experts,shared_experts,router]"),
                 ("lfm2_moe", "[attention,routed_experts]"),
                 ("granitemoe", "[attention,routed_experts]"),
+                ("gpt_oss", "[attention,routed_experts,router]"),  # transposed, biased experts
             ]
             if arch in ARCHS
         ),
@@ -901,3 +912,19 @@ def test_lora_on_attention_adapts_a_hybrid_models_short_convolutions(moe_dirs):
         for projection in ("q_proj", "k_proj", "v_proj", "out_proj")
     }
     assert adapted == attention | {"1.conv.in_proj", "1.conv.out_proj"}
+
+
+@pytest.mark.skipif("gpt_oss" not in ARCHS, reason="this transformers has no GPT-OSS")
+def test_gpt_oss_experts_have_no_float8_or_expert_parallel_path_and_say_so(moe_dirs):
+    from shardtune.distributed.expert_parallel import shard_experts
+    from shardtune.distributed.mesh import ParallelDims
+    from shardtune.model.fused_moe import use_float8_experts
+
+    fused = fused_copy(build(moe_dirs["gpt_oss"]))
+    with pytest.raises(
+        ConfigError, match=r"^model.float8_experts: GptOssExperts \(transposed, biased expert weights\) "
+    ):
+        use_float8_experts(fused)
+    dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"^parallel.expert_parallel_size: 2 does not shard GptOssMLP's experts"):
+        shard_experts(fused, dims)
