@@ -203,11 +203,15 @@ def is_moe(model_config) -> bool:
 def bench_config(
     args: argparse.Namespace, out: Path, model_dir: Path, data_path: Path, data_format: str, model_config
 ) -> dict:
+    from shardtune.model.load import attention_runs  # here: transformers takes a second to import
+
     targets = args.lora_targets if args.lora_targets in (None, "all-linear") else args.lora_targets.split(",")
     return {
-        # Synthetic sequences are one document each: plain causal attention, sdpa's fastest kernel.
+        # Synthetic sequences are one document each: plain causal attention, sdpa's fastest kernel, where the
+        # architecture runs it (GPT-OSS's sinks: auto, FlexAttention on a GPU).
         "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto",
-                  "attn_implementation": "sdpa" if args.data == "synthetic" else "auto",
+                  "attn_implementation": "sdpa" if args.data == "synthetic" and attention_runs(model_config, "sdpa")
+                  else "auto",
                   "init_routing": args.routing if is_moe(model_config) else "random"},
         "data": {"dataset_path": str(data_path), "format": data_format, "max_length": args.seq,
                  "packing": True, "cache_dir": str(out / "cache")},

@@ -7,7 +7,8 @@ same model shape, random weights, LoRA settings and examples as the shardtune ru
 The seeds trained one example per sequence, padded (``PADDING`` ``max_length``: to the sequence length,
 as seed 002 did; ``longest``: to the longest of the batch), with the loss on the same tokens as shardtune
 (the store's targets: responses for instruction data). Full-length synthetic sequences are the same
-sequences shardtune trains. Attention is transformers' default, sdpa; shardtune's own switches
+sequences shardtune trains. Attention is transformers' default, sdpa (eager where an architecture has no sdpa:
+GPT-OSS); shardtune's own switches
 (compile, liger-kernel, chunked loss, ...) do not apply here.
 
 Each step is timed with the device synchronized at its end; ``OUT_DIR/steps.json`` gets the times, the
@@ -94,8 +95,9 @@ def main(argv: list[str]) -> int:
     from shardtune.model.moe import find_moe_blocks
 
     config_path, out, padding = argv[0], Path(argv[1]), argv[2]
-    # One example per sequence, as the seeds trained; transformers' default attention.
-    config = load_config(config_path, [*argv[3:], "data.packing=false", "model.attn_implementation=sdpa"])
+    # One example per sequence, as the seeds trained; transformers' default attention: sdpa, or eager where the
+    # architecture has no sdpa (GPT-OSS); auto picks it for unpacked data.
+    config = load_config(config_path, [*argv[3:], "data.packing=false", "model.attn_implementation=auto"])
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -112,19 +112,21 @@ def supported_attention(model_config: PretrainedConfig, requested: str, chosen: 
     """``requested`` (``model.attn_implementation``) resolved to ``chosen`` for ``auto``, or to the best one
     the architecture runs when it does not run ``chosen`` (Gemma-2 has no sdpa, GPT-2 no FlexAttention):
     sdpa, then eager. A choice the user named and the architecture lacks is a config error."""
-    try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
-    except KeyError:  # remote code: its own class says what it runs, at load time
-        return chosen
-
-    def runs(name: str) -> bool:
-        return name not in ATTENTION_SUPPORT or bool(getattr(model_class, ATTENTION_SUPPORT[name], False))
-
-    if runs(chosen):
+    if attention_runs(model_config, chosen):
         return chosen
     if requested != "auto":
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
         raise ConfigError(f"model.attn_implementation: {model_class.__name__} does not run {chosen}; set it to auto")
-    return next(name for name in ("sdpa", "eager") if runs(name))
+    return next(name for name in ("sdpa", "eager") if attention_runs(model_config, name))
+
+
+def attention_runs(model_config: PretrainedConfig, name: str) -> bool:
+    """Whether the architecture of ``model_config`` runs attention ``name`` (GPT-OSS has no sdpa: its sinks); remote
+    code is taken to (its own class says what it runs, at load time)."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    if model_class is None or name not in ATTENTION_SUPPORT:
+        return True
+    return bool(getattr(model_class, ATTENTION_SUPPORT[name], False))
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:

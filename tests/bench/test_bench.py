@@ -192,3 +192,24 @@ def test_bench_times_one_epoch_of_a_given_number_of_examples(tmp_path, capsys):
     assert f"one epoch of 30 examples: {len(rows)} steps in" in capsys.readouterr().out
     assert main([*args, "--epoch-examples", "30", "--baseline", "hf", "--out", str(tmp_path / "other")]) != 0
     assert "--epoch-examples: the HF baseline runs a fixed number of steps" in capsys.readouterr().err
+
+
+def test_bench_of_an_architecture_without_sdpa_takes_what_it_runs(tmp_path, capsys):
+    """GPT-OSS has no sdpa (its attention sinks): shardtune's run takes auto's choice and the baseline
+    transformers' default for it, eager, on the fused block against transformers' experts."""
+    from tiny_models import tiny_config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "gpt_oss" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no GPT-OSS")
+    config = tiny_config("gpt_oss")
+    config.vocab_size = 8192  # bench's synthetic tokenizer
+    model_dir = tmp_path / "gpt-oss"
+    config.save_pretrained(model_dir)
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", str(model_dir), "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    assert main([*args, "--baseline", "hf", "--out", str(out)]) == 0, capsys.readouterr().err[-3000:]
+    results = json.loads((out / "bench.json").read_text())
+    assert results["ratio"] > 0
+    log = (out / "shardtune.log").read_text()
+    assert "attention: eager" in log and "moe experts: fused" in log
