@@ -558,78 +558,25 @@ def _clamped_glu_experts(
 ) -> torch.Tensor:
     """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows``: each projection adds
     its expert's bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) =
-    (w h) W + w b), in ``WeightedClampedGlu``. The grouped GEMMs are torch's, which take the (E, in, out) weights as
-    they are. LoRA's A factors build their rows again in backward, as in ``routed_experts``: gate/up's from the
-    block's input, down's from the gate/up output."""
+    (w h) W + w b). The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are
+    torch's, which take the (E, in, out) weights as they are. LoRA's A factors of gate/up build their rows again in
+    backward, as in ``routed_experts``; the down projection's adapters keep their rows."""
     top_k = chosen.shape[1]
     expert_of_row = chosen.reshape(-1).index_select(0, order)
     projected = _projection(
         rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch",
         lambda a: LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k), transposed=True,
     )  # fmt: skip
-    projected = torch.ops.shardtune.add_expert_bias(projected, experts.gate_up_proj_bias, expert_of_row)
-    activation = (float(experts.alpha), float(experts.limit))
-    hidden = WeightedClampedGlu.apply(projected, row_weights, *activation)
+    projected = projected + experts.gate_up_proj_bias.to(dtype).index_select(0, expert_of_row)
+    weights = row_weights.unsqueeze(-1)
+    gate, up = projected[..., ::2].float(), projected[..., 1::2].float()
+    gate, up = gate.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
+    hidden = (gate * torch.sigmoid(gate * experts.alpha) * (up + 1) * weights).to(dtype)
     outputs = _projection(
-        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch",
-        lambda a: LowRankOfRebuiltRows.apply(hidden, a, bounds, "clamped_glu", projected, row_weights, activation),
-        transposed=True,
-    )  # fmt: skip
-    outputs = outputs + WeightedBiasRows.apply(experts.down_proj_bias, expert_of_row, row_weights, outputs.dtype)
+        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", transposed=True
+    )
+    outputs = outputs + (weights * experts.down_proj_bias.index_select(0, expert_of_row).float()).to(outputs.dtype)
     return SumRows.apply(outputs, order, inverse, top_k)
-
-
-# Opaque, so that a compiled backward keeps only its output, which WeightedClampedGlu keeps anyway: traced, the
-# partitioner kept the GEMM output before the bias as well (one more pairs x 2 x width tensor a layer).
-@torch.library.custom_op("shardtune::add_expert_bias", mutates_args=())
-def add_expert_bias(rows: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """rows[p] + bias[expert[p]] for each row p, in the rows' dtype."""
-    return rows + bias.to(rows.dtype).index_select(0, expert)
-
-
-@add_expert_bias.register_fake
-def _(rows, bias, expert):
-    return torch.empty_like(rows)
-
-
-def _add_expert_bias_setup(ctx, inputs, output) -> None:
-    _, bias, expert = inputs
-    ctx.save_for_backward(expert)
-    ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
-
-
-def _add_expert_bias_backward(ctx, grad: torch.Tensor):
-    (expert,) = ctx.saved_tensors
-    grad_bias = None
-    if ctx.needs_input_grad[1]:
-        summed = grad.new_zeros(ctx.bias_shape, dtype=torch.float32)
-        grad_bias = summed.index_add_(0, expert, grad.float()).to(ctx.bias_dtype)
-    return grad, grad_bias, None
-
-
-add_expert_bias.register_autograd(_add_expert_bias_backward, setup_context=_add_expert_bias_setup)
-
-
-class WeightedBiasRows(torch.autograd.Function):
-    """weights[p] * bias[expert[p]] for each row p, in ``dtype``; backward gathers the bias rows again instead of
-    keeping them (a (pairs x hidden) fp32 tensor for the routing weights' gradient)."""
-
-    @staticmethod
-    def forward(ctx, bias: torch.Tensor, expert: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
-        ctx.save_for_backward(bias, expert, weights)
-        return (weights.unsqueeze(-1) * bias.index_select(0, expert).float()).to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        bias, expert, weights = ctx.saved_tensors
-        grad = grad.float()
-        grad_bias = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            summed = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            grad_bias = summed.index_add_(0, expert, grad * weights.unsqueeze(-1)).to(bias.dtype)
-        if ctx.needs_input_grad[2]:
-            grad_weights = (grad * bias.index_select(0, expert).float()).sum(dim=-1)
-        return grad_bias, None, grad_weights, None
 
 
 def _projection(
@@ -888,9 +835,7 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
       the input itself is top_k times smaller);
     - ``"activated"`` (sources: the gate/up output, the rows' routing weights, whether forward computed in
       fp32): the down projection's rows are :class:`WeightedSiluMul` of the gate/up output, which its own
-      backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B);
-    - ``"clamped_glu"`` (sources: the gate/up output, the rows' routing weights, (alpha, limit)): GPT-OSS's down
-      projection's rows, :class:`WeightedClampedGlu` of the gate/up output.
+      backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
     """
 
     @staticmethod
@@ -907,8 +852,6 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
             grad_rows = grouped_mm(grad, a.transpose(-2, -1), bounds) if a.dim() == 3 else grad @ a.t()
         if ctx.how == "gathered":
             grad_a = torch.ops.shardtune.regathered_weight_grad(first, second, grad, bounds, a, ctx.constant)
-        elif ctx.how == "clamped_glu":
-            grad_a = torch.ops.shardtune.reclamped_weight_grad(first, second, grad, bounds, a, *ctx.constant)
         else:
             grad_a = torch.ops.shardtune.reactivated_weight_grad(first, second, grad, bounds, a, ctx.constant)
         return grad_rows, grad_a, None, None, *([None] * 3)
@@ -963,69 +906,14 @@ def _compiled_weighted_silu_mul() -> Callable:
     return torch.compile(functools.partial(_weighted_silu_mul, compute=torch.float32))
 
 
-@torch.library.custom_op("shardtune::reclamped_weight_grad", mutates_args=())
-def reclamped_weight_grad(
-    gate_up: torch.Tensor,
-    row_weights: torch.Tensor,
-    grad: torch.Tensor,
-    bounds: torch.Tensor,
-    a: torch.Tensor,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    """``rows_e^T @ grad_e`` for each expert e, the rows being GPT-OSS's weighted clamped GLU of the gate/up output,
-    computed again (``WeightedClampedGlu``)."""
-    return _low_rank_weight_grad(_weighted_clamped_glu(gate_up, row_weights, alpha, limit).to(a.dtype), a, bounds, grad)
-
-
 @regathered_weight_grad.register_fake
 def _(tokens, order, grad, bounds, a, top_k):
-    return a.new_empty(a.shape)
-
-
-@reclamped_weight_grad.register_fake
-def _(gate_up, row_weights, grad, bounds, a, alpha, limit):
     return a.new_empty(a.shape)
 
 
 @reactivated_weight_grad.register_fake
 def _(gate_up, row_weights, grad, bounds, a, fp32):
     return a.new_empty(a.shape)
-
-
-class WeightedClampedGlu(torch.autograd.Function):
-    """weight * GPT-OSS's clamped GLU of each row of its gate/up GEMM output (gate and up interleaved): g = min(gate,
-    limit), u = clamp(up, -limit, limit), g * sigmoid(alpha g) * (u + 1), computed in fp32 and rounded once. Backward
-    keeps only the GEMM output and the fp32 routing weights, as WeightedSiluMul does, and computes in fp32."""
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-        ctx.save_for_backward(gate_up, row_weights)
-        ctx.alpha, ctx.limit = alpha, limit
-        return _weighted_clamped_glu(gate_up, row_weights, alpha, limit)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate_up, row_weights = ctx.saved_tensors
-        alpha, limit = ctx.alpha, ctx.limit
-        gate, up = gate_up[..., ::2].float(), gate_up[..., 1::2].float()
-        weights, grad = row_weights.float().unsqueeze(-1), grad.float()
-        gate_clamped, up_clamped = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        sigmoid = torch.sigmoid(alpha * gate_clamped)
-        glu = gate_clamped * sigmoid
-        grad_weights = (grad * glu * (up_clamped + 1)).sum(dim=-1)
-        grad = grad * weights
-        # A clamp passes the gradient where its input lies inside the bounds, ends included (as torch.clamp does).
-        grad_gate = grad * (up_clamped + 1) * (sigmoid + glu * alpha * (1 - sigmoid)) * (gate <= limit)
-        grad_up = grad * glu * ((up >= -limit) & (up <= limit))
-        grad_gate_up = torch.stack([grad_gate, grad_up], dim=-1).flatten(-2).to(gate_up.dtype)  # interleaved again
-        return grad_gate_up, grad_weights, None, None
-
-
-def _weighted_clamped_glu(gate_up: torch.Tensor, row_weights: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    gate, up = gate_up[..., ::2].float(), gate_up[..., 1::2].float()
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return (gate * torch.sigmoid(alpha * gate) * (up + 1) * row_weights.float().unsqueeze(-1)).to(gate_up.dtype)
 
 
 class WeightedSiluMul(torch.autograd.Function):
