@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 ROUTER_NAMES = ("gate", "router")
-SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert")
+SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the last: Hunyuan-MoE's
 
 
 @dataclass(frozen=True)
@@ -181,12 +181,16 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
             router_name = next((name for name in ROUTER_NAMES if name in children), None)
             if "experts" not in children or router_name is None:
                 continue
-            router = children[router_name]
+            gate = router = children[router_name]
+            if getattr(router, "weight", None) is None and isinstance(
+                _inner(getattr(router, "wg", None)), torch.nn.Linear
+            ):
+                router = _inner(router.wg)  # Hunyuan-MoE's router holds its logits' Linear as wg
             weight = getattr(router, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 continue
             shared_name = next((name for name in SHARED_EXPERT_NAMES if name in children), None)
-            top_k = getattr(router, "top_k", None) or getattr(config, "num_experts_per_tok", None)
+            top_k = getattr(gate, "top_k", None) or getattr(config, "num_experts_per_tok", None)
             if top_k is None:
                 raise ValueError(f"cannot tell how many experts {type(router).__name__} picks per token (top_k)")
             blocks.append(

@@ -282,3 +282,45 @@ def test_router_hooks_tell_the_logits_and_the_choice_apart_in_any_order():
     assert torch.equal(record.counts, torch.bincount(chosen.reshape(-1), minlength=8).float())
     torch.testing.assert_close(record.probability_sum.detach(), logits.t().softmax(dim=-1).sum(dim=0))
     assert record.tokens == 10
+
+
+def test_hunyuan_moe_blocks_are_found_through_their_routers_linear(caplog):
+    """Hunyuan-MoE's router keeps its logits' Linear as ``gate.wg`` and its shared expert is ``shared_mlp``: the
+    blocks are found with that Linear as the router, their routing recorded as the gate chooses, its LoRA groups
+    told apart, and the experts left to transformers with one line naming the block."""
+    from tiny_models import COMMON
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from shardtune.model.fused_moe import use_fused_experts
+    from shardtune.model.lora import moe_lora_targets
+
+    if "hunyuan_v1_moe" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Hunyuan-MoE")
+    config = AutoConfig.for_model(
+        "hunyuan_v1_moe", **{**COMMON, "num_key_value_heads": 2, "tie_word_embeddings": False, "head_dim": 16,
+                             "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    assert [block.layer for block in blocks] == [0, 1]
+    assert all(block.router is layers[block.layer].mlp.gate.wg for block in blocks)
+    assert {(block.shared_name, block.num_experts, block.top_k, block.scoring) for block in blocks} == {
+        ("shared_mlp", 8, 2, "softmax")
+    }
+    chosen = []
+    for block in blocks:
+        block.block.gate.register_forward_hook(lambda module, inputs, output: chosen.append(output[2]))
+    recorder = RoutingRecorder(blocks)
+    ids = torch.randint(3, 1000, (2, 11))
+    with recorder.recording(None):
+        model(input_ids=ids)
+    for record, picked in zip(recorder.records, chosen, strict=True):
+        assert torch.equal(record.counts, torch.bincount(picked.reshape(-1), minlength=8).float())
+    modules, parameters, found = moe_lora_targets(layers, blocks, ["router", "shared_experts"])
+    assert modules == ["mlp.gate.wg", "mlp.shared_mlp.down_proj", "mlp.shared_mlp.gate_proj", "mlp.shared_mlp.up_proj"]
+    assert parameters == [] and found["router"] == 2 and found["shared_experts"] == 6
+    with caplog.at_level("INFO", logger="shardtune"):
+        use_fused_experts(model, layers, "auto")
+    assert "moe experts: transformers' default (HunYuanMoEV1Moe is not one of" in caplog.text
