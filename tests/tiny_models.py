@@ -123,6 +123,25 @@ GLM_AFTER_45 = {
     "routed_scaling_factor": 1.8,
     "mlp_layer_types": ["dense", "sparse", "sparse"],
 }
+# 8 experts 32 wide, 2 a token, sized by intermediate_size (MiniMax-M2, GPT-OSS).
+EXPERTS_BY_INTERMEDIATE_SIZE = {
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+# Granite-MoE: a softmax of the top-k logits; every layer sparse. Attention scaled by 1 / head size, as Granite's
+# configs have it (the default, 1, sharpens a random model's attention until summation orders show in fp32).
+GRANITE_MOE = {
+    "attention_multiplier": 1 / 16,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "intermediate_size": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
 # Further architectures the fused block serves, tested in tests/train/test_fused_moe.py (the model types this
 # transformers has).
 MORE_FUSED_MOE_ARCHITECTURES = {
@@ -156,26 +175,9 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "moe_layer_start_index": 1,
         "num_hidden_layers": 3,
     },
-    # Granite-MoE: a softmax of the top-k logits; every layer sparse. Attention scaled by 1 / head size, as Granite's
-    # configs have it (the default, 1, sharpens a random model's attention until summation orders show in fp32).
-    "granitemoe": {
-        "attention_multiplier": 1 / 16,
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": False,
-        "intermediate_size": 32,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-    },
+    "granitemoe": GRANITE_MOE,
     # Granite-MoE with a shared MLP beside each sparse block (the decoder layer's shared_mlp).
-    "granitemoeshared": {
-        "attention_multiplier": 1 / 16,
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": False,
-        "intermediate_size": 32,
-        "shared_intermediate_size": 48,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-    },
+    "granitemoeshared": {**GRANITE_MOE, "shared_intermediate_size": 48},
     # LFM2-MoE: short-convolution and attention layers, a dense first one; sigmoid scores chosen with a correction
     # bias that is its block's buffer, renormalized and scaled.
     "lfm2_moe": {
@@ -250,25 +252,13 @@ MORE_FUSED_MOE_ARCHITECTURES = {
     # GPT-OSS: a biased softmax router; transposed, biased experts with a clamped GLU; sliding-window layers with
     # attention sinks. Plain rotary positions (its YaRN scaling assumes 4,096 of them).
     "gpt_oss": {
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": False,
-        "head_dim": 16,
-        "intermediate_size": 32,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
+        **EXPERTS_BY_INTERMEDIATE_SIZE,
         "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
     },
     # MiniMax-M2: a sigmoid router whose correction bias is its block's buffer.
-    "minimax_m2": {
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": False,
-        "head_dim": 16,
-        "intermediate_size": 32,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-    },
+    "minimax_m2": EXPERTS_BY_INTERMEDIATE_SIZE,
 }
 FUSED_MOE_ARCHITECTURES = {
     **MOE_ARCHITECTURES,

@@ -507,10 +507,6 @@ def routed_experts(
             *down_float8,
         )  # fmt: skip
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
-    if activation == "clamped_glu":
-        return _clamped_glu_experts(experts, adapters, rows, chosen, tokens, order, inverse, bounds, row_weights, dtype)
-    if dispatch is not None:
-        rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
 
     # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what the
     # block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism) cannot be
@@ -518,6 +514,12 @@ def routed_experts(
     def regathered(a: torch.Tensor) -> torch.Tensor:
         return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
 
+    if activation == "clamped_glu":
+        return _clamped_glu_experts(
+            experts, adapters, rows, chosen, order, inverse, bounds, row_weights, dtype, regathered
+        )
+    if dispatch is not None:
+        rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
     low_rank = regathered if dispatch is None else None
     gate_up_adapters = adapters.get("gate_up_proj", [])
     projected = _projection(
@@ -549,23 +551,23 @@ def _clamped_glu_experts(
     adapters: dict[str, list[tuple]],
     rows: torch.Tensor,
     chosen: torch.Tensor,
-    tokens: torch.Tensor,
     order: torch.Tensor,
     inverse: torch.Tensor,
     bounds: torch.Tensor,
     row_weights: torch.Tensor,
     dtype: torch.dtype,
+    regathered: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows``: each projection adds
     its expert's bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) =
     (w h) W + w b). The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are
     torch's, which take the (E, in, out) weights as they are. LoRA's A factors of gate/up build their rows again in
-    backward, as in ``routed_experts``; the down projection's adapters keep their rows."""
+    backward (``regathered``, as in ``routed_experts``); the down projection's adapters keep their rows."""
     top_k = chosen.shape[1]
     expert_of_row = chosen.reshape(-1).index_select(0, order)
     projected = _projection(
-        rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch",
-        lambda a: LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k), transposed=True,
+        rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch", regathered,
+        transposed=True,
     )  # fmt: skip
     projected = projected + experts.gate_up_proj_bias.to(dtype).index_select(0, expert_of_row)
     weights = row_weights.unsqueeze(-1)

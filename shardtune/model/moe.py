@@ -50,6 +50,10 @@ def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Rou
     return Routing("softmax", router.top_k, bool(router.norm_topk_prob) if normalize is None else normalize)
 
 
+def _renormalized_softmax_rule(router: torch.nn.Module) -> Routing:
+    return _softmax_rule(router, normalize=True)
+
+
 def _deepseek_v3_rule(router: torch.nn.Module) -> Routing:
     return Routing(
         "sigmoid",
@@ -90,24 +94,23 @@ def _lfm2_rule(router: torch.nn.Module) -> Routing:
 # The transformers blocks whose router rule Routing writes out, by class name; each is held to transformers' own
 # forward in tests/train/test_fused_moe.py. Blocks of one family share their rule: GLM's blocks after GLM-4.5
 # (GLM-4.7-Flash's, GLM-5's), DeepSeek-V3.2's, dots.llm1's, EXAONE-MoE's, Kimi-Linear's and Solar-Open's are
-# DeepSeek-V3's, Mellum's Qwen3-MoE's
-# and FlexOlmo's OLMoE's; the Qwen2-MoE family's blocks add a shared expert scaled by a sigmoid gate of its own
-# (FusedMoeBlock.forward).
+# DeepSeek-V3's, Mellum's Qwen3-MoE's and FlexOlmo's OLMoE's; the Qwen2-MoE family's blocks add a shared expert
+# scaled by a sigmoid gate of its own (FusedMoeBlock.forward).
 ROUTING_RULES = {
     "Qwen3MoeSparseMoeBlock": _softmax_rule,
     "Qwen2MoeSparseMoeBlock": _softmax_rule,
     "Qwen3NextSparseMoeBlock": _softmax_rule,
-    "Qwen3_5MoeSparseMoeBlock": lambda router: _softmax_rule(router, normalize=True),
+    "Qwen3_5MoeSparseMoeBlock": _renormalized_softmax_rule,
     "OlmoeSparseMoeBlock": _softmax_rule,
     "FlexOlmoSparseMoeBlock": _softmax_rule,
     "MellumSparseMoeBlock": _softmax_rule,
-    "MixtralSparseMoeBlock": lambda router: _softmax_rule(router, normalize=True),
+    "MixtralSparseMoeBlock": _renormalized_softmax_rule,
     # Granite-MoE: a softmax of the top-k logits, which is the top-k probabilities renormalized.
-    "GraniteMoeMoE": lambda router: _softmax_rule(router, normalize=True),
-    "GraniteMoeSharedMoE": lambda router: _softmax_rule(router, normalize=True),
+    "GraniteMoeMoE": _renormalized_softmax_rule,
+    "GraniteMoeSharedMoE": _renormalized_softmax_rule,
     # ERNIE 4.5: softmax scores chosen with a correction bias (its router's moe_statics), renormalized (the clamp
     # of the sum at moe_norm_min never acts on k softmax scores: their sum is at least k / experts).
-    "Ernie4_5_MoeSparseMoeBlock": lambda router: _softmax_rule(router, normalize=True),
+    "Ernie4_5_MoeSparseMoeBlock": _renormalized_softmax_rule,
     "DeepseekV2Moe": _deepseek_v2_rule,
     "Glm4MoeMoE": _deepseek_v3_rule,
     "Glm4MoeLiteMoE": _deepseek_v3_rule,
@@ -122,7 +125,7 @@ ROUTING_RULES = {
     "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
     # GPT-OSS: a softmax of the top-k logits (its router adds a bias to them), which is the top-k probabilities
     # renormalized; its experts are transposed, biased and clamped (fused_moe.expert_activation).
-    "GptOssMLP": lambda router: _softmax_rule(router, normalize=True),
+    "GptOssMLP": _renormalized_softmax_rule,
     # LFM2-MoE: sigmoid scores; with use_expert_bias, a correction bias that is its block's buffer expert_bias.
     "Lfm2MoeSparseMoeBlock": _lfm2_rule,
 }
