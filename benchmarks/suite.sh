@@ -44,7 +44,8 @@
 # shapes whose GEMMs outweigh their attention most, GLM-4.5-Air at 20 layers and Mixtral-8x7B, in the default config
 # and with both float8 options; BENCH_ONLY: run names), ddp-graphs (the CUDA graphs under DDP on 2 GPUs against the same
 # layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite,
-# ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too). Each run's bench.json (and profile report, where one is taken) is copied to
+# ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too), llama4 (Llama 4
+# Scout's first 12 layers against HF, the same two runs). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -670,6 +671,17 @@ more-moe)
         bench "more-$shape-experts" --shape "$shape" --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
             'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
     done
+    ;;
+llama4)
+    # Llama 4 Scout's text model, its first 12 of 48 layers (28B of 108B parameters, so that HF + PEFT fits one
+    # H200 too), against HF + PEFT in the same run: LoRA on attention, then on the routed experts too. transformers'
+    # Llama 4 block runs every token through all 16 experts (the unchosen ones on rows scaled to 0); the fused
+    # block runs each token's one.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    bench llama4-scout --shape llama4-scout-17b-16e --layers 12 --seq 4096 --batch 2 --steps 8 --warmup 3 \
+        --baseline hf "${extra[@]}"
+    bench llama4-scout-experts --shape llama4-scout-17b-16e --layers 12 --seq 4096 --batch 2 --steps 6 --warmup 3 \
+        --baseline hf 'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

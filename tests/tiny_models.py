@@ -257,8 +257,196 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
     },
+    # dots3-note's text model: DeepSeek-V3's MoE block after a dense first layer, MLA with a sparse-attention indexer
+    # in every layer (its sliding-window layers, which take attention sizes of their own, left out).
+    "dots3_note_text": {
+        **GLM_AFTER_45,
+        "index_topk": 16,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "head_dim": 16,
+        "shared_experts_intermediate_size": 32,
+        "layer_types": ["indexed_attention"] * 3,
+    },
+    # Llama 4 (text): the sigmoid of each chosen logit scales the expert's input, its experts' weights are (E, in, out),
+    # a shared expert beside them; a dense first layer (moe_layers), chunked attention and NoPE layers by default.
+    "llama4_text": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 3,
+        "moe_layers": [1, 2],
+    },
+    # Hunyuan-MoE (Hunyuan-A13B): the top-k softmax probabilities renormalized, from its router's Linear (gate.wg); a
+    # shared MLP beside the experts (shared_mlp) in every layer.
+    "hunyuan_v1_moe": {
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
     # MiniMax-M2: a sigmoid router whose correction bias is its block's buffer.
     "minimax_m2": EXPERTS_BY_INTERMEDIATE_SIZE,
+    # MiMo-V2-Flash: DeepSeek-V3's block without shared experts (one group); sliding-window layers with attention
+    # sinks, a dense first layer.
+    "mimo_v2_flash": {
+        **{key: MOE_ARCHITECTURES["glm4_moe"][key] for key in ("num_key_value_heads", "tie_word_embeddings")},
+        "head_dim": 16,
+        "v_head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 2.5,
+        "num_hidden_layers": 3,
+        "sliding_window": 16,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+    },
+    # Ling's hybrid (bailing_hybrid): DeepSeek-V3's block (2 groups of 4 experts) with MLA in every third layer and
+    # Kimi Delta Attention (linear) in the others, a dense first layer.
+    "bailing_hybrid": {
+        **{key: value for key, value in DEEPSEEK_V3.items() if key not in ("n_routed_experts", "q_lora_rank")},
+        "num_local_experts": 8,
+        "head_dim": 16,
+        "layer_group_size": 3,
+        "first_k_dense_replace": 1,
+    },
+    # AFMoE: a router holding its logits' Linear (router.gate), sigmoid scores chosen with its block's correction bias,
+    # renormalized and scaled; shared experts; a dense first layer, sliding-window and global attention.
+    "afmoe": {
+        **EXPERTS_BY_INTERMEDIATE_SIZE,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_shared_experts": 1,
+        "route_scale": 2.5,
+        "num_hidden_layers": 3,
+        "sliding_window": 16,
+        "global_attn_every_n_layers": 2,
+    },
+    # HY-V4: GLM-4.7-Flash's block (DeepSeek-V3's: one group, a shared expert) whose experts clamp their gate and up
+    # at a SwiGLU limit, low enough here that the clamp acts on a random model's rows; MLA with a sparse-attention
+    # indexer, hyper-connections of 2 streams.
+    "hy_v4": {
+        **GLM_AFTER_45,
+        "index_topk": 16,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "hc_mult": 2,
+        "swiglu_limit": 0.05,
+    },
+    # Hy3 (hy_v3): a sigmoid router whose correction bias is its block's buffer (MiniMax-M2's block), renormalized and
+    # scaled, a shared expert; a dense first layer.
+    "hy_v3": {
+        **EXPERTS_BY_INTERMEDIATE_SIZE,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_shared_experts": 1,
+        "router_scaling_factor": 2.5,
+        "num_hidden_layers": 3,
+    },
+    # A.X-K1: DeepSeek-V3 whose MoE block normalizes its output.
+    "axk1": DEEPSEEK_V3,
+    # A.X-K2: DeepSeek-V3.2 with gated norms; the experts outside the chosen groups keep a score of 0 for the choice.
+    "axk2": {**DEEPSEEK_V3, "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "gated_norm_rank": 8},
+    # Beam: DeepSeek-V3's router, whose scaling its block applies to the routed experts' sum; no shared expert;
+    # sliding-window layers and a full-attention one without positions; two dense layers.
+    "beam": {
+        **{key: value for key, value in MOE_ARCHITECTURES["qwen3_moe"].items() if key != "decoder_sparse_step"},
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "num_hidden_layers": 3,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "sliding_window": 16,
+    },
+    # Flint: a sigmoid router without a correction bias; a shared expert added ungated; a dense first layer;
+    # sliding-window layers with attention sinks.
+    "flint": {**QWEN2_MOE, "mlp_only_layers": [0], "num_hidden_layers": 3, "sliding_window": 16},
+    # Kolibri-1: a sigmoid router whose correction bias is added to the logits; a shared expert; every layer sparse.
+    "kolibri1": {
+        **{key: value for key, value in QWEN2_MOE.items() if key not in ("intermediate_size", "decoder_sparse_step")},
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # Laguna: tanh-capped router logits, sigmoid scores chosen with a correction bias; its block scales the routed
+    # experts' sum before adding the shared expert; a dense first layer.
+    "laguna": {
+        **{key: value for key, value in QWEN2_MOE.items() if key not in ("decoder_sparse_step", "norm_topk_prob")},
+        "moe_routed_scaling_factor": 2.5,
+        "moe_router_logit_softcapping": 3.0,
+        "num_hidden_layers": 3,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+    },
+    # LaraMini: Flint's block with a softmax router; Gated DeltaNet (linear), sliding-window and full-attention layers.
+    "lara_mini": {
+        **{key: value for key, value in QWEN2_MOE.items() if key not in ("intermediate_size", "decoder_sparse_step")},
+        **HYBRID_ATTENTION,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 16,
+    },
+    # MiniMax-Text-01: Mixtral's block; lightning attention (linear) in one of two layers.
+    "minimax": {**EXPERTS_BY_INTERMEDIATE_SIZE, "layer_types": ["linear_attention", "full_attention"]},
+    # Jamba: the top-k softmax probabilities not renormalized; Mamba layers but the attention one (the second), sparse
+    # and dense MLPs alternating.
+    "jamba": {
+        **{key: EXPERTS_BY_INTERMEDIATE_SIZE[key] for key in ("num_key_value_heads", "tie_word_embeddings")},
+        "intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 3,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 0,
+    },
+    # Granite-4.0's layouts: Granite-MoE's block and a shared MLP beside it, with Mamba-2 layers (hybrid) or
+    # sliding-window attention.
+    "granitemoehybrid": {
+        **GRANITE_MOE,
+        "shared_intermediate_size": 48,
+        "layer_types": ["linear_attention", "full_attention"],
+        "mamba_n_heads": 4,
+        "mamba_d_state": 8,
+        "mamba_chunk_size": 16,
+    },
+    "granitemoe_swa": {**GRANITE_MOE, "sliding_window": 16},
+    # Cohere2-MoE: sigmoid scores of the top-k logits renormalized (its other choice, their softmax, is Mixtral's rule),
+    # a shared expert averaged with the routed ones, a dense first layer, attention and MLP in parallel.
+    "cohere2_moe": {
+        **{key: value for key, value in EXPERTS_BY_INTERMEDIATE_SIZE.items() if key != "num_local_experts"},
+        "num_experts": 8,
+        "expert_selection_fn": "sigmoid",
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "prefix_dense_intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,
+    },
+    # Qwen4-Exp's text model: the Qwen2-MoE family's block, between hyper-connections (two residual streams), with
+    # linear attention (Gated DeltaNet) and an attention layer whose indexer keeps every token of these batches.
+    "qwen4_exp_text": {
+        **QWEN2_MOE,
+        **{key: HYBRID_ATTENTION[key] for key in HYBRID_ATTENTION if key.startswith("linear_")},
+        "layer_types": ["linear_attention", "full_attention"],
+        "hc_count": 2,
+        "hc_lowrank": 8,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 32,
+        "indexer_compress_ratio": 4,
+    },
 }
 FUSED_MOE_ARCHITECTURES = {
     **MOE_ARCHITECTURES,

@@ -133,6 +133,20 @@ SHAPES = {
             "swiglu_limit": 7.0, "tie_word_embeddings": False,
         },
     ),
+    # meta-llama/Llama-4-Scout-17B-16E (its text model): 48 layers, each an MoE block of 16 routed experts (1 active,
+    # its routing weight scaling the expert's input) and a shared one; chunked attention (8,192) in three of four
+    # layers, the fourth without rotary positions; 107.8B / 17.2B.
+    "llama4-scout-17b-16e": (
+        "llama4_text",
+        {
+            "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+            "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+            "attention_chunk_size": 8192, "use_qk_norm": True, "max_position_embeddings": 10485760,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},  # its llama3 scaling aside
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -175,6 +189,8 @@ HUB_SHAPES = {
     "deepseek-ai/DeepSeek-V2-Lite-Chat": ("deepseek-v2-lite", {}),
     "baidu/ERNIE-4.5-21B-A3B-PT": ("ernie-4.5-21b-a3b", {}),
     "openai/gpt-oss-20b": ("gpt-oss-20b", {}),
+    "meta-llama/Llama-4-Scout-17B-16E": ("llama4-scout-17b-16e", {}),
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": ("llama4-scout-17b-16e", {}),
 }
 
 

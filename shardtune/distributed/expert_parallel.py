@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardtune.checkpoint.names import without_wrappers
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
-from shardtune.model.fused_moe import FusedMoeBlock, Permute
+from shardtune.model.fused_moe import UNSHARDED_LAYOUTS, FusedMoeBlock, Permute
 
 
 class AllToAll(torch.autograd.Function):
@@ -110,8 +110,8 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     for block in blocks:
         if block.experts.activation != "silu":
             raise ConfigError(
-                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts (biased, "
-                "transposed weights) yet; set it to 1"
+                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts "
+                f"({UNSHARDED_LAYOUTS[block.experts.activation]}) yet; set it to 1"
             )
         num_experts = block.num_routed_experts
         dims.check_experts(num_experts, type(model).__name__)

@@ -55,13 +55,14 @@ from shardtune.model.grouped_gemm import (
 )
 from shardtune.model.moe import (
     ROUTING_RULES,
+    SHARED_EXPERT_NAMES,
     MoeBlock,
     Routing,
     RoutingRecorder,
     correction_bias,
     find_moe_blocks,
+    logits_linear_name,
     routing_probabilities,
-    routing_rule,
     sum_real,
     token_statistics,
 )
@@ -88,25 +89,54 @@ MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
-# Blocks whose forward returns (output, each token's routing weights), as GPT-OSS's does; its decoder layer drops
-# the weights.
-RETURNS_ROUTING_WEIGHTS = ("GptOssMLP",)
+# Blocks whose forward returns (output, a routing tensor), which their decoder layers drop: GPT-OSS's each token's
+# routing weights, Llama 4's router logits.
+SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
+
+# What the routed-expert layouts other than ``silu`` have that float8 experts and expert parallelism do not take.
+UNSHARDED_LAYOUTS = {"clamped_glu": "transposed, biased expert weights", "transposed_silu": "transposed expert weights"}
+
+
+# SiLU-gated experts that clamp the gate from above and up on both sides at a limit first (a SwiGLU limit), by class
+# name: the attribute that holds the limit. HY-V4's call F.silu themselves (no act_fn).
+CLAMPED_SILU_EXPERTS = {"HYV4Experts": "swiglu_limit"}
 
 
 def expert_activation(experts: torch.nn.Module) -> str | None:
     """How routed experts (transformers' module, under no wrapper) turn their gate/up projection into the down
-    projection's input: ``silu``, SiLU(gate) * up of its [gate | up] halves, with (E, out, in) weights and no
-    biases (every architecture but GPT-OSS); ``clamped_glu``, GPT-OSS's: gate and up interleaved, each clamped at
-    ``limit`` (up on both sides), gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on
-    each projection; None for any other kind."""
+    projection's input: ``silu``, SiLU(gate) * up of its [gate | up] halves (the gate and up clamped first where
+    the experts have a ``swiglu_limit``), with (E, out, in) weights and no biases (most architectures);
+    ``transposed_silu``, the same with (E, in, out) weights (Llama 4's);
+    ``clamped_glu``, GPT-OSS's: gate and up interleaved, each clamped at ``limit`` (up on both sides),
+    gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on each projection; None for any
+    other kind."""
     if type(experts).__name__ == "GptOssExperts":
         return "clamped_glu"
-    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+    if getattr(experts, "has_bias", False):
         return None
+    if type(experts).__name__ in CLAMPED_SILU_EXPERTS:
+        return "silu"
     act_fn = getattr(experts, "act_fn", None)
     if act_fn is F.silu or type(act_fn).__name__ in ("SiLU", "SiLUActivation"):  # LFM2: F.silu itself
-        return "silu"
+        return "transposed_silu" if _weights_transposed(experts) else "silu"
     return None
+
+
+def _weights_transposed(experts: torch.nn.Module) -> bool:
+    """Whether gate/up and down are (E, in, out): marked so (transformers' ``is_transposed``) or, unmarked (Llama 4's),
+    told by their shapes: gate/up's input width is then down's output width, where (E, out, in) weights have 2I
+    against I there."""
+    if getattr(experts, "is_transposed", False):
+        return True
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.shape[1] == down.shape[2]
+
+
+def swiglu_limit(experts: torch.nn.Module) -> float | None:
+    """The limit SiLU-gated ``experts`` (transformers' module, under no wrapper) clamp their gate and up at, or None
+    (``CLAMPED_SILU_EXPERTS``)."""
+    attribute = CLAMPED_SILU_EXPERTS.get(type(experts).__name__)
+    return None if attribute is None else float(getattr(experts, attribute))
 
 
 def _unsupported(block: MoeBlock) -> str | None:
@@ -171,7 +201,7 @@ def use_fused_experts(
         )
     backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
     for block in blocks:
-        fused = FusedMoeBlock(block.block, routing_rule(block.block, block.router), backend)
+        fused = FusedMoeBlock(block.block, block.routing, backend)
         parent = _parent_of(model, block.block)
         for name, child in list(parent.named_children()):
             if child is block.block:
@@ -202,8 +232,12 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
         experts = parameter_adapters(block.experts)[0]
         if block.experts.activation != "silu":
             raise ConfigError(
-                f"model.float8_experts: {type(experts).__name__} (transposed, biased expert weights) has no float8 "
-                "path; set it to false"
+                f"model.float8_experts: {type(experts).__name__} ({UNSHARDED_LAYOUTS[block.experts.activation]}) has "
+                "no float8 path; set it to false"
+            )
+        if block.experts.swiglu_limit is not None:  # the float8 kernels compute an unclamped SiLU
+            raise ConfigError(
+                f"model.float8_experts: {type(experts).__name__} (a SwiGLU limit) has no float8 path; set it to false"
             )
         backend = resolve_float8_grouped_gemm(grouped_gemm, experts.gate_up_proj.device)
         block.experts.float8_grouped_gemm = backend  # read by routed_experts, as grouped_gemm is
@@ -250,11 +284,19 @@ class FusedMoeBlock(torch.nn.Module):
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
-        for name, buffer in original.named_buffers(recurse=False):  # MiniMax-M2's correction bias
+        # The block's own tensors: a correction bias, a buffer (MiniMax-M2's) or a frozen parameter (AFMoE's).
+        for name, buffer in original.named_buffers(recurse=False):
             self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
+        for name, parameter in original.named_parameters(recurse=False):
+            self.register_parameter(name, parameter)
         self.routing = routing
         self.replaced = type(original).__name__
         self.router_name = "gate" if hasattr(self, "gate") else "router"
+        # What computes the logits: the router child, or the Linear it holds (Hunyuan-MoE's gate.wg, AFMoE's gate),
+        # under PEFT's wrappers.
+        linear_name = logits_linear_name(parameter_adapters(self.get_submodule(self.router_name))[0])
+        self.logits_path = f"{self.router_name}.{linear_name}" if linear_name else self.router_name
+        self.shared_name = next((name for name in SHARED_EXPERT_NAMES if name in self._modules), None)
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
         # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
         self.num_routed_experts = parameter_adapters(self.experts)[0].gate_up_proj.shape[0]
@@ -269,7 +311,12 @@ class FusedMoeBlock(torch.nn.Module):
         outer.forward = types.MethodType(routed_experts, outer)
         outer.grouped_gemm = grouped_gemm  # the kernel routed_experts computes with (model.grouped_gemm)
         outer.activation = expert_activation(parameter_adapters(outer)[0])
-        self.returns_routing_weights = self.replaced in RETURNS_ROUTING_WEIGHTS
+        outer.weights_input = routing.weights_input
+        outer.swiglu_limit = swiglu_limit(parameter_adapters(outer)[0])
+        self.second_output = SECOND_OUTPUT.get(self.replaced)
+        # Shared experts whose output is averaged with the routed experts', not added to it (Cohere2-MoE's
+        # shared_expert_combination_strategy "average").
+        self.averages_shared = getattr(original, "shared_expert_combination_strategy", "sum") == "average"
 
     def extra_repr(self) -> str:
         return f"replaces={self.replaced}, {self.routing}"
@@ -280,16 +327,21 @@ class FusedMoeBlock(torch.nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
-        logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing, self)
+        logits, weights, chosen = route(self.get_submodule(self.logits_path), tokens, self.routing, self)
         if self.training:
             weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         output = self.experts(tokens, chosen, weights)  # transformers' experts signature
-        if hasattr(self, "shared_experts"):
-            output = output + self.shared_experts(tokens)
-        elif hasattr(self, "shared_expert"):  # the Qwen2-MoE family: each token's share set by a gate
-            output = output + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
-        if self.returns_routing_weights:
-            return output.reshape(shape), weights
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(tokens)
+            if hasattr(self, "shared_expert_gate"):  # the Qwen2-MoE family: each token's share set by a gate
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            output = output + shared
+            if self.averages_shared:
+                output = output / 2
+        if hasattr(self, "post_mlp_layernorm"):  # A.X-K1's block normalizes its output
+            output = self.post_mlp_layernorm(output)
+        if self.second_output is not None:
+            return output.reshape(shape), {"weights": weights, "logits": logits}[self.second_output]
         return output.reshape(shape)
 
 
@@ -375,18 +427,23 @@ def _(like, experts):
 
 
 def parameter_adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, list[tuple]]]:
-    """The module under PEFT's ParamWrappers and, per wrapped parameter name, the active adapters'
-    (lora_A weight, lora_B weight, scaling, rank, shared by the experts). Merged or disabled adapters
-    are left out: their effect is in the base weight already, or off."""
+    """The module under PEFT's ParamWrappers (or the Linear under PEFT's LoRA layer: a router's, AFMoE's or Jamba's
+    in transformers 5.17, whose adapters are its weight's) and, per wrapped parameter name, the active adapters'
+    (lora_A weight, lora_B weight, scaling, rank, shared by the experts, the dropout on the adapter's input: an
+    identity but for a Linear's). Merged or disabled adapters are left out: their effect is in the base weight
+    already, or off."""
     adapters: dict[str, list[tuple]] = {}
-    while hasattr(module, "parameter_name") and hasattr(module, "lora_A"):
+    while hasattr(module, "base_layer") and hasattr(module, "lora_A"):
         if not module.disable_adapters and not module.merged:
             shared = getattr(module, "shared_across_experts", False)  # see lora.share_expert_adapters
-            adapters[module.parameter_name] = [
-                (module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name], module.r[name], shared)
+            adapters[getattr(module, "parameter_name", "weight")] = [
+                (
+                    module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name], module.r[name],
+                    shared, module.lora_dropout[name],
+                )
                 for name in module.active_adapters
                 if name in module.lora_A
-            ]
+            ]  # fmt: skip
         module = module.base_layer
     return module, adapters
 
@@ -404,18 +461,23 @@ def route(
     router: torch.nn.Module, tokens: torch.Tensor, routing: Routing, block: torch.nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)) by ``routing``'s
-    rule. A router's correction bias is its own or its ``block``'s (``moe.correction_bias``)."""
+    rule; ``router`` computes the logits (its weight, and a bias where it has one), under PEFT's adapters. A
+    router's correction bias is its own or its ``block``'s (``moe.correction_bias``)."""
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         logits = Fp32Linear.apply(tokens, router.weight)
         if isinstance(getattr(router, "bias", None), torch.Tensor):  # GPT-OSS's router
             logits = logits + router.bias.float()
-        for lora_a, lora_b, scaling, *_ in adapters.get("weight", []):
-            logits = logits + F.linear(F.linear(tokens.float(), lora_a.float()), lora_b.float()) * scaling
+        for lora_a, lora_b, scaling, _, _, dropout in adapters.get("weight", []):
+            logits = logits + F.linear(F.linear(dropout(tokens.float()), lora_a.float()), lora_b.float()) * scaling
+        if routing.logit_softcap > 0:  # the capped logits are the router's: its hooks record them
+            logits = torch.tanh(logits / routing.logit_softcap) * routing.logit_softcap
         scores = logits.softmax(dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
         bias = correction_bias(router, block)
-        for_choice = scores if bias is None else scores + bias.float()
+        for_choice = logits if routing.bias_on == "logits" else scores
+        if bias is not None:
+            for_choice = for_choice + bias.float()
         if routing.groups > 1:
             grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
             if routing.group_score == "max":
@@ -424,7 +486,7 @@ def route(
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             best_groups = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-            for_choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+            for_choice = grouped.masked_fill(~keep.unsqueeze(-1), routing.masked_score).view_as(scores)
         # Best first as softmax routers' torch.topk returns them (it decides only the order of a token's sum).
         chosen = top_k_experts(for_choice, routing.top_k, best_first=routing.scoring == "softmax")
         weights = scores.gather(1, chosen)
@@ -485,15 +547,25 @@ class Fp32Linear(torch.autograd.Function):
 def routed_experts(
     experts: torch.nn.Module, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs."""
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs; with the experts'
+    ``weights_input`` (Llama 4's), sum_j expert_{chosen[t, j]}(weights[t, j] * tokens[t])."""
     # Set under expert parallelism (distributed/expert_parallel.py): this rank holds a run of the experts,
     # and rows travel to the rank of their expert and back.
     dispatch = getattr(experts, "expert_dispatch", None)
     backend = experts.grouped_gemm
     float8_backend = getattr(experts, "float8_grouped_gemm", "torch")
-    activation = experts.activation
+    activation, weights_input = experts.activation, experts.weights_input
+    activation, limit = experts.activation, experts.swiglu_limit
     experts, adapters = parameter_adapters(experts)
-    gate_up, down = experts.gate_up_proj, experts.down_proj  # (E, 2I, H), (E, H, I): this rank's experts
+    # (E, 2I, H), (E, H, I): this rank's experts; transposed (Llama 4's), (E, H, 2I) and (E, I, H), which torch's
+    # grouped GEMM takes as they are (as GPT-OSS's).
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    transposed = activation == "transposed_silu"
+    if transposed:
+        backend = "torch"
+    # PEFT reads a 3-D weight as (E, out, in) unless its module is marked is_transposed: on unmarked transposed
+    # weights its A factor multiplies from the output side (_projection).
+    lora_reversed = transposed and not getattr(experts, "is_transposed", False)
     dtype = _compute_dtype(gate_up, tokens)
     top_k = chosen.shape[1]
     experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
@@ -518,28 +590,35 @@ def routed_experts(
         return _clamped_glu_experts(
             experts, adapters, rows, chosen, order, inverse, bounds, row_weights, dtype, regathered
         )
+    if weights_input:
+        # Each row scaled by its weight before gate/up, the activation by 1: the experts are not linear in their
+        # input. LoRA's A factors on gate/up then keep these rows, which gathering the tokens again would not give.
+        rows = rows * row_weights.to(dtype).unsqueeze(-1)
+        row_weights = torch.ones_like(row_weights)
     if dispatch is not None:
         rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
-    low_rank = regathered if dispatch is None else None
+    low_rank = regathered if dispatch is None and not weights_input else None
     gate_up_adapters = adapters.get("gate_up_proj", [])
     projected = _projection(
-        rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend
+        rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
+        transposed, lora_reversed,
     )  # fmt: skip
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _silu_precision(projected) == torch.float32
-        return LowRankOfRebuiltRows.apply(hidden, a, bounds, "activated", projected, row_weights, fp32)
+        return LowRankOfRebuiltRows.apply(hidden, a, bounds, "activated", projected, row_weights, fp32, limit)
 
-    hidden = WeightedSiluMul.apply(projected, row_weights)
+    hidden = WeightedSiluMul.apply(projected, row_weights, limit)
     down_adapters = adapters.get("down_proj", [])
     if dispatch is None and not down_adapters and not down.requires_grad:
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
-        weight = down.to(dtype).transpose(-2, -1)
+        weight = down.to(dtype) if transposed else down.to(dtype).transpose(-2, -1)
         return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, backend)
     outputs = _projection(
-        hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8, float8_backend
+        hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8, float8_backend, transposed,
+        lora_reversed,
     )  # fmt: skip
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
@@ -592,16 +671,19 @@ def _projection(
     float8: tuple[torch.Tensor, ...] | None = None,
     float8_backend: str = "torch",
     transposed: bool = False,
+    lora_reversed: bool = False,
 ) -> torch.Tensor:
     """rows @ W_e^T for each row's expert e (the ``backend`` kernel where it takes the weight; in float8 by
     ``float8_backend`` where ``float8``, W's quantized forms, is given), plus each LoRA adapter's
     rows @ A_e^T @ B_e^T * scaling (``low_rank``: computes rows @ A_e^T, or rows @ A^T for a shared adapter,
     without keeping ``rows`` for backward).
 
-    ``weight`` is transformers' (E, out, in), or with ``transposed`` (GPT-OSS) (E, in, out), rows @ W_e. PEFT's
-    ParamWrapper on it holds lora_A (r*E, in), whose rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose columns
-    e, e+E, ... are B_e (its get_delta_weight: ΔW_e = B_e @ A_e * scaling, transposed for a transposed weight). A
-    shared adapter is the same for every expert.
+    ``weight`` is transformers' (E, out, in), or with ``transposed`` (GPT-OSS, Llama 4) (E, in, out), rows @ W_e.
+    PEFT's ParamWrapper on it holds lora_A (r*E, in), whose rows e*r..(e+1)*r are A_e, and lora_B (out, r*E), whose
+    columns e, e+E, ... are B_e (its get_delta_weight: ΔW_e = B_e @ A_e * scaling, transposed for a transposed
+    weight). With ``lora_reversed`` PEFT took the transposed weight for (E, out, in) (Llama 4's experts are not
+    marked is_transposed): its "in" is the rows' output, ΔW_e = B_e @ A_e is (in, out) as it is, and the rows take
+    B_e first. A shared adapter is the same for every expert.
     """
     num_experts = weight.shape[0]
     if float8 is not None:
@@ -610,14 +692,18 @@ def _projection(
         result = grouped_mm(
             rows, weight.to(dtype) if transposed else weight.to(dtype).transpose(-2, -1), bounds, backend
         )
-    for lora_a, lora_b, scaling, rank, shared in adapters:
+    for lora_a, lora_b, scaling, rank, shared, _ in adapters:  # no dropout: PEFT allows a parameter's none
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
             a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
             b = lora_b.view(lora_b.shape[0], rank, num_experts).mean(dim=-1).to(dtype)  # (out, r)
+            if lora_reversed:
+                a, b = b.t(), a.t()
             low = F.linear(rows, a) if low_rank is None else low_rank(a.t())
             result = result + F.linear(low * scaling, b)
             continue
         a, b = expert_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+        if lora_reversed:
+            a, b = b.transpose(-2, -1), a.transpose(-2, -1)
         low = (grouped_mm(rows, a, bounds) if low_rank is None else low_rank(a)) * scaling  # (pairs, r)
         result = result + grouped_mm(low, b, bounds)
     return result
@@ -836,14 +922,15 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
       block's input gathered by expert (pairs x hidden: 256 MiB a layer for Qwen3-30B-A3B at 8,192 tokens;
       the input itself is top_k times smaller);
     - ``"activated"`` (sources: the gate/up output, the rows' routing weights, whether forward computed in
-      fp32): the down projection's rows are :class:`WeightedSiluMul` of the gate/up output, which its own
-      backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
+      fp32, the SwiGLU limit or None): the down projection's rows are :class:`WeightedSiluMul` of the gate/up
+      output, which its own backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
     """
 
     @staticmethod
     def forward(ctx, rows, a, bounds, how, *sources):
         ctx.save_for_backward(a, bounds, *(source for source in sources if isinstance(source, torch.Tensor)))
-        ctx.how, ctx.constant = how, sources[-1]
+        ctx.how, ctx.sources = how, len(sources)
+        ctx.constants = [source for source in sources if not isinstance(source, torch.Tensor)]
         return grouped_mm(rows, a, bounds) if a.dim() == 3 else rows @ a
 
     @staticmethod
@@ -853,10 +940,10 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_rows = grouped_mm(grad, a.transpose(-2, -1), bounds) if a.dim() == 3 else grad @ a.t()
         if ctx.how == "gathered":
-            grad_a = torch.ops.shardtune.regathered_weight_grad(first, second, grad, bounds, a, ctx.constant)
+            grad_a = torch.ops.shardtune.regathered_weight_grad(first, second, grad, bounds, a, *ctx.constants)
         else:
-            grad_a = torch.ops.shardtune.reactivated_weight_grad(first, second, grad, bounds, a, ctx.constant)
-        return grad_rows, grad_a, None, None, *([None] * 3)
+            grad_a = torch.ops.shardtune.reactivated_weight_grad(first, second, grad, bounds, a, *ctx.constants)
+        return grad_rows, grad_a, None, None, *([None] * ctx.sources)
 
 
 # Opaque, and taking the output gradient, so that a compiled backward builds the rows in backward: traced,
@@ -877,13 +964,15 @@ def reactivated_weight_grad(
     bounds: torch.Tensor,
     a: torch.Tensor,
     fp32: bool,
+    limit: float | None,
 ) -> torch.Tensor:
-    """``rows_e^T @ grad_e`` for each expert e, the rows computed from the gate/up output again, in the
-    precision forward computed them in (fp32: compiled forward, and compiled here too)."""
+    """``rows_e^T @ grad_e`` for each expert e, the rows computed from the gate/up output again (clamped at the
+    SwiGLU ``limit`` where there is one), in the precision forward computed them in (fp32: compiled forward, and
+    compiled here too)."""
     rows = (
-        _compiled_weighted_silu_mul()(gate_up, row_weights)
+        _compiled_weighted_silu_mul()(gate_up, row_weights, limit=limit)
         if fp32
-        else _weighted_silu_mul(gate_up, row_weights, gate_up.dtype)
+        else _weighted_silu_mul(gate_up, row_weights, gate_up.dtype, limit)
     )
     return _low_rank_weight_grad(rows.to(a.dtype), a, bounds, grad)
 
@@ -914,7 +1003,7 @@ def _(tokens, order, grad, bounds, a, top_k):
 
 
 @reactivated_weight_grad.register_fake
-def _(gate_up, row_weights, grad, bounds, a, fp32):
+def _(gate_up, row_weights, grad, bounds, a, fp32, limit):
     return a.new_empty(a.shape)
 
 
@@ -925,40 +1014,54 @@ class WeightedSiluMul(torch.autograd.Function):
     fp32 copies of every row made eager bf16 steps 10% slower (Qwen3-30B-A3B LoRA, every layer checkpointed,
     one H200: 7,590 against 8,453 tokens/s). On CUDA the backward, compiled or eager, is one Triton kernel in
     fp32 (``weighted_silu_kernel.py``: 2.4x faster than inductor's kernels for it); elsewhere, torch ops in
-    the forward's precision."""
+    the forward's precision.
+
+    With a ``limit`` (``swiglu_limit``: HY-V4's experts), the gate is clamped above and up on both sides at it before
+    the SiLU; the backward is then torch ops everywhere (the Triton kernel has no clamp)."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         ctx.save_for_backward(gate_up, row_weights)
-        return _weighted_silu_mul(gate_up, row_weights, _silu_precision(gate_up))
+        ctx.limit = limit
+        return _weighted_silu_mul(gate_up, row_weights, _silu_precision(gate_up), limit)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _weighted_silu_mul_backward(*ctx.saved_tensors, grad)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return *_weighted_silu_mul_backward(*ctx.saved_tensors, grad, ctx.limit), None
 
 
 def _weighted_silu_mul_backward(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor
+    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor, limit: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``WeightedSiluMul``'s backward: the Triton kernel on CUDA, torch ops elsewhere."""
-    if weighted_silu_mul_backward is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+    """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (without a limit), torch ops elsewhere."""
+    if weighted_silu_mul_backward is not None and limit is None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
         return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _silu_precision(gate_up))
+    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _silu_precision(gate_up), limit)
 
 
 def weighted_silu_mul_backward_ops(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor, compute: torch.dtype
+    gate_up: torch.Tensor,
+    row_weights: torch.Tensor,
+    grad: torch.Tensor,
+    compute: torch.dtype,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """WeightedSiluMul's backward as torch ops computing in ``compute``: (the gradient of ``gate_up`` in its
-    dtype, the fp32 gradient of ``row_weights``)."""
-    gate, up, weights = _silu_operands(gate_up, row_weights, compute)
+    dtype, the fp32 gradient of ``row_weights``). With a ``limit``, a clamped element takes no gradient (as
+    torch.clamp's backward: none outside the bounds, the bounds themselves included in them)."""
+    gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit)
     grad = grad.to(compute)
     sigmoid = torch.sigmoid(gate)
     silu = gate * sigmoid
     grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
     grad = grad * weights
     grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
-    return torch.cat([grad_gate, grad * silu], dim=-1).to(gate_up.dtype), grad_weights
+    grad_up = grad * silu
+    if limit is not None:
+        raw_gate, raw_up = gate_up.to(compute).chunk(2, dim=-1)
+        grad_gate = grad_gate * (raw_gate <= limit)
+        grad_up = grad_up * (raw_up.abs() <= limit)
+    return torch.cat([grad_gate, grad_up], dim=-1).to(gate_up.dtype), grad_weights
 
 
 def _silu_precision(gate_up: torch.Tensor) -> torch.dtype:
@@ -966,12 +1069,19 @@ def _silu_precision(gate_up: torch.Tensor) -> torch.dtype:
     return torch.float32 if torch.compiler.is_compiling() else gate_up.dtype
 
 
-def _weighted_silu_mul(gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-    gate, up, weights = _silu_operands(gate_up, row_weights, compute)
+def _weighted_silu_mul(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype, limit: float | None = None
+) -> torch.Tensor:
+    gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit)
     return (F.silu(gate) * up * weights).to(gate_up.dtype)
 
 
-def _silu_operands(gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(gate, up, the weights as a column) in ``compute``."""
+def _silu_operands(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype, limit: float | None = None
+) -> tuple[torch.Tensor, ...]:
+    """(gate, up, the weights as a column) in ``compute``; with a ``limit``, the gate clamped at it from above and up
+    at plus or minus it."""
     gate, up = gate_up.to(compute).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return gate, up, row_weights.to(compute).unsqueeze(-1)

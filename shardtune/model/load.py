@@ -129,6 +129,19 @@ def attention_runs(model_config: PretrainedConfig, name: str) -> bool:
     return bool(getattr(model_class, ATTENTION_SUPPORT[name], False))
 
 
+def check_experts_implementation(model_config: PretrainedConfig, requested: str | None) -> None:
+    """A choice among transformers' own experts (``model.experts_implementation: grouped_mm`` or ``batched_mm``)
+    needs an architecture whose experts offer them (Llama 4's and Phi-3.5-MoE's do not); else a config error
+    instead of transformers' traceback at load time."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    choosable = model_class is None or model_class._can_set_experts_implementation()
+    if requested in ("grouped_mm", "batched_mm") and not choosable:
+        raise ConfigError(
+            f"model.experts_implementation: {model_class.__name__} has no {requested} experts in transformers; "
+            "set it to auto (shardtune's fused block, where it runs) or eager"
+        )
+
+
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     use_the_cache_if_the_hub_is_out_of_reach(config.name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(
@@ -170,6 +183,7 @@ def load_model(
     requested = config.attn_implementation
     attention = supported_attention(model_config, requested, auto_attention if requested == "auto" else requested)
     log.info("attention: %s", attention)
+    check_experts_implementation(model_config, config.experts_implementation)
     common = {
         "dtype": dtype,
         "attn_implementation": attention,

@@ -39,7 +39,9 @@ def moe_lora_targets(
     for index, layer in enumerate(layers):
         block = block_of_layer.get(index)
         for path, module in layer.named_modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, torch.nn.Linear) and (
+                block is None or module is not block.router or _linear_router(block)
+            ):
                 group = _linear_group(layer, path, block)
                 found[group] += 1
                 if group in groups:
@@ -51,11 +53,18 @@ def moe_lora_targets(
                 found["routed_experts"] += 1
                 if "routed_experts" in groups:
                     chosen_parameters.add(f"{block.path}.experts.{name}")
-        if not isinstance(block.router, torch.nn.Linear):
+        if not _linear_router(block):
             found["router"] += 1
             if "router" in groups:
                 chosen_parameters.add(f"{block.path}.{block.router_name}.weight")
     return sorted(chosen_modules), sorted(chosen_parameters), found
+
+
+def _linear_router(block: MoeBlock) -> bool:
+    """Whether PEFT adapts the block's router as a Linear module; otherwise as its weight parameter, also for a Linear
+    whose forward returns more than its product (Llama 4's router returns its scores and logits, which PEFT's LoRA
+    layer cannot add its term to)."""
+    return type(block.router) is torch.nn.Linear
 
 
 def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:

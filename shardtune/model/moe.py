@@ -16,12 +16,17 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
 
 ROUTER_NAMES = ("gate", "router")
+# Routers that hold their logits' Linear as a child instead of a weight of their own: Hunyuan-MoE's (wg), AFMoE's
+# (gate).
+LOGITS_LINEAR_NAMES = ("wg", "gate")
+# Routers that return another float per token and expert (their scores) before the logits: Llama 4's.
+SCORES_BEFORE_LOGITS = ("Llama4Router",)
 SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the last: Hunyuan-MoE's
 
 
@@ -29,11 +34,15 @@ SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the l
 class Routing:
     """How one architecture's router turns logits into (weights, experts) per token.
 
-    ``scoring``: the scores are a softmax over all experts, or a sigmoid of each. The choice is the ``top_k``
-    best scores plus the router's correction bias where it has one (``correction_bias``: GLM, DeepSeek-V3,
-    ERNIE 4.5, LFM2), among the ``topk_group`` best of ``groups`` expert groups, a group scored by the sum of its
-    two best (``group_score="top2"``: DeepSeek-V3, GLM) or its best (``"max"``: DeepSeek-V2). The weights are
-    the chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``.
+    ``scoring``: the scores are a softmax over all experts, or a sigmoid of each, of the logits first capped at
+    ``logit_softcap`` by ``tanh`` where it is positive (Laguna). The choice is the ``top_k`` best scores plus the
+    router's correction bias where it has one (``correction_bias``: GLM, DeepSeek-V3, ERNIE 4.5, LFM2), or the best
+    logits plus it (``bias_on="logits"``: Kolibri-1), among the ``topk_group`` best of ``groups`` expert groups, a
+    group scored by the sum of its two best (``group_score="top2"``: DeepSeek-V3, GLM) or its best (``"max"``:
+    DeepSeek-V2); the experts of the other groups compete with ``masked_score`` (-inf: never chosen; A.X-K2's 0
+    beats an expert of a chosen group whose biased score is below it). The weights are the chosen plain scores,
+    divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``. They scale each chosen expert's
+    output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the two differ).
     """
 
     scoring: str
@@ -44,6 +53,10 @@ class Routing:
     group_score: str = "top2"
     scaling: float = 1.0
     epsilon: float = 0.0
+    weights_input: bool = False
+    logit_softcap: float = 0.0
+    bias_on: str = "scores"
+    masked_score: float = float("-inf")
 
 
 def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
@@ -54,16 +67,37 @@ def _renormalized_softmax_rule(router: torch.nn.Module) -> Routing:
     return _softmax_rule(router, normalize=True)
 
 
+def _plain_softmax_rule(router: torch.nn.Module) -> Routing:
+    return _softmax_rule(router, normalize=False)
+
+
+def _cohere2_rule(router: torch.nn.Module) -> Routing:
+    """Cohere2-MoE: the top-k logits' softmax (``expert_selection_fn: softmax``, norm_topk_prob aside), which is the
+    top-k probabilities renormalized, or their sigmoids (``sigmoid``), renormalized with norm_topk_prob; sigmoid
+    keeps the logits' order, so choosing by the scores chooses by the logits."""
+    if router.expert_selection_fn == "sigmoid":
+        return Routing("sigmoid", router.top_k, bool(router.norm_topk_prob))
+    return _renormalized_softmax_rule(router)
+
+
 def _deepseek_v3_rule(router: torch.nn.Module) -> Routing:
+    """Sigmoid scores chosen with a correction bias among the best groups by their two best, renormalized and
+    scaled. A.X-K2-Light has no groups (``n_group`` None); Beam's router leaves the scaling to its block
+    (``routing_rule``)."""
     return Routing(
         "sigmoid",
         router.top_k,
         bool(router.norm_topk_prob),
-        groups=router.num_group,
-        topk_group=router.topk_group,
-        scaling=float(router.routed_scaling_factor),
+        groups=router.num_group or 1,
+        topk_group=router.topk_group or 1,
+        scaling=float(getattr(router, "routed_scaling_factor", 1.0)),
         epsilon=1e-20,
     )
+
+
+def _axk2_rule(router: torch.nn.Module) -> Routing:
+    """DeepSeek-V3's rule, the experts outside the chosen groups left with a score of 0 (as A.X-K2's reference)."""
+    return replace(_deepseek_v3_rule(router), masked_score=0.0)
 
 
 def _deepseek_v2_rule(router: torch.nn.Module) -> Routing:
@@ -93,21 +127,32 @@ def _lfm2_rule(router: torch.nn.Module) -> Routing:
 
 # The transformers blocks whose router rule Routing writes out, by class name; each is held to transformers' own
 # forward in tests/train/test_fused_moe.py. Blocks of one family share their rule: GLM's blocks after GLM-4.5
-# (GLM-4.7-Flash's, GLM-5's), DeepSeek-V3.2's, dots.llm1's, EXAONE-MoE's, Kimi-Linear's and Solar-Open's are
-# DeepSeek-V3's, Mellum's Qwen3-MoE's and FlexOlmo's OLMoE's; the Qwen2-MoE family's blocks add a shared expert
-# scaled by a sigmoid gate of its own (FusedMoeBlock.forward).
+# (GLM-4.7-Flash's, GLM-5's), DeepSeek-V3.2's, dots.llm1's, Dots 3 Note's, EXAONE-MoE's, Kimi-Linear's, Solar-Open's,
+# MiMo-V2-Flash's (no shared experts), Ling's hybrid's and HY-V4's (experts with a SwiGLU limit) are DeepSeek-V3's,
+# Mellum's Qwen3-MoE's, FlexOlmo's OLMoE's and MiniMax-Text-01's Mixtral's; the Qwen2-MoE family's blocks (Qwen4-Exp's
+# among them) add a shared expert scaled by a sigmoid gate of its own (FusedMoeBlock.forward).
 ROUTING_RULES = {
     "Qwen3MoeSparseMoeBlock": _softmax_rule,
     "Qwen2MoeSparseMoeBlock": _softmax_rule,
     "Qwen3NextSparseMoeBlock": _softmax_rule,
     "Qwen3_5MoeSparseMoeBlock": _renormalized_softmax_rule,
+    "Qwen4ExpTextSparseMoeBlock": _softmax_rule,
     "OlmoeSparseMoeBlock": _softmax_rule,
     "FlexOlmoSparseMoeBlock": _softmax_rule,
     "MellumSparseMoeBlock": _softmax_rule,
     "MixtralSparseMoeBlock": _renormalized_softmax_rule,
-    # Granite-MoE: a softmax of the top-k logits, which is the top-k probabilities renormalized.
+    "MiniMaxSparseMoeBlock": _renormalized_softmax_rule,
+    # Jamba: the top-k softmax probabilities as they are.
+    "JambaSparseMoeBlock": _plain_softmax_rule,
+    # Granite-MoE: a softmax of the top-k logits, which is the top-k probabilities renormalized; its shared MLP
+    # (Granite-MoE-Shared, Granite-4.0's hybrid and sliding-window models) sits beside the block, in the decoder layer.
     "GraniteMoeMoE": _renormalized_softmax_rule,
     "GraniteMoeSharedMoE": _renormalized_softmax_rule,
+    "GraniteMoeHybridMoE": _renormalized_softmax_rule,
+    "GraniteMoeSWAMoE": _renormalized_softmax_rule,
+    # Cohere2-MoE: with shared_expert_combination_strategy "average", its shared experts' output is averaged with
+    # the routed experts' (FusedMoeBlock.forward).
+    "Cohere2MoeSparseMoeBlock": _cohere2_rule,
     # ERNIE 4.5: softmax scores chosen with a correction bias (its router's moe_statics), renormalized (the clamp
     # of the sum at moe_norm_min never acts on k softmax scores: their sum is at least k / experts).
     "Ernie4_5_MoeSparseMoeBlock": _renormalized_softmax_rule,
@@ -120,23 +165,75 @@ ROUTING_RULES = {
     "ExaoneMoeSparseMoEBlock": _deepseek_v3_rule,
     "SolarOpenMoE": _deepseek_v3_rule,
     "DeepseekV32MoE": _deepseek_v3_rule,
+    "Dots3NoteTextMoE": _deepseek_v3_rule,
     "KimiLinearMoE": _deepseek_v3_rule,
+    "HYV4MoE": _deepseek_v3_rule,
+    "MiMoV2FlashMoE": _deepseek_v3_rule,
+    "BailingHybridMoE": _deepseek_v3_rule,
     # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
     "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
+    # Hy3: MiniMax-M2's block with the weights scaled (router_scaling_factor) and a shared expert.
+    "HYV3MoE": lambda router: Routing(
+        "sigmoid", router.top_k, normalize=True, scaling=float(router.router_scaling_factor), epsilon=1e-20
+    ),
+    # A.X-K1's block normalizes its output (FusedMoeBlock.forward); Beam's scales the routed experts' sum.
+    "AXK1MoE": _deepseek_v3_rule,
+    "BeamMoE": _deepseek_v3_rule,
+    "AXK2MoE": _axk2_rule,
+    # Flint: sigmoid scores without a correction bias, renormalized; its shared expert is added ungated.
+    "FlintSparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, bool(router.norm_topk_prob)),
+    # LaraMini: Flint's block with Qwen3-Next's softmax router.
+    "LaraMiniSparseMoeBlock": _softmax_rule,
+    # Kolibri-1: sigmoid scores of the experts whose logits plus the correction bias are best, renormalized.
+    "Kolibri1SparseMoeBlock": lambda router: Routing(
+        "sigmoid", router.top_k, bool(router.norm_topk_prob), bias_on="logits"
+    ),
+    # Laguna: sigmoid scores of tanh-capped logits chosen with a correction bias, renormalized; its block scales the
+    # routed experts' sum.
+    "LagunaSparseMoeBlock": lambda router: Routing(
+        "sigmoid", router.top_k, normalize=True, logit_softcap=float(router.router_logit_softcapping)
+    ),
     # GPT-OSS: a softmax of the top-k logits (its router adds a bias to them), which is the top-k probabilities
     # renormalized; its experts are transposed, biased and clamped (fused_moe.expert_activation).
     "GptOssMLP": _renormalized_softmax_rule,
     # LFM2-MoE: sigmoid scores; with use_expert_bias, a correction bias that is its block's buffer expert_bias.
     "Lfm2MoeSparseMoeBlock": _lfm2_rule,
+    # Llama 4: the sigmoid of each chosen logit scales the expert's input; its experts' weights are (E, in, out).
+    "Llama4TextMoe": lambda router: Routing("sigmoid", router.top_k, normalize=False, weights_input=True),
+    # Hunyuan-MoE: the top-k softmax probabilities renormalized; its router's logits are its Linear wg's.
+    "HunYuanMoEV1Moe": _renormalized_softmax_rule,
+    # AFMoE: sigmoid scores chosen with its block's expert_bias, renormalized and scaled (route_scale); its router
+    # holds the logits' Linear as gate.
+    "AfmoeSparseMoeBlock": lambda router: Routing(
+        "sigmoid", router.top_k, normalize=True, scaling=float(router.route_scale), epsilon=1e-20
+    ),
 }
 
 
 def routing_rule(block: torch.nn.Module, router: torch.nn.Module) -> Routing | None:
-    """How ``block`` routes (a fused block: the rule it computes); None for a block ROUTING_RULES lacks."""
+    """How ``block`` routes (a fused block: the rule it computes); None for a block ROUTING_RULES lacks. ``router``
+    is its router child, which holds the rule's settings (top_k; AFMoE's route_scale, not the Linear it holds). A
+    block's own ``routed_scaling_factor`` (Beam, Laguna: it scales the routed experts' sum, which is scaling each
+    weight) joins its router's scaling. A rule reads its settings from the block where the router is a bare Linear
+    that has none (Jamba's in transformers 5.17)."""
     if isinstance(rule := getattr(block, "routing", None), Routing):
         return rule
     make = ROUTING_RULES.get(type(block).__name__)
-    return None if make is None else make(router)
+    if make is None:
+        return None
+    rule = make(router if hasattr(router, "top_k") else block)
+    block_scaling = getattr(block, "routed_scaling_factor", None)
+    return rule if block_scaling is None else replace(rule, scaling=rule.scaling * float(block_scaling))
+
+
+def logits_linear_name(router: torch.nn.Module) -> str | None:
+    """Where a block's router child (under no wrapper) keeps the weight of its logits: "" for a weight of its own,
+    the name of its Linear child (``LOGITS_LINEAR_NAMES``), or None for neither."""
+    if getattr(router, "weight", None) is not None:
+        return ""
+    return next(
+        (name for name in LOGITS_LINEAR_NAMES if isinstance(_inner(getattr(router, name, None)), torch.nn.Linear)), None
+    )
 
 
 @dataclass(eq=False)
@@ -155,6 +252,11 @@ class MoeBlock:
     # Softmax routers (Qwen3-MoE, Mixtral) or sigmoid ones (GLM-4.5, DeepSeek-V3): it decides how router
     # logits become per-expert probabilities.
     scoring: str
+
+    @property
+    def routing(self) -> Routing | None:
+        """How the block routes (``routing_rule``, with its router child, which holds top_k)."""
+        return routing_rule(self.block, _children(self.block)[self.router_name])
 
 
 def _inner(module: torch.nn.Module) -> torch.nn.Module:
@@ -184,11 +286,9 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
             router_name = next((name for name in ROUTER_NAMES if name in children), None)
             if "experts" not in children or router_name is None:
                 continue
-            gate = router = children[router_name]
-            if getattr(router, "weight", None) is None and isinstance(
-                _inner(getattr(router, "wg", None)), torch.nn.Linear
-            ):
-                router = _inner(router.wg)  # Hunyuan-MoE's router holds its logits' Linear as wg
+            gate = children[router_name]
+            linear_name = logits_linear_name(gate)
+            router = _inner(getattr(gate, linear_name)) if linear_name else gate
             weight = getattr(router, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 continue
@@ -207,7 +307,7 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                     shared_name=shared_name,
                     num_experts=weight.shape[0],
                     top_k=int(top_k),
-                    scoring=_scoring(module, router),
+                    scoring=_scoring(module, gate),
                 )
             )
     return blocks
@@ -215,7 +315,8 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
 
 def _scoring(block: torch.nn.Module, router: torch.nn.Module) -> str:
     """``softmax`` or ``sigmoid``: the rule's, or for a block without one, sigmoid where a correction bias marks
-    the router as DeepSeek-V3's (the rules' own blocks aside, such routers are all sigmoid ones)."""
+    the router (``block``'s router child) as DeepSeek-V3's (the rules' own blocks aside, such routers are all
+    sigmoid ones)."""
     rule = routing_rule(block, router)
     if rule is not None:
         return rule.scoring
@@ -225,7 +326,7 @@ def _scoring(block: torch.nn.Module, router: torch.nn.Module) -> str:
 def correction_bias(router: torch.nn.Module, block: torch.nn.Module | None = None) -> torch.Tensor | None:
     """The bias a router adds to its scores for the choice only, as an (experts,) view, or None: the router's
     ``e_score_correction_bias`` (GLM, DeepSeek-V3), its ``moe_statics``' (ERNIE 4.5, a (1, experts) parameter),
-    its block's (MiniMax-M2) or its block's ``expert_bias`` (LFM2, with use_expert_bias)."""
+    its block's (MiniMax-M2, Hy3) or its block's ``expert_bias`` (LFM2, with use_expert_bias; AFMoE)."""
     holders = ((router, "e_score_correction_bias"), (getattr(router, "moe_statics", None), "e_score_correction_bias"),
                (block, "e_score_correction_bias"), (block, "expert_bias"))  # fmt: skip
     for holder, name in holders:
@@ -330,7 +431,9 @@ class RoutingRecorder:
             block.block.trains_balance = self.trains_balance
         for block in self.blocks:
             if block not in self._reporting:
-                block.router.register_forward_hook(self._hook(block))
+                # The router child itself, which returns its choice where a Linear it holds (Hunyuan-MoE's, AFMoE's)
+                # returns only the logits: AFMoE's choice takes its correction bias.
+                _children(block.block)[block.router_name].register_forward_hook(self._hook(block))
         # A compiled, checkpointed layer would otherwise replay the hooks' recording in backward (or,
         # without this option in older torch, break the layer's graph there): recording is forward-only.
         import torch._dynamo
@@ -345,6 +448,8 @@ class RoutingRecorder:
             # Routers return their logits, and most their choice, in an order of their own (Granite-MoE's in
             # transformers 5.17: choice, weights, logits): the logits are the floats with one column per expert.
             parts = output if isinstance(output, tuple) else (output,)
+            if any(kind.__name__ in SCORES_BEFORE_LOGITS for kind in type(module).__mro__):  # also parametrized by PEFT
+                parts = parts[::-1]
             logits = next(part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts)
             logits = logits.reshape(-1, block.num_experts)
             chosen = next((part for part in parts if not part.is_floating_point()), None)  # the router's own

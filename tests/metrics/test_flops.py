@@ -46,7 +46,16 @@ def test_glm_shapes_by_hand():
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen3-30b-a3b", "glm-4.5-air", "glm-4.7", "mixtral-8x7b", "deepseek-v2-lite", "ernie-4.5-21b-a3b", "gpt-oss-20b"],
+    [
+        "qwen3-30b-a3b",
+        "glm-4.5-air",
+        "glm-4.7",
+        "mixtral-8x7b",
+        "deepseek-v2-lite",
+        "ernie-4.5-21b-a3b",
+        "gpt-oss-20b",
+        "llama4-scout-17b-16e",
+    ],
 )
 def test_active_weights_match_the_built_model(name):
     """Every matmul weight of the model itself, with each routed expert's weights counted top_k / E times."""

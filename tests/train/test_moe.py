@@ -284,10 +284,10 @@ def test_router_hooks_tell_the_logits_and_the_choice_apart_in_any_order():
     assert record.tokens == 10
 
 
-def test_hunyuan_moe_blocks_are_found_through_their_routers_linear(caplog):
+def test_hunyuan_moe_blocks_are_found_through_their_routers_linear_and_fused(caplog):
     """Hunyuan-MoE's router keeps its logits' Linear as ``gate.wg`` and its shared expert is ``shared_mlp``: the
     blocks are found with that Linear as the router, their routing recorded as the gate chooses, its LoRA groups
-    told apart, and the experts left to transformers with one line naming the block."""
+    told apart, and the blocks fused (tests/train/test_fused_moe.py holds them to transformers')."""
     from tiny_models import COMMON
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -323,4 +323,4 @@ def test_hunyuan_moe_blocks_are_found_through_their_routers_linear(caplog):
     assert parameters == [] and found["router"] == 2 and found["shared_experts"] == 6
     with caplog.at_level("INFO", logger="shardtune"):
         use_fused_experts(model, layers, "auto")
-    assert "moe experts: transformers' default (HunYuanMoEV1Moe is not one of" in caplog.text
+    assert "moe experts: fused (shardtune's grouped-GEMM block) on 2 MoE layers" in caplog.text
