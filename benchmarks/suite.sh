@@ -42,7 +42,7 @@
 # one H200; then the Qwen3-30B-A3B and GLM-4.5-Air float8 runs against HF, and Qwen3-30B-A3B's default config (bf16)
 # against HF, the routed-expert run (float8) and Mixtral-8x7B (default) against HF; BENCH_ONLY: run names), gemm-share (issue 20's GEMM share of device time: two profiled steps of the MoE
 # shapes whose GEMMs outweigh their attention most, GLM-4.5-Air at 20 layers and Mixtral-8x7B, in the default config
-# and with both float8 options; BENCH_ONLY: run names), ddp-graphs (the CUDA graphs under DDP on 2 GPUs against the same
+# and with both float8 options, and Llama 4 Scout's first 12 layers in the default config; BENCH_ONLY: run names), ddp-graphs (the CUDA graphs under DDP on 2 GPUs against the same
 # layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite,
 # ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too), llama4 (Llama 4
 # Scout's first 12 layers against HF, the same two runs). Each run's bench.json (and profile report, where one is taken) is copied to
@@ -54,12 +54,13 @@ work=${BENCH_WORK:-/tmp/shardtune-bench}
 mkdir -p "$results" "$work"
 export PYTHONUNBUFFERED=1
 
-bench() {  # NAME ARGS...: one `shardtune bench` run into $work/NAME
+bench() {  # NAME ARGS...: one `shardtune bench` run into $work/NAME; fails when it fails or is left out
     local name=$1
     shift
-    # BENCH_ONLY: the names of the runs to make (space-separated), to split a suite over several calls.
+    # BENCH_ONLY: the names of the runs to make (space-separated), to split a suite over several calls. A run left
+    # out returns 2, so that what follows it with && (a profile's report) is left out with it.
     if [[ -n ${BENCH_ONLY:-} && " $BENCH_ONLY " != *" $name "* ]]; then
-        return 0
+        return 2
     fi
     echo "=== $name: shardtune bench $*"
     local started=$SECONDS
@@ -644,13 +645,17 @@ gemm-share)
     # shardtune.bench.profile_share), two profiled steps after warm-up. CUDA graphs off: the same kernels, each
     # launched, and so traced, on its own.
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    # Llama 4 Scout's first 12 layers in bf16 only: its transposed experts have no float8 path.
     for precision in bf16 float8; do
         options=()
+        shapes=(glm-air-20l mixtral)
         [[ $precision == float8 ]] && options=(model.float8_experts=true model.float8_linear=true)
-        for shape in glm-air-20l mixtral; do
+        [[ $precision == bf16 ]] && shapes+=(llama4-scout-12l)
+        for shape in "${shapes[@]}"; do
             case $shape in
             glm-air-20l) model=(--shape glm-4.5-air --layers 20) ;;
             mixtral) model=(--shape mixtral-8x7b) ;;
+            llama4-scout-12l) model=(--shape llama4-scout-17b-16e --layers 12) ;;
             esac
             name=share-$shape-$precision
             bench "$name" "${model[@]}" --seq 4096 --batch 2 --steps 2 --warmup 4 'logging.profile_steps=[3,4]' \
