@@ -59,16 +59,25 @@ def test_expert_counts_and_entropy_equal_a_direct_count(moe_dirs, world, arch):
     assert [block.layer for block in blocks] == expected_layers
     assert all(block.scoring == ("sigmoid" if arch == "glm4_moe" else "softmax") for block in blocks)
     recorder, usage = RoutingRecorder(blocks), ExpertUsage(blocks, torch.device("cpu"))
+    # The reference logits: each block's input times its router's weight, taken apart from the recorder's hooks
+    # (transformers 5.17's GLM-4.5 returns no router_logits).
+    router_logits = []
+    for block in blocks:
+        block.block.register_forward_pre_hook(
+            lambda module, args, router=block.router: router_logits.append(
+                args[0].reshape(-1, args[0].shape[-1]).detach() @ router.weight.detach().t()
+            )
+        )
     batch = padded_batch()
     with recorder.recording(batch.real_tokens):
-        outputs = model(**batch.model_inputs(), output_router_logits=True)
+        model(**batch.model_inputs())
     usage.add(recorder.records, load_balancing_loss(recorder.records))
     record = usage.reduce(world, step=1)
 
     real = batch.real_tokens.reshape(-1)
     assert record["tokens"] == int(real.sum()) == 23 + 9 + 17
-    assert len(outputs.router_logits) == len(blocks)
-    for layer, logits in zip(record["layers"], outputs.router_logits, strict=True):
+    assert len(router_logits) == len(blocks)
+    for layer, logits in zip(record["layers"], router_logits, strict=True):
         block = blocks[record["layers"].index(layer)]
         chosen = direct_choice(model, arch, logits, block.top_k)[real]
         counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
