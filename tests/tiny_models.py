@@ -420,6 +420,24 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "mamba_chunk_size": 16,
     },
     "granitemoe_swa": {**GRANITE_MOE, "sliding_window": 16},
+    # Nemotron-H (Nemotron-3-Nano's layout): DeepSeek-V3's router; ungated experts, down(relu2(up(x))), between a
+    # latent projection down from the hidden size and one back up (Nemotron-3-Super's; Nano's are identities); a Mamba-2
+    # layer, an attention layer and a sparse one.
+    "nemotron_h": {
+        **{key: DEEPSEEK_V3[key] for key in ("tie_word_embeddings", "moe_intermediate_size", "n_routed_experts")},
+        **{key: DEEPSEEK_V3[key] for key in ("num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor")},
+        "layers_block_type": ["linear_attention", "moe", "full_attention"],
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "num_key_value_heads": 2,
+        "moe_shared_expert_intermediate_size": 48,
+        "moe_latent_size": 32,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 8,
+        "n_groups": 2,
+        "chunk_size": 16,
+    },
     # Cohere2-MoE: sigmoid scores of the top-k logits renormalized (its other choice, their softmax, is Mixtral's rule),
     # a shared expert averaged with the routed ones, a dense first layer, attention and MLP in parallel.
     "cohere2_moe": {

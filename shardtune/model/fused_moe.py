@@ -13,10 +13,11 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
   two more grouped low-rank products on the same rows from PEFT's own ``lora_A``/``lora_B`` (W + ΔW is
   never formed);
 - each row's routing weight is applied to its expert's hidden activation, in the one elementwise op that
-  computes SiLU(gate) * up (the down projection is linear, so this equals weighting its output) and that
-  keeps only the gate/up GEMM output for backward: the weight's gradient is a dot product over the expert's
-  width, and the down projection's output rows need not be kept for it (Megatron-LM and torchtitan can
-  weight before the experts the same way). On Qwen3-30B-A3B that is 256 MiB less per layer at 8,192 tokens;
+  computes SiLU(gate) * up (ungated experts: ReLU(up)²) (the down projection is linear, so this equals weighting
+  its output) and that keeps only the gate/up GEMM output for backward: the weight's gradient is a dot product
+  over the expert's width, and the down projection's output rows need not be kept for it (Megatron-LM and
+  torchtitan can weight before the experts the same way). On Qwen3-30B-A3B that is 256 MiB less per layer at
+  8,192 tokens;
 - the sum back to token order is the adjoint of the gather that made the rows: each token's ``top_k`` rows
   summed in fp32, and its backward that gather (for a frozen down projection without LoRA, inside the
   input gradient's GEMM where quack's kernel gathers rows itself: ``ProjectionSummed``).
@@ -94,7 +95,11 @@ TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
 
 # What the routed-expert layouts other than ``silu`` have that float8 experts and expert parallelism do not take.
-UNSHARDED_LAYOUTS = {"clamped_glu": "transposed, biased expert weights", "transposed_silu": "transposed expert weights"}
+UNSHARDED_LAYOUTS = {
+    "clamped_glu": "transposed, biased expert weights",
+    "transposed_silu": "transposed expert weights",
+    "relu2": "ungated experts",
+}
 
 
 # SiLU-gated experts that clamp the gate from above and up on both sides at a limit first (a SwiGLU limit), by class
@@ -108,18 +113,27 @@ def expert_activation(experts: torch.nn.Module) -> str | None:
     the experts have a ``swiglu_limit``), with (E, out, in) weights and no biases (most architectures);
     ``transposed_silu``, the same with (E, in, out) weights (Llama 4's);
     ``clamped_glu``, GPT-OSS's: gate and up interleaved, each clamped at ``limit`` (up on both sides),
-    gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on each projection; None for any
-    other kind."""
+    gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on each projection;
+    ``relu2``, ungated experts: ReLU(up)², an (E, I, H) ``up_proj`` and no gate (Nemotron-H's); None for any other
+    kind."""
     if type(experts).__name__ == "GptOssExperts":
         return "clamped_glu"
     if getattr(experts, "has_bias", False):
         return None
+    if isinstance(getattr(experts, "up_proj", None), torch.Tensor) and not hasattr(experts, "gate_up_proj"):
+        return "relu2" if type(getattr(experts, "act_fn", None)).__name__ == "ReLUSquaredActivation" else None
     if type(experts).__name__ in CLAMPED_SILU_EXPERTS:
         return "silu"
     act_fn = getattr(experts, "act_fn", None)
     if act_fn is F.silu or type(act_fn).__name__ in ("SiLU", "SiLUActivation"):  # LFM2: F.silu itself
         return "transposed_silu" if _weights_transposed(experts) else "silu"
     return None
+
+
+def input_projection(activation: str) -> str:
+    """The name of the routed experts' first projection, for their ``expert_activation``: ungated experts' up_proj,
+    everyone else's gate_up_proj."""
+    return "up_proj" if activation == "relu2" else "gate_up_proj"
 
 
 def _weights_transposed(experts: torch.nn.Module) -> bool:
@@ -145,7 +159,7 @@ def _unsupported(block: MoeBlock) -> str | None:
     if name not in ROUTING_RULES:
         return f"{name} is not one of {', '.join(ROUTING_RULES)}"
     if expert_activation(block.experts) is None:
-        return f"{type(block.experts).__name__} is neither SiLU-gated experts nor GPT-OSS's"
+        return f"{type(block.experts).__name__} is neither SiLU-gated experts, ReLU²-activated ones nor GPT-OSS's"
     return None
 
 
@@ -298,8 +312,10 @@ class FusedMoeBlock(torch.nn.Module):
         self.logits_path = f"{self.router_name}.{linear_name}" if linear_name else self.router_name
         self.shared_name = next((name for name in SHARED_EXPERT_NAMES if name in self._modules), None)
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
+        base_experts = parameter_adapters(self.experts)[0]
+        activation = expert_activation(base_experts)
         # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
-        self.num_routed_experts = parameter_adapters(self.experts)[0].gate_up_proj.shape[0]
+        self.num_routed_experts = getattr(base_experts, input_projection(activation)).shape[0]
         # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
         # its gradient in this block's backward.
         self.trains_balance = False
@@ -310,9 +326,9 @@ class FusedMoeBlock(torch.nn.Module):
         outer = self.experts
         outer.forward = types.MethodType(routed_experts, outer)
         outer.grouped_gemm = grouped_gemm  # the kernel routed_experts computes with (model.grouped_gemm)
-        outer.activation = expert_activation(parameter_adapters(outer)[0])
+        outer.activation = activation
         outer.weights_input = routing.weights_input
-        outer.swiglu_limit = swiglu_limit(parameter_adapters(outer)[0])
+        outer.swiglu_limit = swiglu_limit(base_experts)
         self.second_output = SECOND_OUTPUT.get(self.replaced)
         # Shared experts whose output is averaged with the routed experts', not added to it (Cohere2-MoE's
         # shared_expert_combination_strategy "average").
@@ -330,7 +346,10 @@ class FusedMoeBlock(torch.nn.Module):
         logits, weights, chosen = route(self.get_submodule(self.logits_path), tokens, self.routing, self)
         if self.training:
             weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
-        output = self.experts(tokens, chosen, weights)  # transformers' experts signature
+        if hasattr(self, "fc1_latent_proj"):  # Nemotron-H: the routed experts work in a latent space (or identities)
+            output = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), chosen, weights))
+        else:
+            output = self.experts(tokens, chosen, weights)  # transformers' experts signature
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(tokens)
             if hasattr(self, "shared_expert_gate"):  # the Qwen2-MoE family: each token's share set by a gate
@@ -554,12 +573,11 @@ def routed_experts(
     dispatch = getattr(experts, "expert_dispatch", None)
     backend = experts.grouped_gemm
     float8_backend = getattr(experts, "float8_grouped_gemm", "torch")
-    activation, weights_input = experts.activation, experts.weights_input
-    activation, limit = experts.activation, experts.swiglu_limit
+    activation, weights_input, limit = experts.activation, experts.weights_input, experts.swiglu_limit
     experts, adapters = parameter_adapters(experts)
     # (E, 2I, H), (E, H, I): this rank's experts; transposed (Llama 4's), (E, H, 2I) and (E, I, H), which torch's
-    # grouped GEMM takes as they are (as GPT-OSS's).
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    # grouped GEMM takes as they are (as GPT-OSS's); ungated, an (E, I, H) up projection.
+    gate_up, down = getattr(experts, input_projection(activation)), experts.down_proj
     transposed = activation == "transposed_silu"
     if transposed:
         backend = "torch"
@@ -598,17 +616,22 @@ def routed_experts(
     if dispatch is not None:
         rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
     low_rank = regathered if dispatch is None and not weights_input else None
-    gate_up_adapters = adapters.get("gate_up_proj", [])
+    gate_up_adapters = adapters.get(input_projection(activation), [])
     projected = _projection(
         rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
         transposed, lora_reversed,
     )  # fmt: skip
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
-        fp32 = _silu_precision(projected) == torch.float32
-        return LowRankOfRebuiltRows.apply(hidden, a, bounds, "activated", projected, row_weights, fp32, limit)
+        fp32 = _activation_precision(projected) == torch.float32
+        return LowRankOfRebuiltRows.apply(
+            hidden, a, bounds, "activated", projected, row_weights, fp32, limit, activation
+        )  # fmt: skip
 
-    hidden = WeightedSiluMul.apply(projected, row_weights, limit)
+    if activation == "relu2":
+        hidden = WeightedReluSquared.apply(projected, row_weights)
+    else:
+        hidden = WeightedSiluMul.apply(projected, row_weights, limit)
     down_adapters = adapters.get("down_proj", [])
     if dispatch is None and not down_adapters and not down.requires_grad:
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
@@ -884,7 +907,7 @@ def _weighted_silu_mul_float8(gate_up: torch.Tensor, row_weights: torch.Tensor) 
         and width <= FLOAT8_ROW_TILE
     ):
         return weighted_silu_mul_float8(gate_up.contiguous(), row_weights.contiguous())
-    return rowwise_float8(_weighted_silu_mul(gate_up, row_weights, _silu_precision(gate_up)))
+    return rowwise_float8(_weighted_silu_mul(gate_up, row_weights, _activation_precision(gate_up)))
 
 
 def _weighted_silu_mul_backward_float8(
@@ -922,8 +945,9 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
       block's input gathered by expert (pairs x hidden: 256 MiB a layer for Qwen3-30B-A3B at 8,192 tokens;
       the input itself is top_k times smaller);
     - ``"activated"`` (sources: the gate/up output, the rows' routing weights, whether forward computed in
-      fp32, the SwiGLU limit or None): the down projection's rows are :class:`WeightedSiluMul` of the gate/up
-      output, which its own backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
+      fp32, the SwiGLU limit or None, the ``expert_activation``): the down projection's rows are
+      :class:`WeightedSiluMul` (ungated experts: :class:`WeightedReluSquared`) of the gate/up output, which its own
+      backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
     """
 
     @staticmethod
@@ -965,14 +989,15 @@ def reactivated_weight_grad(
     a: torch.Tensor,
     fp32: bool,
     limit: float | None,
+    activation: str,
 ) -> torch.Tensor:
-    """``rows_e^T @ grad_e`` for each expert e, the rows computed from the gate/up output again (clamped at the
-    SwiGLU ``limit`` where there is one), in the precision forward computed them in (fp32: compiled forward, and
-    compiled here too)."""
+    """``rows_e^T @ grad_e`` for each expert e, the rows computed from the gate/up output again by the experts'
+    ``activation`` (clamped at the SwiGLU ``limit`` where there is one), in the precision forward computed them in
+    (fp32: compiled forward, and compiled here too)."""
     rows = (
-        _compiled_weighted_silu_mul()(gate_up, row_weights, limit=limit)
+        _compiled_weighted_activation()(gate_up, row_weights, limit=limit, activation=activation)
         if fp32
-        else _weighted_silu_mul(gate_up, row_weights, gate_up.dtype, limit)
+        else _weighted_activation(gate_up, row_weights, gate_up.dtype, limit, activation)
     )
     return _low_rank_weight_grad(rows.to(a.dtype), a, bounds, grad)
 
@@ -988,13 +1013,13 @@ def _low_rank_weight_grad(
 
 
 @functools.cache
-def _compiled_weighted_silu_mul() -> Callable:
+def _compiled_weighted_activation() -> Callable:
     # One fused kernel: run op by op in fp32, the recomputation read and wrote every row 6 times and cost 8.5% of
     # a step (Qwen3-30B-A3B, LoRA on the routed experts, one H200: 15,432 against 16,734 tokens/s). Shapes are
     # left to dynamo, which makes only a dimension that changes symbolic (the rows, under expert parallelism):
     # compiled with dynamic=True, the width was symbolic too, every element's index a 64-bit division by a
     # run-time value, and the kernel took 196 against 74 us at Qwen3-30B-A3B's shape (one H200).
-    return torch.compile(functools.partial(_weighted_silu_mul, compute=torch.float32))
+    return torch.compile(functools.partial(_weighted_activation, compute=torch.float32))
 
 
 @regathered_weight_grad.register_fake
@@ -1003,7 +1028,7 @@ def _(tokens, order, grad, bounds, a, top_k):
 
 
 @reactivated_weight_grad.register_fake
-def _(gate_up, row_weights, grad, bounds, a, fp32, limit):
+def _(gate_up, row_weights, grad, bounds, a, fp32, limit, activation):
     return a.new_empty(a.shape)
 
 
@@ -1023,7 +1048,7 @@ class WeightedSiluMul(torch.autograd.Function):
     def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         ctx.save_for_backward(gate_up, row_weights)
         ctx.limit = limit
-        return _weighted_silu_mul(gate_up, row_weights, _silu_precision(gate_up), limit)
+        return _weighted_silu_mul(gate_up, row_weights, _activation_precision(gate_up), limit)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -1036,7 +1061,7 @@ def _weighted_silu_mul_backward(
     """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (without a limit), torch ops elsewhere."""
     if weighted_silu_mul_backward is not None and limit is None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
         return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _silu_precision(gate_up), limit)
+    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _activation_precision(gate_up), limit)
 
 
 def weighted_silu_mul_backward_ops(
@@ -1064,9 +1089,19 @@ def weighted_silu_mul_backward_ops(
     return torch.cat([grad_gate, grad_up], dim=-1).to(gate_up.dtype), grad_weights
 
 
-def _silu_precision(gate_up: torch.Tensor) -> torch.dtype:
-    """The dtype WeightedSiluMul computes in (see there)."""
+def _activation_precision(gate_up: torch.Tensor) -> torch.dtype:
+    """The dtype WeightedSiluMul and WeightedReluSquared compute in (see WeightedSiluMul)."""
     return torch.float32 if torch.compiler.is_compiling() else gate_up.dtype
+
+
+def _weighted_activation(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype, limit: float | None, activation: str
+) -> torch.Tensor:
+    """The down projection's rows by the experts' ``activation`` (``expert_activation``): WeightedSiluMul's or
+    WeightedReluSquared's forward."""
+    if activation == "relu2":
+        return _weighted_relu_squared(gate_up, row_weights, compute)
+    return _weighted_silu_mul(gate_up, row_weights, compute, limit)
 
 
 def _weighted_silu_mul(
@@ -1085,3 +1120,27 @@ def _silu_operands(
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return gate, up, row_weights.to(compute).unsqueeze(-1)
+
+
+class WeightedReluSquared(torch.autograd.Function):
+    """weight * ReLU(up)² for each row of an ungated experts' up projection output and the row's fp32 routing weight
+    (``expert_activation``: ``relu2``), as :class:`WeightedSiluMul` computes the gated ones': backward keeps only the
+    GEMM output (and the weights), in the same precision. Its backward is torch ops everywhere (the Triton kernel
+    computes SiLU)."""
+
+    @staticmethod
+    def forward(ctx, up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(up, row_weights)
+        return _weighted_relu_squared(up, row_weights, _activation_precision(up))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        up, row_weights = ctx.saved_tensors
+        compute = _activation_precision(up)
+        relu, weights, grad = F.relu(up.to(compute)), row_weights.to(compute).unsqueeze(-1), grad.to(compute)
+        grad_weights = (grad * relu.square()).sum(dim=-1, dtype=torch.float32)
+        return (grad * weights * 2 * relu).to(up.dtype), grad_weights
+
+
+def _weighted_relu_squared(up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    return (F.relu(up.to(compute)).square() * row_weights.to(compute).unsqueeze(-1)).to(up.dtype)

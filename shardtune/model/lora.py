@@ -75,7 +75,9 @@ def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> 
             return "shared_experts"
         if inside == block.router_name:
             return "router"
-        return "routed_experts"  # per-expert nn.Linear modules (older layouts)
+        # Per-expert nn.Linear modules (older layouts), or the projections into and out of the routed experts' latent
+        # space (Nemotron-H's fc1_latent_proj and fc2_latent_proj), which only the routed experts' path passes through.
+        return "routed_experts"
     name = path.split(".")[0]
     # Token mixers: softmax attention, and those of hybrid models: linear attention (Qwen3-Next's linear_attn) and
     # short convolutions (LFM2's ShortConv, whose in_proj and out_proj are its linear layers).

@@ -170,6 +170,9 @@ ROUTING_RULES = {
     "HYV4MoE": _deepseek_v3_rule,
     "MiMoV2FlashMoE": _deepseek_v3_rule,
     "BailingHybridMoE": _deepseek_v3_rule,
+    # Nemotron-H: ungated ReLU² experts (fused_moe.expert_activation), between latent projections where the config
+    # has a moe_latent_size (FusedMoeBlock.forward).
+    "NemotronHMoE": _deepseek_v3_rule,
     # MiniMax-M2: sigmoid scores renormalized, no groups or scaling; its correction bias is the block's buffer.
     "MiniMaxM2SparseMoeBlock": lambda router: Routing("sigmoid", router.top_k, normalize=True),
     # Hy3: MiniMax-M2's block with the weights scaled (router_scaling_factor) and a shared expert.

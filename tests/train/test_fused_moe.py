@@ -36,7 +36,7 @@ SHARED = {"glm4_moe": "added", "deepseek_v3": "added", "glm4_moe_lite": "added",
           "solar_open": "added", "deepseek_v32": "added", "kimi_linear": "added", "dots3_note_text": "added",
           "llama4_text": "added", "hunyuan_v1_moe": "added", "bailing_hybrid": "added", "hy_v3": "added",
           "afmoe": "added", "hy_v4": "added", "axk1": "added", "axk2": "added", "flint": "added", "kolibri1": "added",
-          "laguna": "added", "lara_mini": "added",
+          "laguna": "added", "lara_mini": "added", "nemotron_h": "added",
           "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated",
           "qwen4_exp_text": "gated", "cohere2_moe": "averaged"}  # fmt: skip
 
@@ -286,7 +286,7 @@ def assert_same_records(mine: list, theirs: list) -> None:
 SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "minimax_m2": "sigmoid", "ernie4_5_moe": "softmax",
            "lfm2_moe": "sigmoid", "granitemoe": "softmax", "gpt_oss": "softmax", "hunyuan_v1_moe": "softmax",
            "afmoe": "sigmoid", "laguna": "sigmoid", "kolibri1": "sigmoid", "flint": "sigmoid",
-           "cohere2_moe": "sigmoid", "jamba": "softmax", "llama4_text": "sigmoid"}  # fmt: skip
+           "cohere2_moe": "sigmoid", "jamba": "softmax", "llama4_text": "sigmoid", "nemotron_h": "sigmoid"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", [arch for arch in SCORING if arch in ARCHS])
@@ -594,8 +594,8 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
         # softmax router's correction bias), LFM2-MoE (its block's bias; short convolutions), Granite-MoE, GPT-OSS,
         # A.X-K1 (a normalized block output), Flint (an ungated shared expert), Kolibri-1 (a correction bias on the
         # logits), Laguna (capped logits, the block's scaling), Cohere2-MoE (averaged shared experts), Llama 4 (the
-        # weights on the experts' input; transposed experts), HY-V4 (a SwiGLU limit) and AFMoE (a router holding its
-        # logits' Linear).
+        # weights on the experts' input; transposed experts), HY-V4 (a SwiGLU limit), AFMoE (a router holding its
+        # logits' Linear) and Nemotron-H (ungated ReLU² experts in a latent space; Mamba-2 layers).
         *(
             pytest.param(arch, targets, marks=pytest.mark.variants)
             for arch, targets in [
@@ -612,6 +612,7 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
                 ("llama4_text", "[attention,routed_experts,shared_experts,router]"),
                 ("hy_v4", "[attention,routed_experts]"),
                 ("afmoe", "[attention,routed_experts,router]"),
+                ("nemotron_h", "[attention,routed_experts,shared_experts,router]"),
             ]
             if arch in ARCHS
         ),
@@ -1013,17 +1014,23 @@ def test_lora_on_attention_adapts_a_hybrid_models_short_convolutions(moe_dirs):
     assert adapted == attention | {"1.conv.in_proj", "1.conv.out_proj"}
 
 
-@pytest.mark.skipif("gpt_oss" not in ARCHS, reason="this transformers has no GPT-OSS")
-def test_gpt_oss_experts_have_no_float8_or_expert_parallel_path_and_say_so(moe_dirs):
+@pytest.mark.parametrize(
+    ("arch", "experts", "layout", "block"),
+    [
+        ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP"),
+        ("nemotron_h", "NemotronHExperts", "ungated experts", "NemotronHMoE"),
+    ],
+)
+def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):
     from shardtune.distributed.expert_parallel import shard_experts
     from shardtune.distributed.mesh import ParallelDims
     from shardtune.model.fused_moe import use_float8_experts
 
-    fused = fused_copy(build(moe_dirs["gpt_oss"]))
-    with pytest.raises(
-        ConfigError, match=r"^model.float8_experts: GptOssExperts \(transposed, biased expert weights\) "
-    ):
+    if arch not in ARCHS:
+        pytest.skip(f"this transformers has no {arch}")
+    fused = fused_copy(build(moe_dirs[arch]))
+    with pytest.raises(ConfigError, match=rf"^model.float8_experts: {experts} \({layout}\) has no float8 path"):
         use_float8_experts(fused)
     dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
-    with pytest.raises(ConfigError, match=r"^parallel.expert_parallel_size: 2 does not shard GptOssMLP's experts"):
+    with pytest.raises(ConfigError, match=rf"^parallel.expert_parallel_size: 2 does not shard {block}'s experts"):
         shard_experts(fused, dims)
