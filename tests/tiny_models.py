@@ -438,6 +438,32 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "n_groups": 2,
         "chunk_size": 16,
     },
+    # DeepSeek-V4: the square roots of the logits' softplus, chosen with a correction bias, renormalized and scaled, in
+    # its second layer; in its first (mlp_layer_types "hash_moe") the experts are its router's table's at the token
+    # ids; experts with a SwiGLU limit low enough to act here, a shared expert; hyper-connections of 2 streams,
+    # attention with one key-value head over a sliding window and compressed keys (CSA with an indexer, HCA).
+    "deepseek_v4": {
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "num_key_value_heads": 1,
+        "partial_rotary_factor": 0.5,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 2.5,
+        "swiglu_limit": 0.05,
+        "mlp_layer_types": ["hash_moe", "moe"],
+        "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "sliding_window": 16,
+        "hc_mult": 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 16,
+    },
     # Cohere2-MoE: sigmoid scores of the top-k logits renormalized (its other choice, their softmax, is Mixtral's rule),
     # a shared expert averaged with the routed ones, a dense first layer, attention and MLP in parallel.
     "cohere2_moe": {

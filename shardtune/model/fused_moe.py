@@ -56,6 +56,7 @@ from shardtune.model.grouped_gemm import (
 )
 from shardtune.model.moe import (
     ROUTING_RULES,
+    SCORING_FUNCTIONS,
     SHARED_EXPERT_NAMES,
     MoeBlock,
     Routing,
@@ -104,7 +105,7 @@ UNSHARDED_LAYOUTS = {
 
 # SiLU-gated experts that clamp the gate from above and up on both sides at a limit first (a SwiGLU limit), by class
 # name: the attribute that holds the limit. HY-V4's call F.silu themselves (no act_fn).
-CLAMPED_SILU_EXPERTS = {"HYV4Experts": "swiglu_limit"}
+CLAMPED_SILU_EXPERTS = {"HYV4Experts": "swiglu_limit", "DeepseekV4Experts": "limit"}
 
 
 def expert_activation(experts: torch.nn.Module) -> str | None:
@@ -337,13 +338,15 @@ class FusedMoeBlock(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"replaces={self.replaced}, {self.routing}"
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output; ``input_ids``, the tokens' ids, as the decoder layer of a block that routes by them
+        passes them (``Routing.choice_table``: DeepSeek-V4's hash layers)."""
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input noise
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
-        logits, weights, chosen = route(self.get_submodule(self.logits_path), tokens, self.routing, self)
+        logits, weights, chosen = route(self.get_submodule(self.logits_path), tokens, self.routing, self, input_ids)
         if self.training:
             weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         if hasattr(self, "fc1_latent_proj"):  # Nemotron-H: the routed experts work in a latent space (or identities)
@@ -477,11 +480,16 @@ def _compute_dtype(weight: torch.Tensor, tokens: torch.Tensor) -> torch.dtype:
 
 
 def route(
-    router: torch.nn.Module, tokens: torch.Tensor, routing: Routing, block: torch.nn.Module | None = None
+    router: torch.nn.Module,
+    tokens: torch.Tensor,
+    routing: Routing,
+    block: torch.nn.Module | None = None,
+    input_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)) by ``routing``'s
     rule; ``router`` computes the logits (its weight, and a bias where it has one), under PEFT's adapters. A
-    router's correction bias is its own or its ``block``'s (``moe.correction_bias``)."""
+    router's correction bias is its own or its ``block``'s (``moe.correction_bias``). ``input_ids``, the tokens'
+    ids in the same order, are where a ``routing.choice_table`` of the router's looks the experts up."""
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
@@ -492,26 +500,41 @@ def route(
             logits = logits + F.linear(F.linear(dropout(tokens.float()), lora_a.float()), lora_b.float()) * scaling
         if routing.logit_softcap > 0:  # the capped logits are the router's: its hooks record them
             logits = torch.tanh(logits / routing.logit_softcap) * routing.logit_softcap
-        scores = logits.softmax(dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
-        bias = correction_bias(router, block)
-        for_choice = logits if routing.bias_on == "logits" else scores
-        if bias is not None:
-            for_choice = for_choice + bias.float()
-        if routing.groups > 1:
-            grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
-            if routing.group_score == "max":
-                group_scores = grouped.amax(dim=-1)
-            else:
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            best_groups = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-            for_choice = grouped.masked_fill(~keep.unsqueeze(-1), routing.masked_score).view_as(scores)
-        # Best first as softmax routers' torch.topk returns them (it decides only the order of a token's sum).
-        chosen = top_k_experts(for_choice, routing.top_k, best_first=routing.scoring == "softmax")
+        scores = SCORING_FUNCTIONS[routing.scoring](logits)
+        if routing.choice_table is not None:
+            if input_ids is None:
+                raise ValueError(
+                    f"{type(router).__name__} chooses experts by token id ({routing.choice_table}): the block needs "
+                    "the tokens' input_ids"
+                )
+            chosen = getattr(router, routing.choice_table)[input_ids.reshape(-1)].long()
+        else:
+            chosen = _best_experts(logits, scores, routing, correction_bias(router, block))
         weights = scores.gather(1, chosen)
         if routing.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.epsilon)
         return logits, weights * routing.scaling, chosen
+
+
+def _best_experts(
+    logits: torch.Tensor, scores: torch.Tensor, routing: Routing, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Each token's ``routing.top_k`` experts by their scores (or logits) plus the correction ``bias``, among the best
+    groups (``Routing``)."""
+    for_choice = logits if routing.bias_on == "logits" else scores
+    if bias is not None:
+        for_choice = for_choice + bias.float()
+    if routing.groups > 1:
+        grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
+        if routing.group_score == "max":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        for_choice = grouped.masked_fill(~keep.unsqueeze(-1), routing.masked_score).view_as(scores)
+    # Best first as softmax routers' torch.topk returns them (it decides only the order of a token's sum).
+    return top_k_experts(for_choice, routing.top_k, best_first=routing.scoring == "softmax")
 
 
 def top_k_experts(scores: torch.Tensor, top_k: int, best_first: bool = True) -> torch.Tensor:

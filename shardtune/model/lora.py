@@ -39,9 +39,7 @@ def moe_lora_targets(
     for index, layer in enumerate(layers):
         block = block_of_layer.get(index)
         for path, module in layer.named_modules():
-            if isinstance(module, torch.nn.Linear) and (
-                block is None or module is not block.router or _linear_router(block)
-            ):
+            if _adapted_as_module(module) and (block is None or module is not block.router or _linear_router(block)):
                 group = _linear_group(layer, path, block)
                 found[group] += 1
                 if group in groups:
@@ -64,7 +62,15 @@ def _linear_router(block: MoeBlock) -> bool:
     """Whether PEFT adapts the block's router as a Linear module; otherwise as its weight parameter, also for a Linear
     whose forward returns more than its product (Llama 4's router returns its scores and logits, which PEFT's LoRA
     layer cannot add its term to)."""
-    return type(block.router) is torch.nn.Linear
+    return _adapted_as_module(block.router)
+
+
+def _adapted_as_module(module: torch.nn.Module) -> bool:
+    """Whether PEFT's LoRA layer can adapt ``module`` as a Linear, adding its low-rank product of the input to the
+    output: a Linear whose forward is Linear's own. Others with a forward of their own are left out of the module
+    groups: DeepSeek-V4's grouped output projection (o_a_proj) multiplies each head group by its own rows of the
+    weight, which a product of the whole input does not match; a router's is adapted through its weight instead."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
 def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:

@@ -29,18 +29,29 @@ LOGITS_LINEAR_NAMES = ("wg", "gate")
 SCORES_BEFORE_LOGITS = ("Llama4Router",)
 SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the last: Hunyuan-MoE's
 
+# How routers turn fp32 logits into scores (``Routing.scoring``): a softmax over the experts, or a score of each expert
+# of its own, its sigmoid or the square root of its softplus (DeepSeek-V4's scoring_func "sqrtsoftplus"). Each keeps
+# the order of the logits.
+SCORING_FUNCTIONS = {
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: torch.nn.functional.softplus(logits).sqrt(),
+}
+
 
 @dataclass(frozen=True)
 class Routing:
     """How one architecture's router turns logits into (weights, experts) per token.
 
-    ``scoring``: the scores are a softmax over all experts, or a sigmoid of each, of the logits first capped at
-    ``logit_softcap`` by ``tanh`` where it is positive (Laguna). The choice is the ``top_k`` best scores plus the
-    router's correction bias where it has one (``correction_bias``: GLM, DeepSeek-V3, ERNIE 4.5, LFM2), or the best
-    logits plus it (``bias_on="logits"``: Kolibri-1), among the ``topk_group`` best of ``groups`` expert groups, a
-    group scored by the sum of its two best (``group_score="top2"``: DeepSeek-V3, GLM) or its best (``"max"``:
-    DeepSeek-V2); the experts of the other groups compete with ``masked_score`` (-inf: never chosen; A.X-K2's 0
-    beats an expert of a chosen group whose biased score is below it). The weights are the chosen plain scores,
+    ``scoring``: the scores are a softmax over all experts, or a function of each (``SCORING_FUNCTIONS``), of the
+    logits first capped at ``logit_softcap`` by ``tanh`` where it is positive (Laguna). The choice is the ``top_k``
+    best scores plus the router's correction bias where it has one (``correction_bias``: GLM, DeepSeek-V3, ERNIE 4.5,
+    LFM2), or the best logits plus it (``bias_on="logits"``: Kolibri-1), among the ``topk_group`` best of ``groups``
+    expert groups, a group scored by the sum of its two best (``group_score="top2"``: DeepSeek-V3, GLM) or its best
+    (``"max"``: DeepSeek-V2); the experts of the other groups compete with ``masked_score`` (-inf: never chosen;
+    A.X-K2's 0 beats an expert of a chosen group whose biased score is below it). With a ``choice_table``, the name
+    of a (vocab, top_k) table the router holds, the choice is instead the table's row at the token's id (hash
+    routing: DeepSeek-V4's frozen tid2eid), whatever the scores. The weights are the chosen plain scores,
     divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``. They scale each chosen expert's
     output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the two differ).
     """
@@ -57,6 +68,7 @@ class Routing:
     logit_softcap: float = 0.0
     bias_on: str = "scores"
     masked_score: float = float("-inf")
+    choice_table: str | None = None
 
 
 def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
@@ -115,6 +127,22 @@ def _deepseek_v2_rule(router: torch.nn.Module) -> Routing:
     )
 
 
+def _deepseek_v4_rule(router: torch.nn.Module) -> Routing:
+    """DeepSeek-V3's rule without groups, always renormalized (norm_topk_prob aside), on the scores of the router's
+    ``score_fn`` (scoring_func: ``sqrtsoftplus`` or ``sigmoid``; transformers' ACT2FN has no ``softmax``, the config's
+    third value). The hash layers' router (DeepseekV4HashRouter) takes the experts from its table ``tid2eid`` at the
+    token ids instead, and has no correction bias."""
+    scoring = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}[type(router.score_fn).__name__]
+    return Routing(
+        scoring,
+        router.top_k,
+        normalize=True,
+        scaling=float(router.routed_scaling_factor),
+        epsilon=1e-20,
+        choice_table="tid2eid" if hasattr(router, "tid2eid") else None,
+    )
+
+
 def _lfm2_rule(router: torch.nn.Module) -> Routing:
     return Routing(
         "sigmoid",
@@ -170,6 +198,9 @@ ROUTING_RULES = {
     "HYV4MoE": _deepseek_v3_rule,
     "MiMoV2FlashMoE": _deepseek_v3_rule,
     "BailingHybridMoE": _deepseek_v3_rule,
+    # DeepSeek-V4: square roots of softplus scores; hash routing in its first layers (mlp_layer_types "hash_moe"),
+    # whose blocks take the input ids (FusedMoeBlock.forward); experts with a SwiGLU limit.
+    "DeepseekV4SparseMoeBlock": _deepseek_v4_rule,
     # Nemotron-H: ungated ReLU² experts (fused_moe.expert_activation), between latent projections where the config
     # has a moe_latent_size (FusedMoeBlock.forward).
     "NemotronHMoE": _deepseek_v3_rule,
@@ -252,8 +283,8 @@ class MoeBlock:
     shared_name: str | None  # child name of its shared experts, if it has any
     num_experts: int
     top_k: int
-    # Softmax routers (Qwen3-MoE, Mixtral) or sigmoid ones (GLM-4.5, DeepSeek-V3): it decides how router
-    # logits become per-expert probabilities.
+    # Softmax routers (Qwen3-MoE, Mixtral), sigmoid ones (GLM-4.5, DeepSeek-V3) or others (SCORING_FUNCTIONS): it
+    # decides how router logits become per-expert probabilities.
     scoring: str
 
     @property
@@ -317,9 +348,9 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
 
 
 def _scoring(block: torch.nn.Module, router: torch.nn.Module) -> str:
-    """``softmax`` or ``sigmoid``: the rule's, or for a block without one, sigmoid where a correction bias marks
-    the router (``block``'s router child) as DeepSeek-V3's (the rules' own blocks aside, such routers are all
-    sigmoid ones)."""
+    """The scoring (``SCORING_FUNCTIONS``): the rule's, or for a block without one, sigmoid where a correction bias
+    marks the router (``block``'s router child) as DeepSeek-V3's (the rules' own blocks aside, such routers are all
+    sigmoid ones), else softmax."""
     rule = routing_rule(block, router)
     if rule is not None:
         return rule.scoring
@@ -346,15 +377,14 @@ def _strip_wrappers(path: str) -> str:
 def routing_probabilities(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     """Per-token probability over experts, in fp32.
 
-    Softmax routers: the softmax of the logits. Sigmoid routers score each expert independently; their
-    scores normalized over the experts are the distribution (as Megatron-LM computes the balancing loss
-    and entropy for them).
+    Softmax routers: the softmax of the logits. Routers that score each expert independently (sigmoid,
+    DeepSeek-V4's sqrtsoftplus): their scores normalized over the experts are the distribution (as Megatron-LM
+    computes the balancing loss and entropy for sigmoid routers).
     """
-    logits = logits.float()
-    if scoring == "sigmoid":
-        scores = logits.sigmoid()
-        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    return logits.softmax(dim=-1)
+    scores = SCORING_FUNCTIONS[scoring](logits.float())
+    if scoring == "softmax":
+        return scores
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
 def token_statistics(probabilities: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -455,9 +485,10 @@ class RoutingRecorder:
                 parts = parts[::-1]
             logits = next(part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts)
             logits = logits.reshape(-1, block.num_experts)
-            chosen = next((part for part in parts if not part.is_floating_point()), None)  # the router's own
+            # The router's own choice: DeepSeek-V4's hash routers return their table's.
+            chosen = next((part for part in parts if not part.is_floating_point()), None)
             if chosen is None:
-                with torch.no_grad():  # softmax and sigmoid keep the order of the logits
+                with torch.no_grad():  # every scoring keeps the order of the logits
                     chosen = logits.topk(block.top_k, dim=-1).indices
             self._routed.append((block, logits, chosen.reshape(-1, block.top_k)))
 
