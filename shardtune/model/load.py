@@ -133,9 +133,10 @@ def check_experts_implementation(model_config: PretrainedConfig, requested: str 
     """A choice among transformers' own experts (``model.experts_implementation: grouped_mm`` or ``batched_mm``)
     needs an architecture whose experts offer them (Llama 4's and Phi-3.5-MoE's do not); else a config error
     instead of transformers' traceback at load time."""
+    if requested not in ("grouped_mm", "batched_mm"):
+        return
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
-    choosable = model_class is None or model_class._can_set_experts_implementation()
-    if requested in ("grouped_mm", "batched_mm") and not choosable:
+    if model_class is not None and not model_class._can_set_experts_implementation():
         raise ConfigError(
             f"model.experts_implementation: {model_class.__name__} has no {requested} experts in transformers; "
             "set it to auto (shardtune's fused block, where it runs) or eager"

@@ -39,7 +39,7 @@ def moe_lora_targets(
     for index, layer in enumerate(layers):
         block = block_of_layer.get(index)
         for path, module in layer.named_modules():
-            if _adapted_as_module(module) and (block is None or module is not block.router or _linear_router(block)):
+            if _adapted_as_module(module):
                 group = _linear_group(layer, path, block)
                 found[group] += 1
                 if group in groups:
@@ -51,25 +51,19 @@ def moe_lora_targets(
                 found["routed_experts"] += 1
                 if "routed_experts" in groups:
                     chosen_parameters.add(f"{block.path}.experts.{name}")
-        if not _linear_router(block):
+        if not _adapted_as_module(block.router):
             found["router"] += 1
             if "router" in groups:
                 chosen_parameters.add(f"{block.path}.{block.router_name}.weight")
     return sorted(chosen_modules), sorted(chosen_parameters), found
 
 
-def _linear_router(block: MoeBlock) -> bool:
-    """Whether PEFT adapts the block's router as a Linear module; otherwise as its weight parameter, also for a Linear
-    whose forward returns more than its product (Llama 4's router returns its scores and logits, which PEFT's LoRA
-    layer cannot add its term to)."""
-    return _adapted_as_module(block.router)
-
-
 def _adapted_as_module(module: torch.nn.Module) -> bool:
     """Whether PEFT's LoRA layer can adapt ``module`` as a Linear, adding its low-rank product of the input to the
     output: a Linear whose forward is Linear's own. Others with a forward of their own are left out of the module
     groups: DeepSeek-V4's grouped output projection (o_a_proj) multiplies each head group by its own rows of the
-    weight, which a product of the whole input does not match; a router's is adapted through its weight instead."""
+    weight, which a product of the whole input does not match. A router that is no such Linear is adapted through its
+    weight instead (Llama 4's returns its scores and logits, to which PEFT's LoRA layer cannot add its term)."""
     return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 

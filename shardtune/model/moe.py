@@ -288,9 +288,15 @@ class MoeBlock:
     scoring: str
 
     @property
+    def router_child(self) -> torch.nn.Module:
+        """The block's router child under no wrapper: ``router`` itself, or the module that holds it as its logits'
+        Linear (``logits_linear_name``), which holds the rule's settings and returns the router's choice."""
+        return _children(self.block)[self.router_name]
+
+    @property
     def routing(self) -> Routing | None:
-        """How the block routes (``routing_rule``, with its router child, which holds top_k)."""
-        return routing_rule(self.block, _children(self.block)[self.router_name])
+        """How the block routes (``routing_rule``)."""
+        return routing_rule(self.block, self.router_child)
 
 
 def _inner(module: torch.nn.Module) -> torch.nn.Module:
@@ -466,7 +472,7 @@ class RoutingRecorder:
             if block not in self._reporting:
                 # The router child itself, which returns its choice where a Linear it holds (Hunyuan-MoE's, AFMoE's)
                 # returns only the logits: AFMoE's choice takes its correction bias.
-                _children(block.block)[block.router_name].register_forward_hook(self._hook(block))
+                block.router_child.register_forward_hook(self._hook(block))
         # A compiled, checkpointed layer would otherwise replay the hooks' recording in backward (or,
         # without this option in older torch, break the layer's graph there): recording is forward-only.
         import torch._dynamo
