@@ -550,3 +550,29 @@ def test_expert_parallel_sizes_that_do_not_fit_the_cluster_are_one_line(capsys, 
                        "--gpus-per-node", "8", f"parallel.expert_parallel_size={size}")  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"shardtune: error: {error}")
+
+
+@pytest.mark.parametrize(
+    ("arch", "gated"),
+    [("qwen3_moe", True), ("llama4_text", True), ("gpt_oss", True), ("nemotron_h", False)],
+    ids=["silu", "transposed_silu", "clamped_glu", "relu2"],
+)
+def test_routed_rows_and_expert_adapters_are_read_from_each_expert_layout(tmp_path, arch, gated):
+    # What a routed row keeps for backward is its first projection's output: [gate | up] for gated experts, up alone
+    # for ungated ones (Nemotron-H's up_proj, which LoRA on the routed experts adapts in place of gate_up_proj).
+    import torch
+    from tiny_models import write_tiny_model
+
+    from shardtune.config import load_config
+    from shardtune.plan.shape import model_shape_on
+
+    directory = write_tiny_model(tmp_path / arch, arch)
+    overrides = [f"model.name_or_path={directory}", "lora.r=8", "lora.target_modules=null", "lora.lora_dropout=0",
+                 "lora.moe_targets=[attention,routed_experts]"]  # fmt: skip
+    config = load_config(QUICKSTART, overrides, check_paths=False)
+    shape = model_shape_on(config, torch.device("cpu"))
+    model_config = json.loads((directory / "config.json").read_text())
+    width = model_config.get("moe_intermediate_size") or model_config["intermediate_size"]  # Llama 4's, GPT-OSS's
+    moe_layers = shape.moe_layers
+    assert moe_layers and all(layer.expert_row_width == (2 if gated else 1) * width for layer in moe_layers)
+    assert all(layer.expert_adapter_rank == 8 for layer in moe_layers)

@@ -147,6 +147,17 @@ def _weights_transposed(experts: torch.nn.Module) -> bool:
     return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.shape[1] == down.shape[2]
 
 
+def expert_row_width(experts: torch.nn.Module) -> int | None:
+    """What one routed row's first projection gives per expert of ``experts`` (transformers' module, under no
+    wrapper): gated experts' [gate | up], 2I wide, ungated ones' up, I wide; None for a layout the fused block does not
+    compute (``expert_activation``)."""
+    activation = expert_activation(experts)
+    if activation is None:
+        return None
+    weight = getattr(experts, input_projection(activation))
+    return weight.shape[2] if _weights_transposed(experts) else weight.shape[1]
+
+
 def swiglu_limit(experts: torch.nn.Module) -> float | None:
     """The limit SiLU-gated ``experts`` (transformers' module, under no wrapper) clamp their gate and up at, or None
     (``CLAMPED_SILU_EXPERTS``)."""

@@ -108,9 +108,10 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       ``benchmarks/layer_recompute.py``: recomputing the attention frees 44.5 kB a token, 9.7 kB more than
       counted without this term);
     - dense MLP 2h + 3I: the residual, its normalized copy, gate, up and their product (SiLU recomputed);
-    - MoE block 2h + 2km + 3s: per chosen expert (k of them, m wide) its gate/up output (the routing weight
-      multiplies the hidden activation, so the down projection's output rows are not kept, and frozen experts
-      need no GEMM input), the shared experts (s wide) as a dense MLP; and the router's fp32 logits over the
+    - MoE block 2h + km' + 3s: per chosen expert (k of them, m wide) its first projection's output, m' wide
+      (gated experts' gate/up, 2m; ungated ones' up, m: Nemotron-H's) (the routing weight multiplies the
+      hidden activation, so the down projection's output rows are not kept, and frozen experts need no GEMM
+      input), the shared experts (s wide) as a dense MLP; and the router's fp32 logits over the
       experts; with LoRA (rank r) on the routed experts also 2kr': the low-rank products, the rank padded to
       r' (a multiple of 8). lora_A's inputs are built again in backward (on gate/up gathered from the
       block's input, on down computed from the gate/up output), except under expert parallelism, where the
@@ -128,7 +129,7 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
     attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0)) * e
     if layer.num_experts:
-        elements = 2 * h + 2 * layer.top_k * layer.expert_width + 3 * layer.shared_width
+        elements = 2 * h + layer.top_k * layer.expert_row_width + 3 * layer.shared_width
         if layer.expert_adapter_rank:
             padded_rank = layer.expert_adapter_rank + -layer.expert_adapter_rank % 8
             elements += layer.top_k * 2 * padded_rank

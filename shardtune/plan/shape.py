@@ -34,12 +34,12 @@ class LayerShape:
     """One decoder layer: the widths its activations have per token, and its FSDP units' sizes."""
 
     mlp_width: int  # a dense layer's MLP intermediate width; 0 in an MoE layer
-    expert_width: int  # MoE: one routed expert's intermediate width
+    expert_row_width: int  # MoE: one routed row's first projection output (gated experts' 2I, ungated ones' I)
     top_k: int  # MoE: routed experts per token
     num_experts: int  # MoE: routed experts (0: a dense layer)
     shared_width: int  # MoE: the shared experts' intermediate width
     adapter_inputs: int  # LoRA: the input features of its adapted linear layers, summed (dropout copies them)
-    expert_adapter_rank: int  # LoRA on the routed experts' gate/up projection: its rank (0: none)
+    expert_adapter_rank: int  # LoRA on the routed experts' first projection (gate/up, or up): its rank (0: none)
     params: int  # parameters outside its routed experts: one FSDP unit
     expert_params: int  # its routed experts' parameters: an FSDP unit of their own
     sublayers: bool = True  # its attention and its MLP are modules of their own (``layer_sublayers``)
@@ -84,7 +84,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     from shardtune.distributed.activations import layer_sublayers
     from shardtune.distributed.parallelize import decoder_layers
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
-    from shardtune.model.fused_moe import parameter_adapters
+    from shardtune.model.fused_moe import expert_activation, expert_row_width, input_projection, parameter_adapters
     from shardtune.model.lora import count_parameters
     from shardtune.model.moe import find_moe_blocks
     from shardtune.train.loss import head_vocab
@@ -113,18 +113,21 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
         shared_params = sum(p.numel() for p in shared.parameters()) if shared is not None else 0
+        base_experts, adapters = parameter_adapters(block.block.get_submodule("experts"))
+        activation = expert_activation(base_experts)
+        # Read from the weights where the fused block computes the layout; else taken as gated: gate, up and down,
+        # each hidden x I.
+        row_width = expert_row_width(base_experts) or 2 * expert_params // (GATED_MATRICES * block.num_experts * hidden)
+        first_projection = input_projection(activation) if activation else "gate_up_proj"
         shapes.append(
             LayerShape(
                 mlp_width=0,
-                expert_width=expert_params // (GATED_MATRICES * block.num_experts * hidden),
+                expert_row_width=row_width,
                 top_k=block.top_k,
                 num_experts=block.num_experts,
                 shared_width=shared_params // (GATED_MATRICES * hidden),
                 adapter_inputs=adapter_inputs,
-                expert_adapter_rank=sum(
-                    adapter[3]
-                    for adapter in parameter_adapters(block.block.get_submodule("experts"))[1].get("gate_up_proj", [])
-                ),
+                expert_adapter_rank=sum(adapter[3] for adapter in adapters.get(first_projection, [])),
                 params=layer_params - expert_params,
                 expert_params=expert_params,
                 sublayers=sublayers,
