@@ -10,6 +10,9 @@ and routers hold a bare weight, not ``nn.Linear`` modules: PEFT adapts those thr
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import re
 from collections import Counter
 from collections.abc import Iterator
 
@@ -38,8 +41,13 @@ def moe_lora_targets(
     found: Counter[str] = Counter()
     for index, layer in enumerate(layers):
         block = block_of_layer.get(index)
+        read_directly = {
+            f"{path}.{name}" if path else name
+            for path, module in layer.named_modules()
+            for name in _weights_read_directly(type(module))
+        }
         for path, module in layer.named_modules():
-            if _adapted_as_module(module):
+            if _adapted_as_module(module) and path not in read_directly:
                 group = _linear_group(layer, path, block)
                 found[group] += 1
                 if group in groups:
@@ -67,6 +75,24 @@ def _adapted_as_module(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
+# ``self.<child>.weight`` in a module's code, where it is not just asked for its dtype, device or shape.
+_WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size))")
+
+
+@functools.cache
+def _weights_read_directly(module_class: type) -> frozenset[str]:
+    """The children whose weight ``module_class``'s own code reads instead of calling them: PEFT's LoRA layer on such
+    a Linear is never called, so its adapter would get no gradient and never train (and DDP would stop at its unused
+    parameters). Jamba's Mamba mixer multiplies by ``dt_proj.weight``; Mamba-2 mixers (Granite-4.0-H, Nemotron-H) hand
+    ``out_proj.weight`` to their fused training kernel where it is installed. Read from the class's source, so that a
+    new architecture doing the same is covered without a list to keep."""
+    try:
+        source = inspect.getsource(module_class)
+    except (OSError, TypeError):  # no source: a class built at run time, or a builtin
+        return frozenset()
+    return frozenset(_WEIGHT_READ.findall(source))
+
+
 def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:
     if block is not None and (path == block.path or path.startswith(block.path + ".")):
         inside = path[len(block.path) :].lstrip(".").split(".")[0]
@@ -79,10 +105,11 @@ def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> 
         # space (Nemotron-H's fc1_latent_proj and fc2_latent_proj), which only the routed experts' path passes through.
         return "routed_experts"
     name = path.split(".")[0]
-    # Token mixers: softmax attention, and those of hybrid models: linear attention (Qwen3-Next's linear_attn) and
-    # short convolutions (LFM2's ShortConv, whose in_proj and out_proj are its linear layers).
+    # Token mixers: softmax attention, and those of hybrid models: linear attention (Qwen3-Next's linear_attn), short
+    # convolutions (LFM2's ShortConv, whose in_proj and out_proj are its linear layers) and Mamba mixers (Jamba's,
+    # Granite-4.0-H's, Nemotron-H's).
     kind = type(layer.get_submodule(name)).__name__
-    mixes_tokens = "Attention" in kind or "ShortConv" in kind or name.endswith("attn")
+    mixes_tokens = any(word in kind for word in ("Attention", "ShortConv", "Mamba")) or name.endswith("attn")
     return "attention" if mixes_tokens else "dense_mlp"
 
 

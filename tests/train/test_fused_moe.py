@@ -1050,6 +1050,25 @@ def test_lora_on_attention_adapts_a_hybrid_models_short_convolutions(moe_dirs):
     assert adapted == attention | {"1.conv.in_proj", "1.conv.out_proj"}
 
 
+# The Mamba mixers' Linear projections LoRA's attention group adapts: all but the one whose weight the mixer reads
+# itself (Jamba's dt_proj; Mamba-2's out_proj, which its fused training kernel takes where mamba-ssm is installed).
+MAMBA_ADAPTED = {"jamba": {"in_proj", "x_proj", "out_proj"}, "granitemoehybrid": {"in_proj"}, "nemotron_h": {"in_proj"}}
+
+
+@pytest.mark.parametrize("arch", [arch for arch in MAMBA_ADAPTED if arch in ARCHS])
+def test_lora_on_attention_adapts_mamba_mixers_but_not_weights_they_read_themselves(moe_dirs, arch):
+    """Mamba mixers are a hybrid model's token mixers, in LoRA's attention group beside its attention layers. A
+    projection whose weight the mixer reads without calling it would keep an adapter that never trains: it is left
+    out, and every adapter gets a gradient (``run`` asserts it)."""
+    model = build(moe_dirs[arch], ["attention"])
+    adapted = [name.split(".lora_A.")[0] for name, _ in model.named_parameters() if ".lora_A." in name]
+    mixers = {name.rsplit(".", 1)[-1] for name in adapted if ".mamba." in name or ".mixer." in name}
+    assert mixers - {"q_proj", "k_proj", "v_proj", "o_proj"} == MAMBA_ADAPTED[arch]  # Nemotron-H's attention: mixer
+    inputs, labels = padded_batch()
+    gradients = run(model, inputs, labels)
+    assert all(gradients[f"{name}.lora_B.default.weight"].abs().sum() > 0 for name in adapted)
+
+
 @pytest.mark.parametrize(
     ("arch", "experts", "layout", "block"),
     [
