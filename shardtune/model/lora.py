@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from transformers import PreTrainedModel
 from shardtune.config import DEFAULT_MOE_TARGETS, LoraConfig
 from shardtune.errors import ConfigError
 from shardtune.model.moe import MoeBlock, find_moe_blocks
+
+log = logging.getLogger("shardtune")
 
 
 def moe_lora_targets(
@@ -41,11 +44,7 @@ def moe_lora_targets(
     found: Counter[str] = Counter()
     for index, layer in enumerate(layers):
         block = block_of_layer.get(index)
-        read_directly = {
-            f"{path}.{name}" if path else name
-            for path, module in layer.named_modules()
-            for name in _weights_read_directly(type(module))
-        }
+        read_directly = set(unadaptable_linears(layer))
         for path, module in layer.named_modules():
             if _adapted_as_module(module) and path not in read_directly:
                 group = _linear_group(layer, path, block)
@@ -91,6 +90,17 @@ def _weights_read_directly(module_class: type) -> frozenset[str]:
     except (OSError, TypeError):  # no source: a class built at run time, or a builtin
         return frozenset()
     return frozenset(_WEIGHT_READ.findall(source))
+
+
+def unadaptable_linears(root: torch.nn.Module) -> list[str]:
+    """The paths under ``root`` of the Linear modules whose weight their parent reads itself
+    (``_weights_read_directly``)."""
+    return [
+        f"{path}.{name}" if path else name
+        for path, parent in root.named_modules()
+        for name in sorted(_weights_read_directly(type(parent)))
+        if isinstance(getattr(parent, name, None), torch.nn.Linear)
+    ]
 
 
 def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:
@@ -167,12 +177,30 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
             )
         target_modules = modules or None
         as_given = targets_as_given()
+    unadaptable = unadaptable_linears(model)
+    if isinstance(target_modules, list) and config.target_modules is not None:
+        for target in target_modules:
+            named = [path for path in unadaptable if path == target or path.endswith(f".{target}")]
+            if named:
+                more = f" and {len(named) - 1} more" if len(named) > 1 else ""
+                raise ConfigError(
+                    f"lora.target_modules: {target} names Linear modules whose weight their module reads itself "
+                    f"instead of calling them ({named[0]}{more}), so adapters there would never train; leave it out"
+                )
+    if target_modules == "all-linear" and unadaptable:
+        log.info(
+            "lora: all-linear leaves out %d Linear modules whose weight their module reads itself (e.g. %s): "
+            "adapters there would never train",
+            len(unadaptable),
+            unadaptable[0],
+        )
     lora_config = peft.LoraConfig(
         r=config.r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=target_modules,
         target_parameters=target_parameters or None,
+        exclude_modules=unadaptable or None,
         task_type="CAUSAL_LM",
     )
     try:

@@ -1069,6 +1069,32 @@ def test_lora_on_attention_adapts_mamba_mixers_but_not_weights_they_read_themsel
     assert all(gradients[f"{name}.lora_B.default.weight"].abs().sum() > 0 for name in adapted)
 
 
+@pytest.mark.skipif("jamba" not in ARCHS, reason="this transformers has no Jamba")
+def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dirs):
+    """Jamba's Mamba mixer multiplies by dt_proj.weight: ``all-linear`` leaves dt_proj out (every other adapter
+    trains), and naming it is one line."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_dirs["jamba"]), dtype=torch.float32)
+    model.config.use_cache = False
+    all_linear = apply_lora(
+        copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0, target_modules="all-linear")
+    )
+    adapted = {
+        name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name, _ in all_linear.named_parameters() if ".lora_A." in name
+    }
+    assert {"in_proj", "x_proj", "out_proj", "q_proj"} <= adapted and "dt_proj" not in adapted
+    for name, param in all_linear.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.3)
+    inputs, labels = padded_batch()
+    run(all_linear.train(), inputs, labels)  # asserts every trainable parameter got a gradient
+    with pytest.raises(ConfigError) as raised:
+        apply_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0, target_modules=["in_proj", "dt_proj"]))
+    assert str(raised.value) == (
+        "lora.target_modules: dt_proj names Linear modules whose weight their module reads itself instead of calling "
+        "them (model.layers.0.mamba.dt_proj and 1 more), so adapters there would never train; leave it out"
+    )
+
+
 @pytest.mark.parametrize(
     ("arch", "experts", "layout", "block"),
     [
