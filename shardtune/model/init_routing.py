@@ -10,9 +10,9 @@ few huge groups and many empty ones, which is neither the work nor the speed of 
 ``balanced`` and ``skewed`` change two kinds of weights after the model is drawn, the same way in every
 process (seeded, drawn on the CPU):
 
-- the attention output projections (``o_proj``) are scaled by 1 / (8 x layers), so the residual stream
-  keeps each token's own embedding and a router sees the token rather than its sequence's average (the
-  shared component grows by a factor of about 1 + c x scale per layer);
+- the attention output projections (``o_proj``; DeepSeek-V4's ``o_b_proj``) are scaled by 1 / (8 x layers),
+  so the residual stream keeps each token's own embedding and a router sees the token rather than its
+  sequence's average (the shared component grows by a factor of about 1 + c x scale per layer);
 - each MoE layer's router gets orthonormal rows (a seeded QR). Router inputs are RMS-normalized, so every
   expert's logit is about a standard normal over tokens, independent of the others'. ``balanced`` keeps
   them so: no expert is favoured, and the max/mean load is near 1 (sampling noise). ``skewed`` scales
@@ -22,7 +22,9 @@ process (seeded, drawn on the CPU):
   ``skewed_max_mean`` = 1 + (E/k - 1) / 10 times the mean load, for E experts of which k per token: a
   tenth of the way from an even load to one where the same experts take every token. That is 2.5 for
   128 experts of which 8 (Qwen3-30B-A3B, GLM-4.5-Air), 2.9 for GLM-4.7's 160, and 1.3 for Mixtral's 8 of
-  which 2 (about what Mixtral's routing analysis shows).
+  which 2 (about what Mixtral's routing analysis shows). A hash layer's table of each token id's experts
+  (DeepSeek-V4's, all 0 as drawn: every token's choices expert 0) gets distinct experts per id, drawn in
+  proportion to the same popularity (exp(s z_e) for ``skewed``, even for ``balanced``).
 
 ``random`` leaves the model as drawn. The weights depend only on the seed, the model's config and the
 device type the model was drawn on, so shardtune's run and the HF baseline of ``shardtune bench`` train
@@ -42,7 +44,8 @@ from shardtune.model.moe import MoeBlock
 
 log = logging.getLogger(__name__)
 
-ATTENTION_OUTPUT_NAMES = ("o_proj",)
+# The attention's output projection: most architectures' o_proj, DeepSeek-V4's o_b_proj (after its grouped o_a_proj).
+ATTENTION_OUTPUT_NAMES = ("o_proj", "o_b_proj")
 _SIMULATED_TOKENS = 8192
 _BISECTION_STEPS = 24
 
@@ -114,11 +117,23 @@ def set_init_routing(
             # than dimensions; their unit rows are as independent as rows get.
             orthonormal = block.num_experts <= hidden
             rows = torch.linalg.qr(gaussian).Q.T if orthonormal else (gaussian / gaussian.norm(dim=0)).T
+            popularity = torch.ones(block.num_experts, dtype=torch.float64)
             if routing == "skewed":
                 order = torch.randperm(block.num_experts, generator=generator)
-                scale = torch.exp(skew_spread(block.num_experts, block.top_k) * _quantiles(block.num_experts)[order])
-                rows = rows * scale[:, None]
+                popularity = torch.exp(
+                    skew_spread(block.num_experts, block.top_k) * _quantiles(block.num_experts)[order]
+                )
+                rows = rows * popularity[:, None]
             weight.copy_(rows.to(weight.device))
+            if (table_name := block.routing.choice_table) is not None:
+                # Hash layers (DeepSeek-V4's) take each token's experts from a table by token id, which a drawn model
+                # leaves at 0 (every token's choices all expert 0): each id gets distinct experts, drawn in
+                # proportion to the same popularity as the router's rows.
+                table = getattr(block.router_child, table_name)
+                choices = torch.multinomial(
+                    popularity.expand(table.shape[0], -1), table.shape[1], replacement=False, generator=generator
+                )
+                table.copy_(choices.to(table.device, table.dtype))
     target = 1.0 if routing == "balanced" else skewed_max_mean(blocks[0].num_experts, blocks[0].top_k)
     log.info(
         "moe: router weights for a %s expert load (max/mean about %.2f); attention outputs scaled by 1/%d",
@@ -129,8 +144,11 @@ def set_init_routing(
 
 
 def router_weights_digest(blocks: list[MoeBlock]) -> str:
-    """A SHA-256 of every router weight (as fp32, in layer order): two models with equal digests route alike."""
+    """A SHA-256 of every router weight (as fp32, in layer order) and hash layers' tables: two models with equal
+    digests route alike."""
     digest = hashlib.sha256()
     for block in blocks:
         digest.update(block.router.weight.detach().float().cpu().contiguous().numpy().tobytes())
+        if (table_name := block.routing.choice_table) is not None:
+            digest.update(getattr(block.router_child, table_name).detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()

@@ -75,6 +75,29 @@ def test_routing_weights_depend_on_the_seed_only():
     assert len({digest("skewed", 3), digest("skewed", 4), digest("balanced", 3), digest("random", 3)}) == 4
 
 
+def test_hash_layers_get_distinct_experts_per_token_id():
+    """DeepSeek-V4's hash layers choose each token's experts from a table by token id, all expert 0 as drawn:
+    ``balanced`` fills it with distinct experts per id and an even load; the table is part of the digest."""
+    from tiny_models import MORE_FUSED_MOE_ARCHITECTURES, tiny_config
+
+    if "deepseek_v4" not in MORE_FUSED_MOE_ARCHITECTURES:
+        pytest.skip("this transformers has no DeepSeek-V4")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v4"))
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    hashed = [block for block in blocks if block.routing.choice_table is not None]
+    assert hashed and all(not block.router_child.tid2eid.any() for block in hashed)
+    drawn = router_weights_digest(blocks)
+    set_init_routing(model, blocks, "balanced", seed=0)
+    assert router_weights_digest(blocks) != drawn
+    tokens = torch.randint(3, 1000, (4, 256), generator=torch.Generator().manual_seed(1))
+    for block in hashed:
+        chosen = block.router_child.tid2eid[tokens.reshape(-1)]
+        assert (chosen[:, 0] != chosen[:, 1]).all()  # two distinct experts per token
+        counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts).double()
+        assert counts.max() / counts.mean() < 1.2  # 2,048 choices over 8 experts, even but for sampling noise
+
+
 @pytest.mark.variants
 def test_bench_routing_and_layers_on_both_sides(tmp_path, capsys):
     """Skewed routing (the default) on a 3-layer qwen3-moe-tiny: both runs measure the same load from the
