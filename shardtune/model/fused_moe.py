@@ -532,7 +532,7 @@ def _best_experts(
 ) -> torch.Tensor:
     """Each token's ``routing.top_k`` experts by their scores (or logits) plus the correction ``bias``, among the best
     groups (``Routing``)."""
-    for_choice = logits if routing.bias_on == "logits" else scores
+    for_choice = logits if routing.choose_on == "logits" else scores
     if bias is not None:
         for_choice = for_choice + bias.float()
     if routing.groups > 1:

@@ -46,7 +46,8 @@ class Routing:
     ``scoring``: the scores are a softmax over all experts, or a function of each (``SCORING_FUNCTIONS``), of the
     logits first capped at ``logit_softcap`` by ``tanh`` where it is positive (Laguna). The choice is the ``top_k``
     best scores plus the router's correction bias where it has one (``correction_bias``: GLM, DeepSeek-V3, ERNIE 4.5,
-    LFM2), or the best logits plus it (``bias_on="logits"``: Kolibri-1), among the ``topk_group`` best of ``groups``
+    LFM2), or the best logits plus it (``choose_on="logits"``: Kolibri-1; Llama 4, without a bias, as its router
+    does: saturated sigmoid scores tie where their logits do not), among the ``topk_group`` best of ``groups``
     expert groups, a group scored by the sum of its two best (``group_score="top2"``: DeepSeek-V3, GLM) or its best
     (``"max"``: DeepSeek-V2); the experts of the other groups compete with ``masked_score`` (-inf: never chosen;
     A.X-K2's 0 beats an expert of a chosen group whose biased score is below it). With a ``choice_table``, the name
@@ -66,7 +67,7 @@ class Routing:
     epsilon: float = 0.0
     weights_input: bool = False
     logit_softcap: float = 0.0
-    bias_on: str = "scores"
+    choose_on: str = "scores"
     masked_score: float = float("-inf")
     choice_table: str | None = None
 
@@ -220,7 +221,7 @@ ROUTING_RULES = {
     "LaraMiniSparseMoeBlock": _softmax_rule,
     # Kolibri-1: sigmoid scores of the experts whose logits plus the correction bias are best, renormalized.
     "Kolibri1SparseMoeBlock": lambda router: Routing(
-        "sigmoid", router.top_k, bool(router.norm_topk_prob), bias_on="logits"
+        "sigmoid", router.top_k, bool(router.norm_topk_prob), choose_on="logits"
     ),
     # Laguna: sigmoid scores of tanh-capped logits chosen with a correction bias, renormalized; its block scales the
     # routed experts' sum.
@@ -233,7 +234,9 @@ ROUTING_RULES = {
     # LFM2-MoE: sigmoid scores; with use_expert_bias, a correction bias that is its block's buffer expert_bias.
     "Lfm2MoeSparseMoeBlock": _lfm2_rule,
     # Llama 4: the sigmoid of each chosen logit scales the expert's input; its experts' weights are (E, in, out).
-    "Llama4TextMoe": lambda router: Routing("sigmoid", router.top_k, normalize=False, weights_input=True),
+    "Llama4TextMoe": lambda router: Routing(
+        "sigmoid", router.top_k, normalize=False, weights_input=True, choose_on="logits"
+    ),
     # Hunyuan-MoE: the top-k softmax probabilities renormalized; its router's logits are its Linear wg's.
     "HunYuanMoEV1Moe": _renormalized_softmax_rule,
     # AFMoE: sigmoid scores chosen with its block's expert_bias, renormalized and scaled (route_scale); its router

@@ -601,6 +601,25 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
 
 
 @pytest.mark.skipif("llama4_text" not in ARCHS, reason="this transformers has no Llama 4")
+def test_llama4_chooses_on_logits_where_saturated_sigmoid_scores_tie(moe_dirs):
+    """Llama 4's router takes the top-k logits, then their sigmoid. Above a logit of about 17 the fp32 sigmoid is 1:
+    experts whose logits differ tie there, and a choice on the scores could take either."""
+    model = build(moe_dirs["llama4_text"])
+    block = sparse_block(model)
+    tokens = torch.randn(16, block.router.weight.shape[1])
+    with torch.no_grad():
+        # Every expert's logit saturated, each token's best two at random places.
+        logits = 20 + torch.rand(16, block.num_experts) * 5
+        block.router.weight.copy_(torch.linalg.lstsq(tokens, logits).solution.T)
+        expected_scores, _ = block.router(tokens)  # transformers' (scores scattered over every expert, logits)
+        _, weights, chosen = route(block.router, tokens, block.routing, block.block)
+    assert (torch.sigmoid(tokens @ block.router.weight.T) == 1).all()  # the scores tie everywhere
+    expected = (expected_scores > 0).float()
+    assert torch.equal(torch.zeros_like(expected).scatter(1, chosen, 1.0), expected)
+    assert torch.equal(weights, torch.ones_like(weights))
+
+
+@pytest.mark.skipif("llama4_text" not in ARCHS, reason="this transformers has no Llama 4")
 def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs):
     """Llama 4's experts have no grouped_mm or batched_mm in transformers: one config line, not its traceback."""
     llama4 = AutoConfig.from_pretrained(moe_dirs["llama4_text"])
