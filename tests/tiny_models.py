@@ -464,6 +464,24 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "index_head_dim": 16,
         "index_topk": 16,
     },
+    # LongCat-Flash: softmax scores over 8 SiLU-gated experts and 2 zero-computation (identity) ones, 2 a token chosen
+    # with a correction bias, not renormalized, scaled; each decoder layer holds two MLA attentions, two dense MLPs and
+    # the MoE block as a shortcut beside them (num_hidden_layers counts the attentions: 2 decoder layers; transformers
+    # 5.17 reads num_layers). The rotary width is head_dim, which its configs set to qk_rope_head_dim.
+    "longcat_flash": {
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 4,
+        "num_layers": 2,
+        "ffn_hidden_size": 64,
+        "expert_ffn_hidden_size": 32,
+        "n_routed_experts": 8,
+        "zero_expert_num": 2,
+        "moe_topk": 2,
+        "routed_scaling_factor": 2.5,
+        **{key: DEEPSEEK_V3[key] for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")},
+        "v_head_dim": 16,
+        "head_dim": 8,
+    },
     # Cohere2-MoE: sigmoid scores of the top-k logits renormalized (its other choice, their softmax, is Mixtral's rule),
     # a shared expert averaged with the routed ones, a dense first layer, attention and MLP in parallel.
     "cohere2_moe": {

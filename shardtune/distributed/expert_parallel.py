@@ -113,6 +113,11 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
                 f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts "
                 f"({UNSHARDED_LAYOUTS[block.experts.activation]}) yet; set it to 1"
             )
+        if block.experts.identity_experts:  # the token exchange sends every row to a rank's GEMMs
+            raise ConfigError(
+                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts "
+                f"({UNSHARDED_LAYOUTS['identity']}) yet; set it to 1"
+            )
         num_experts = block.num_routed_experts
         dims.check_experts(num_experts, type(model).__name__)
         experts = dims.local_experts(num_experts)

@@ -100,7 +100,13 @@ UNSHARDED_LAYOUTS = {
     "clamped_glu": "transposed, biased expert weights",
     "transposed_silu": "transposed expert weights",
     "relu2": "ungated experts",
+    "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
 }
+
+# Experts whose last ids are "zero-computation" identities, by class name: the attribute that holds how many. An
+# identity expert's output is the token itself (times its routing weight); the GEMM experts are the first
+# down_proj.shape[0] (LongCat-Flash's gate_up_proj has a row for each identity expert too, which nothing reads).
+IDENTITY_EXPERTS = {"LongcatFlashExperts": "zero_expert_num"}
 
 
 # SiLU-gated experts that clamp the gate from above and up on both sides at a limit first (a SwiGLU limit), by class
@@ -156,6 +162,13 @@ def expert_row_width(experts: torch.nn.Module) -> int | None:
         return None
     weight = getattr(experts, input_projection(activation))
     return weight.shape[2] if _weights_transposed(experts) else weight.shape[1]
+
+
+def identity_experts(experts: torch.nn.Module) -> int:
+    """How many of ``experts`` (transformers' module, under no wrapper) are identities, the last ids
+    (``IDENTITY_EXPERTS``)."""
+    attribute = IDENTITY_EXPERTS.get(type(experts).__name__)
+    return 0 if attribute is None else int(getattr(experts, attribute) or 0)
 
 
 def swiglu_limit(experts: torch.nn.Module) -> float | None:
@@ -261,6 +274,11 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
                 f"model.float8_experts: {type(experts).__name__} ({UNSHARDED_LAYOUTS[block.experts.activation]}) has "
                 "no float8 path; set it to false"
             )
+        if block.experts.identity_experts:  # Float8Experts runs every row through the GEMMs
+            raise ConfigError(
+                f"model.float8_experts: {type(experts).__name__} ({UNSHARDED_LAYOUTS['identity']}) has no float8 path; "
+                "set it to false"
+            )
         if block.experts.swiglu_limit is not None:  # the float8 kernels compute an unclamped SiLU
             raise ConfigError(
                 f"model.float8_experts: {type(experts).__name__} (a SwiGLU limit) has no float8 path; set it to false"
@@ -341,6 +359,7 @@ class FusedMoeBlock(torch.nn.Module):
         outer.activation = activation
         outer.weights_input = routing.weights_input
         outer.swiglu_limit = swiglu_limit(base_experts)
+        outer.identity_experts = identity_experts(base_experts)
         self.second_output = SECOND_OUTPUT.get(self.replaced)
         # Shared experts whose output is averaged with the routed experts', not added to it (Cohere2-MoE's
         # shared_expert_combination_strategy "average").
@@ -498,14 +517,14 @@ def route(
     input_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)) by ``routing``'s
-    rule; ``router`` computes the logits (its weight, and a bias where it has one), under PEFT's adapters. A
-    router's correction bias is its own or its ``block``'s (``moe.correction_bias``). ``input_ids``, the tokens'
-    ids in the same order, are where a ``routing.choice_table`` of the router's looks the experts up."""
+    rule; ``router`` computes the logits (its weight, and a bias where it has one and the rule adds it), under PEFT's
+    adapters. A router's correction bias is its own or its ``block``'s (``moe.correction_bias``). ``input_ids``, the
+    tokens' ids in the same order, are where a ``routing.choice_table`` of the router's looks the experts up."""
     router, adapters = parameter_adapters(router)
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
         logits = Fp32Linear.apply(tokens, router.weight)
-        if isinstance(getattr(router, "bias", None), torch.Tensor):  # GPT-OSS's router
+        if routing.logits_bias and isinstance(getattr(router, "bias", None), torch.Tensor):  # GPT-OSS's router
             logits = logits + router.bias.float()
         for lora_a, lora_b, scaling, _, _, dropout in adapters.get("weight", []):
             logits = logits + F.linear(F.linear(dropout(tokens.float()), lora_a.float()), lora_b.float()) * scaling
@@ -601,17 +620,27 @@ def routed_experts(
     experts: torch.nn.Module, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(tokens[t]) for every token t, as grouped GEMMs; with the experts'
-    ``weights_input`` (Llama 4's), sum_j expert_{chosen[t, j]}(weights[t, j] * tokens[t])."""
+    ``weights_input`` (Llama 4's), sum_j expert_{chosen[t, j]}(weights[t, j] * tokens[t]).
+
+    Identity experts (``identity_experts``: LongCat-Flash's zero-computation ones, the last ids, so their rows come
+    last in expert order) skip the GEMMs: those run over the GEMM experts' rows alone, by their bounds, and each
+    token adds its identity choices' summed weight times itself. A grouped GEMM over the GEMM experts' bounds leaves
+    the other rows of its output, and of its input gradient, unwritten (any values, NaN among them): they are set to 0
+    (``masked_fill``, whose backward does the same to the gradient) where they would reach a sum. No host sync, every
+    shape static."""
     # Set under expert parallelism (distributed/expert_parallel.py): this rank holds a run of the experts,
     # and rows travel to the rank of their expert and back.
     dispatch = getattr(experts, "expert_dispatch", None)
     backend = experts.grouped_gemm
     float8_backend = getattr(experts, "float8_grouped_gemm", "torch")
     activation, weights_input, limit = experts.activation, experts.weights_input, experts.swiglu_limit
+    identities = experts.identity_experts
     experts, adapters = parameter_adapters(experts)
     # (E, 2I, H), (E, H, I): this rank's experts; transposed (Llama 4's), (E, H, 2I) and (E, I, H), which torch's
     # grouped GEMM takes as they are (as GPT-OSS's); ungated, an (E, I, H) up projection.
     gate_up, down = getattr(experts, input_projection(activation)), experts.down_proj
+    if identities:
+        gate_up = gate_up[: down.shape[0]]  # LongCat-Flash's: the identity experts' rows are never read
     transposed = activation == "transposed_silu"
     if transposed:
         backend = "torch"
@@ -620,9 +649,13 @@ def routed_experts(
     lora_reversed = transposed and not getattr(experts, "is_transposed", False)
     dtype = _compute_dtype(gate_up, tokens)
     top_k = chosen.shape[1]
-    experts_total = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
+    experts_total = gate_up.shape[0] + identities if dispatch is None else dispatch.ep_size * dispatch.local_experts
     order, inverse, bounds = expert_order(chosen.reshape(-1), experts_total)  # expert e: rows bounds[e]:bounds[e+1]
     row_weights = Permute.apply(weights.reshape(-1), order, inverse)  # the fp32 routing weight of each row
+    identity_rows = None
+    if identities:  # the GEMM experts' bounds; the rows after them, (pairs, 1) True, are the identity experts'
+        bounds = bounds[: gate_up.shape[0] + 1]
+        identity_rows = (torch.arange(order.shape[0], device=order.device) >= bounds[-1]).unsqueeze(-1)
     gate_up_float8, down_float8 = _float8_weight(experts, "gate_up_proj"), _float8_weight(experts, "down_proj")
     if gate_up_float8 is not None and dispatch is None and not adapters:  # LoRA on attention, the MoE default
         token_of_row = (order // top_k).to(torch.int32)
@@ -631,6 +664,8 @@ def routed_experts(
             *down_float8,
         )  # fmt: skip
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
+    if identity_rows is not None:  # masked_fill's backward sets their input gradient, which the GEMMs leave unwritten
+        rows = rows.masked_fill(identity_rows, 0)
 
     # LoRA's A factors take their rows without autograd keeping them: backward builds them again from what the
     # block keeps anyway (LowRankOfRebuiltRows). Rows that came from other ranks (expert parallelism) cannot be
@@ -655,6 +690,8 @@ def routed_experts(
         rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
         transposed, lora_reversed,
     )  # fmt: skip
+    if identity_rows is not None:  # the identity rows' gate/up output, unwritten: 0, and so is their activation
+        projected = projected.masked_fill(identity_rows, 0)
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _activation_precision(projected) == torch.float32
@@ -666,8 +703,10 @@ def routed_experts(
         hidden = WeightedReluSquared.apply(projected, row_weights)
     else:
         hidden = WeightedSiluMul.apply(projected, row_weights, limit)
+    if identity_rows is not None:  # the activation's gradient: the down projection leaves the identity rows' unwritten
+        hidden = hidden.masked_fill(identity_rows, 0)
     down_adapters = adapters.get("down_proj", [])
-    if dispatch is None and not down_adapters and not down.requires_grad:
+    if dispatch is None and not down_adapters and not down.requires_grad and identity_rows is None:
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
@@ -679,7 +718,13 @@ def routed_experts(
     )  # fmt: skip
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
-    return SumRows.apply(outputs, order, inverse, top_k)
+    if identity_rows is None:
+        return SumRows.apply(outputs, order, inverse, top_k)
+    output = SumRows.apply(outputs.masked_fill(identity_rows, 0), order, inverse, top_k)
+    # Each token's identity experts: their summed weight times the token (per token, not per row: nothing of the
+    # (pairs, H) rows is kept for the weights' gradient).
+    identity_weight = (weights * (chosen >= gate_up.shape[0])).sum(dim=-1, keepdim=True)
+    return output + (identity_weight * tokens.float()).to(output.dtype)
 
 
 def _clamped_glu_experts(
@@ -740,7 +785,9 @@ def _projection(
     columns e, e+E, ... are B_e (its get_delta_weight: ΔW_e = B_e @ A_e * scaling, transposed for a transposed
     weight). With ``lora_reversed`` PEFT took the transposed weight for (E, out, in) (Llama 4's experts are not
     marked is_transposed): its "in" is the rows' output, ΔW_e = B_e @ A_e is (in, out) as it is, and the rows take
-    B_e first. A shared adapter is the same for every expert.
+    B_e first. A shared adapter is the same for every expert. An adapter may hold more experts than ``weight``
+    (LongCat-Flash's gate_up_proj, whose identity experts' rows ``routed_experts`` leaves out): the first ones are
+    ``weight``'s.
     """
     num_experts = weight.shape[0]
     if float8 is not None:
@@ -750,15 +797,18 @@ def _projection(
             rows, weight.to(dtype) if transposed else weight.to(dtype).transpose(-2, -1), bounds, backend
         )
     for lora_a, lora_b, scaling, rank, shared, _ in adapters:  # no dropout: PEFT allows a parameter's none
+        adapted = lora_a.shape[0] // rank  # the experts of the adapter
         if shared:  # one adapter for every expert: the mean of the (equal) per-expert blocks, dense GEMMs
-            a = lora_a.view(num_experts, rank, -1).mean(dim=0).to(dtype)  # (r, in)
-            b = lora_b.view(lora_b.shape[0], rank, num_experts).mean(dim=-1).to(dtype)  # (out, r)
+            a = lora_a.view(adapted, rank, -1).mean(dim=0).to(dtype)  # (r, in)
+            b = lora_b.view(lora_b.shape[0], rank, adapted).mean(dim=-1).to(dtype)  # (out, r)
             if lora_reversed:
                 a, b = b.t(), a.t()
             low = F.linear(rows, a) if low_rank is None else low_rank(a.t())
             result = result + F.linear(low * scaling, b)
             continue
-        a, b = expert_lora_factors(lora_a, lora_b, num_experts, rank, dtype)
+        a, b = expert_lora_factors(lora_a, lora_b, adapted, rank, dtype)
+        if adapted != num_experts:
+            a, b = a[:num_experts], b[:num_experts]
         if lora_reversed:
             a, b = b.transpose(-2, -1), a.transpose(-2, -1)
         low = (grouped_mm(rows, a, bounds) if low_rank is None else low_rank(a)) * scaling  # (pairs, r)

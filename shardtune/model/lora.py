@@ -30,9 +30,10 @@ log = logging.getLogger("shardtune")
 
 def moe_lora_targets(
     layers: list[torch.nn.Module], blocks: list[MoeBlock], groups: list[str]
-) -> tuple[list[str], list[str], Counter[str]]:
-    """PEFT's (target_modules, target_parameters) for the chosen groups of an MoE model, and how many
-    modules or parameters each group has.
+) -> tuple[list[str], list[str], Counter[str], dict[str, str]]:
+    """PEFT's (target_modules, target_parameters) for the chosen groups of an MoE model, how many
+    modules or parameters each group has, and by group the class of a module that reads a Linear's weight of
+    that group itself (``unadaptable_linears``: no adapter reaches it, so it is in no group).
 
     Both are paths relative to a decoder layer (``self_attn.q_proj``, ``mlp.experts.gate_up_proj``):
     PEFT matches them as suffixes of the full names, so ``mlp.gate_proj`` (a dense layer's MLP) never
@@ -42,12 +43,16 @@ def moe_lora_targets(
     chosen_modules: set[str] = set()
     chosen_parameters: set[str] = set()
     found: Counter[str] = Counter()
+    unreachable: dict[str, str] = {}
     for index, layer in enumerate(layers):
         block = block_of_layer.get(index)
         read_directly = set(unadaptable_linears(layer))
         for path, module in layer.named_modules():
-            if _adapted_as_module(module) and path not in read_directly:
+            if _adapted_as_module(module):
                 group = _linear_group(layer, path, block)
+                if path in read_directly:
+                    unreachable.setdefault(group, type(layer.get_submodule(path.rpartition(".")[0])).__name__)
+                    continue
                 found[group] += 1
                 if group in groups:
                     chosen_modules.add(path)
@@ -62,7 +67,7 @@ def moe_lora_targets(
             found["router"] += 1
             if "router" in groups:
                 chosen_parameters.add(f"{block.path}.{block.router_name}.weight")
-    return sorted(chosen_modules), sorted(chosen_parameters), found
+    return sorted(chosen_modules), sorted(chosen_parameters), found, unreachable
 
 
 def _adapted_as_module(module: torch.nn.Module) -> bool:
@@ -168,8 +173,14 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
         if target_modules == "all-linear":  # every nn.Linear of this model, found by PEFT on its modules
             as_given = targets_as_given()
     else:
-        modules, target_parameters, found = moe_lora_targets(layers, blocks, config.moe_targets)
+        modules, target_parameters, found, unreachable = moe_lora_targets(layers, blocks, config.moe_targets)
         missing = [group for group in config.moe_targets if not found[group]]
+        for group in missing:
+            if group in unreachable:
+                raise ConfigError(
+                    f"lora.moe_targets: {group}: {unreachable[group]} multiplies by its Linear's weight itself, which "
+                    f"no LoRA adapter reaches (transformers and PEFT would leave it out); drop {group}"
+                )
         if missing:
             present = ", ".join(sorted(found)) or "none"
             raise ConfigError(

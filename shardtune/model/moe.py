@@ -23,8 +23,8 @@ import torch
 
 ROUTER_NAMES = ("gate", "router")
 # Routers that hold their logits' Linear as a child instead of a weight of their own: Hunyuan-MoE's (wg), AFMoE's
-# (gate).
-LOGITS_LINEAR_NAMES = ("wg", "gate")
+# (gate), LongCat-Flash's (classifier).
+LOGITS_LINEAR_NAMES = ("wg", "gate", "classifier")
 # Routers that return another float per token and expert (their scores) before the logits: Llama 4's.
 SCORES_BEFORE_LOGITS = ("Llama4Router",)
 SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the last: Hunyuan-MoE's
@@ -52,9 +52,11 @@ class Routing:
     (``"max"``: DeepSeek-V2); the experts of the other groups compete with ``masked_score`` (-inf: never chosen;
     A.X-K2's 0 beats an expert of a chosen group whose biased score is below it). With a ``choice_table``, the name
     of a (vocab, top_k) table the router holds, the choice is instead the table's row at the token's id (hash
-    routing: DeepSeek-V4's frozen tid2eid), whatever the scores. The weights are the chosen plain scores,
-    divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``. They scale each chosen expert's
-    output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the two differ).
+    routing: DeepSeek-V4's frozen tid2eid), whatever the scores. The logits are the router's Linear's, its bias
+    included unless ``logits_bias`` is False (LongCat-Flash's router leaves its classifier's out). The weights are the
+    chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``. They scale each
+    chosen expert's output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the two
+    differ).
     """
 
     scoring: str
@@ -70,6 +72,7 @@ class Routing:
     choose_on: str = "scores"
     masked_score: float = float("-inf")
     choice_table: str | None = None
+    logits_bias: bool = True
 
 
 def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
@@ -237,6 +240,12 @@ ROUTING_RULES = {
     "Llama4TextMoe": lambda router: Routing(
         "sigmoid", router.top_k, normalize=False, weights_input=True, choose_on="logits"
     ),
+    # LongCat-Flash: softmax scores over its GEMM experts and its zero-computation (identity) ones, chosen with a
+    # correction bias (top-k unsorted), not renormalized, scaled; its router's logits are its classifier's weight times
+    # the tokens, the Linear's bias left out. Experts past the GEMM ones return the token (fused_moe.IDENTITY_EXPERTS).
+    "LongcatFlashMoE": lambda router: Routing(
+        "softmax", router.top_k, normalize=False, scaling=float(router.routed_scaling_factor), logits_bias=False
+    ),
     # Hunyuan-MoE: the top-k softmax probabilities renormalized; its router's logits are its Linear wg's.
     "HunYuanMoEV1Moe": _renormalized_softmax_rule,
     # AFMoE: sigmoid scores chosen with its block's expert_bias, renormalized and scaled (route_scale); its router
@@ -369,9 +378,11 @@ def _scoring(block: torch.nn.Module, router: torch.nn.Module) -> str:
 def correction_bias(router: torch.nn.Module, block: torch.nn.Module | None = None) -> torch.Tensor | None:
     """The bias a router adds to its scores for the choice only, as an (experts,) view, or None: the router's
     ``e_score_correction_bias`` (GLM, DeepSeek-V3), its ``moe_statics``' (ERNIE 4.5, a (1, experts) parameter),
-    its block's (MiniMax-M2, Hy3) or its block's ``expert_bias`` (LFM2, with use_expert_bias; AFMoE)."""
+    its block's (MiniMax-M2, Hy3), its block's ``expert_bias`` (LFM2, with use_expert_bias; AFMoE), or, for a
+    ``router`` that is the logits' Linear of the block's router child, that child's (LongCat-Flash)."""
     holders = ((router, "e_score_correction_bias"), (getattr(router, "moe_statics", None), "e_score_correction_bias"),
-               (block, "e_score_correction_bias"), (block, "expert_bias"))  # fmt: skip
+               (block, "e_score_correction_bias"), (block, "expert_bias"),
+               *((_inner(getattr(block, name, None)), "e_score_correction_bias") for name in ROUTER_NAMES))  # fmt: skip
     for holder, name in holders:
         bias = getattr(holder, name, None)
         if isinstance(bias, torch.Tensor):
@@ -492,10 +503,18 @@ class RoutingRecorder:
             parts = output if isinstance(output, tuple) else (output,)
             if any(kind.__name__ in SCORES_BEFORE_LOGITS for kind in type(module).__mro__):  # also parametrized by PEFT
                 parts = parts[::-1]
-            logits = next(part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts)
-            logits = logits.reshape(-1, block.num_experts)
+            logits = next(
+                (part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts), None
+            )
             # The router's own choice: DeepSeek-V4's hash routers return their table's.
             chosen = next((part for part in parts if not part.is_floating_point()), None)
+            if logits is None and chosen is not None:
+                # A router that returns its choice alone (LongCat-Flash's in transformers 5.17), whose logits are its
+                # input times its Linear's weight, which it reads itself: made when the forward is over, as the
+                # records are (an op run here would save tensors that checkpointing's recomputation does not).
+                logits = (inputs[0], block.router.weight)
+            else:
+                logits = logits.reshape(-1, block.num_experts)
             if chosen is None:
                 with torch.no_grad():  # every scoring keeps the order of the logits
                     chosen = logits.topk(block.top_k, dim=-1).indices
@@ -519,6 +538,9 @@ class RoutingRecorder:
         finally:
             self._active = False
             for block, logits, chosen in self._routed:
+                if isinstance(logits, tuple):
+                    hidden, weight = logits
+                    logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), weight.float())
                 probabilities = routing_probabilities(logits, block.scoring)
                 sums = sum_real(token_statistics(probabilities, chosen), self._real)
                 self.records.append(RoutingRecord.of(block, sums, sum_real(probabilities, self._real)))

@@ -21,7 +21,7 @@ from shardtune.distributed.activations import apply_activation_checkpointing
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model import grouped_gemm
-from shardtune.model.fused_moe import Fp32Linear, FusedMoeBlock, route, use_fused_experts
+from shardtune.model.fused_moe import Fp32Linear, FusedMoeBlock, identity_experts, route, use_fused_experts
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable, resolve_grouped_gemm
 from shardtune.model.load import check_experts_implementation
 from shardtune.model.lora import apply_lora, share_expert_adapters
@@ -39,6 +39,9 @@ SHARED = {"glm4_moe": "added", "deepseek_v3": "added", "glm4_moe_lite": "added",
           "laguna": "added", "lara_mini": "added", "nemotron_h": "added", "deepseek_v4": "added",
           "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated",
           "qwen4_exp_text": "gated", "cohere2_moe": "averaged"}  # fmt: skip
+# Routers whose logits no LoRA adapter reaches (LongCat-Flash's multiplies by its classifier's weight itself:
+# lora.unadaptable_linears): lora.moe_targets refuses router for them.
+ROUTER_OUT_OF_LORA_REACH = {"longcat_flash"}
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +171,8 @@ def test_full_finetuning_forward_loss_and_every_gradient_equal_eager(moe_dirs, a
     inputs, labels = padded_batch() if batch == "padded" else packed_batch()
     expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
     assert expected.keys() == got.keys()
-    routers = (".gate.weight", ".router.weight", ".gate.wg.weight")  # the last: Hunyuan-MoE's router's Linear
+    # Hunyuan-MoE's and LongCat-Flash's routers' Linears last
+    routers = (".gate.weight", ".router.weight", ".gate.wg.weight", ".router.classifier.weight")
     assert any(".experts." in name for name in got) and any(name.endswith(routers) for name in got)
     # Hunyuan-MoE's shared_mlp is its block's; Granite-MoE-shared's, the decoder layer's, is outside the block.
     assert any(".shared_expert" in name or ".mlp.shared_mlp." in name for name in got) == (arch in SHARED)
@@ -183,7 +187,8 @@ def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, 
     block multiplies by W and by the low-rank factors apart (it never forms W + ΔW), a different rounding that adapters
     drawn this large (std 0.3) make as large as W's own. With LoRA on attention alone the two land 5e-7 apart; with the
     routed experts' and the router's too, up to 8e-6 on this CPU and 1.4e-5 on an AVX-512 one (OLMoE)."""
-    targets = ["attention", "routed_experts", "router"] + (["shared_experts"] if arch in SHARED else [])
+    targets = ["attention", "routed_experts"] + (["router"] if arch not in ROUTER_OUT_OF_LORA_REACH else [])
+    targets += ["shared_experts"] if arch in SHARED else []
     reference = build(moe_dirs[arch], targets)
     fused = fused_copy(reference)
     inputs, labels = padded_batch()
@@ -204,7 +209,8 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
     weights leaves expert 1 without a token (sigmoid routers: their correction biases, which decide the choice
     and the expert group, do the same; a hash layer, DeepSeek-V4's first: its table). Rows of +-1, not larger: every
     other softmax score must stay above fp32's smallest, or DeepSeek-V2's choice among the zeros of its best group
-    would be a tie."""
+    would be a tie. With identity experts (LongCat-Flash's), the last one's row equal to expert 0's makes it every
+    token's other choice and leaves the others none: the GEMMs' rows end before the pairs do."""
     reference = build(moe_dirs[arch], ["routed_experts"])
     router = sparse_block(reference).router
     ids = {}  # a hash layer's block takes the tokens' ids
@@ -213,6 +219,8 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
         router.weight[1] = -1.0
         if (bias := correction_bias(router, sparse_block(reference).block)) is not None:
             bias[:2] = torch.tensor([10.0, -10.0])
+        if identity_experts(sparse_block(reference).experts):
+            router.weight[-1] = router.weight[0]
         if (table_name := sparse_block(reference).routing.choice_table) is not None:
             table = getattr(router, table_name)
             others = torch.rand(table.shape[0], router.weight.shape[0] - 2).argsort(dim=-1)[:, : table.shape[1] - 1]
@@ -238,6 +246,8 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
     _, _, chosen = route(block.router, tokens.reshape(-1, hidden), block.block.routing, block.block, **ids)
     counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
     assert counts[0] == 21 and counts[1] == 0
+    if identities := block.block.experts.identity_experts:
+        assert counts[-1] == 21 and counts[-identities:-1].sum() == 0
     expected, got = grads
     assert expected.keys() == got.keys() and len(got) > 2
     for name in expected:
@@ -320,7 +330,7 @@ SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "minimax_m2": "sigm
            "lfm2_moe": "sigmoid", "granitemoe": "softmax", "gpt_oss": "softmax", "hunyuan_v1_moe": "softmax",
            "afmoe": "sigmoid", "laguna": "sigmoid", "kolibri1": "sigmoid", "flint": "sigmoid",
            "cohere2_moe": "sigmoid", "jamba": "softmax", "llama4_text": "sigmoid", "nemotron_h": "sigmoid",
-           "deepseek_v4": "sqrtsoftplus"}  # fmt: skip
+           "deepseek_v4": "sqrtsoftplus", "longcat_flash": "softmax"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", [arch for arch in SCORING if arch in ARCHS])
@@ -340,6 +350,8 @@ def test_routing_records_and_balance_gradient_equal_the_router_hooks(moe_dirs, a
         results.append((records, balance, grads_of(model)))
     (hooked, hooked_loss, hooked_grads), (own, own_loss, own_grads) = results
     assert len(own) == len(find_moe_blocks(fused, decoder_layers(fused)))
+    if identities := sparse_block(fused).block.experts.identity_experts:  # LongCat-Flash's take tokens
+        assert all(record.counts[-identities:].sum() > 0 for record in own)
     assert_same_records(own, hooked)
     assert_same(own_loss, hooked_loss)
     assert any((".gate." in name or ".router." in name) and grad.abs().sum() > 0 for name, grad in own_grads.items())
@@ -421,13 +433,15 @@ def test_fixed_addresses_give_each_forward_its_own_mask_and_balance_gradient(moe
         assert len(recorder.records) == 2
 
 
+# LongCat-Flash: identity experts, whose rows the GEMMs skip by their bounds, in one graph too.
+@pytest.mark.parametrize("arch", ["glm4_moe", *(["longcat_flash"] if "longcat_flash" in ARCHS else [])])
 @pytest.mark.parametrize("compiled", ["outside", pytest.param("inside", marks=pytest.mark.variants)])
-def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled):
+def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled, arch):
     """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
     graph break fails the test) or inside it (where FSDP's hooks on the experts break the graph anyway),
     records its routing once per forward (not again in the recomputation) and gives the eager block's
     loss, balance loss and gradients."""
-    reference = fused_copy(build(moe_dirs["glm4_moe"], ["attention", "routed_experts"]))
+    reference = fused_copy(build(moe_dirs[arch], ["attention", "routed_experts"]))
     compiled_model = copy.deepcopy(reference)
     for model in (reference, compiled_model):
         apply_activation_checkpointing(model, decoder_layers(model))
@@ -649,7 +663,7 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
         # logits), Laguna (capped logits, the block's scaling), Cohere2-MoE (averaged shared experts), Llama 4 (the
         # weights on the experts' input; transposed experts), HY-V4 (a SwiGLU limit), AFMoE (a router holding its
         # logits' Linear), Nemotron-H (ungated ReLU² experts in a latent space; Mamba-2 layers) and DeepSeek-V4
-        # (square-root-softplus scores; a hash layer, choosing by token id).
+        # (square-root-softplus scores; a hash layer, choosing by token id), LongCat-Flash (identity experts).
         *(
             pytest.param(arch, targets, marks=pytest.mark.variants)
             for arch, targets in [
@@ -668,6 +682,7 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
                 ("afmoe", "[attention,routed_experts,router]"),
                 ("nemotron_h", "[attention,routed_experts,shared_experts,router]"),
                 ("deepseek_v4", "[attention,routed_experts,shared_experts,router]"),
+                ("longcat_flash", "[attention]"),  # identity experts beside frozen GEMM ones; two attentions a layer
             ]
             if arch in ARCHS
         ),
@@ -1119,6 +1134,7 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
     [
         ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP"),
         ("nemotron_h", "NemotronHExperts", "ungated experts", "NemotronHMoE"),
+        ("longcat_flash", "LongcatFlashExperts", "zero-computation identity experts", "LongcatFlashMoE"),
     ],
 )
 def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):

@@ -327,9 +327,66 @@ def test_hunyuan_moe_blocks_are_found_through_their_routers_linear_and_fused(cap
         model(input_ids=ids)
     for record, picked in zip(recorder.records, chosen, strict=True):
         assert torch.equal(record.counts, torch.bincount(picked.reshape(-1), minlength=8).float())
-    modules, parameters, found = moe_lora_targets(layers, blocks, ["router", "shared_experts"])
+    modules, parameters, found, _ = moe_lora_targets(layers, blocks, ["router", "shared_experts"])
     assert modules == ["mlp.gate.wg", "mlp.shared_mlp.down_proj", "mlp.shared_mlp.gate_proj", "mlp.shared_mlp.up_proj"]
     assert parameters == [] and found["router"] == 2 and found["shared_experts"] == 6
+    with caplog.at_level("INFO", logger="shardtune"):
+        use_fused_experts(model, layers, "auto")
+    assert "moe experts: fused (shardtune's grouped-GEMM block) on 2 MoE layers" in caplog.text
+
+
+def test_longcat_flash_blocks_are_found_through_their_routers_classifier_and_its_router_takes_no_lora(caplog):
+    """LongCat-Flash's router keeps its logits' Linear as ``router.classifier`` and multiplies by its weight itself:
+    the blocks are found with that Linear as the router (8 GEMM experts and 2 identity ones: 10 experts), their
+    routing recorded as the router chooses, with its softmax probabilities (transformers 5.17's router returns its
+    choice alone: the hooks make the logits from its input), the decoder layers' two MLA attentions and two dense MLPs
+    in their LoRA groups, ``router`` refused in one line (no adapter reaches its logits), and the blocks fused
+    (tests/train/test_fused_moe.py holds them to transformers')."""
+    from tiny_models import tiny_config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from shardtune.model.fused_moe import use_fused_experts
+    from shardtune.model.lora import moe_lora_targets
+
+    if "longcat_flash" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no LongCat-Flash")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("longcat_flash"), dtype=torch.float32)
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    assert [block.layer for block in blocks] == [0, 1]
+    assert all(block.router is layers[block.layer].mlp.router.classifier for block in blocks)
+    assert {(block.shared_name, block.num_experts, block.top_k, block.scoring) for block in blocks} == {
+        (None, 10, 2, "softmax")
+    }
+    seen = []
+    for block in blocks:
+        torch.nn.init.normal_(block.router.weight, std=0.5)
+        block.block.router.register_forward_hook(lambda module, inputs, output: seen.append((inputs[0], output[-1])))
+    recorder = RoutingRecorder(blocks)
+    ids = torch.randint(3, 1000, (2, 11))
+    with recorder.recording(None):
+        model(input_ids=ids)
+    for record, block, (hidden, picked) in zip(recorder.records, blocks, seen, strict=True):
+        assert torch.equal(record.counts, torch.bincount(picked.reshape(-1), minlength=10).float())
+        probabilities = (hidden.reshape(-1, hidden.shape[-1]) @ block.router.weight.t()).softmax(dim=-1)
+        torch.testing.assert_close(record.probability_sum.detach(), probabilities.detach().sum(dim=0))
+    modules, parameters, found, unreachable = moe_lora_targets(
+        layers, blocks, ["attention", "dense_mlp", "routed_experts"]
+    )
+    attention = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    assert modules == sorted(
+        [f"self_attn.{i}.{name}" for i in (0, 1) for name in attention]
+        + [f"mlps.{i}.{name}" for i in (0, 1) for name in ("gate_proj", "up_proj", "down_proj")]
+    )
+    assert parameters == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"] and found["router"] == 0
+    assert unreachable == {"router": "LongcatFlashTopkRouter"}
+    with pytest.raises(ConfigError) as error:
+        apply_lora(model, LoraConfig(moe_targets=["attention", "router"]))
+    assert str(error.value) == (
+        "lora.moe_targets: router: LongcatFlashTopkRouter multiplies by its Linear's weight itself, which no LoRA "
+        "adapter reaches (transformers and PEFT would leave it out); drop router"
+    )
     with caplog.at_level("INFO", logger="shardtune"):
         use_fused_experts(model, layers, "auto")
     assert "moe experts: fused (shardtune's grouped-GEMM block) on 2 MoE layers" in caplog.text
