@@ -45,7 +45,8 @@
 # and with both float8 options, and Llama 4 Scout's first 12 layers in the default config; BENCH_ONLY: run names), ddp-graphs (the CUDA graphs under DDP on 2 GPUs against the same
 # layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite,
 # ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too), llama4 (Llama 4
-# Scout's first 12 layers against HF, the same two runs). Each run's bench.json (and profile report, where one is taken) is copied to
+# Scout's first 12 layers against HF, the same two runs), gemma4 (Gemma 4 26B-A4B's text model against HF, the same two
+# runs). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -687,6 +688,15 @@ llama4)
         --baseline hf "${extra[@]}"
     bench llama4-scout-experts --shape llama4-scout-17b-16e --layers 12 --seq 4096 --batch 2 --steps 6 --warmup 3 \
         --baseline hf 'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
+    ;;
+gemma4)
+    # Gemma 4 26B-A4B's text model, all 30 layers (25.2B parameters), against HF + PEFT in the same run: LoRA on
+    # attention, then on the routed experts too. Its decoder layers keep their forward, the routed experts beside the
+    # dense MLP: the fused path routes (FusedRouter) and runs the experts' grouped GEMMs in the layer.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    bench gemma4-26b-a4b --shape gemma4-26b-a4b --seq 4096 --batch 2 --steps 8 --warmup 3 --baseline hf "${extra[@]}"
+    bench gemma4-26b-a4b-experts --shape gemma4-26b-a4b --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
+        'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

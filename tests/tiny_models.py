@@ -509,6 +509,26 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "indexer_budget": 32,
         "indexer_compress_ratio": 4,
     },
+    # Gemma 4 (26B-A4B's layout): the decoder layer is the MoE block, GELU-tanh-gated routed experts beside a dense MLP
+    # on the same residual, each through norms of its own; the router normalizes and scales its input, and each chosen
+    # weight by its expert's per_expert_scale. A sliding-window layer, then a full-attention one with wider heads and
+    # keys as values (attention_k_eq_v); no per-layer inputs.
+    "gemma4_text": {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "intermediate_size": 128,
+        "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 16,
+        "hidden_size_per_layer_input": 0,
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
 }
 FUSED_MOE_ARCHITECTURES = {
     **MOE_ARCHITECTURES,

@@ -147,6 +147,22 @@ SHAPES = {
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         },
     ),
+    # google/gemma-4-26B-A4B-it (its text model, as its config.json's text_config gives it: read from MaxText's
+    # gemma4-26b config and from other readers of that file, which agree): 30 layers, five of each six with
+    # sliding-window attention (1,024), the sixth full attention (512-wide heads, 2 key-value heads, the keys serving as
+    # values too); in each layer a dense MLP (2,112 wide) beside 128 routed experts (704 wide, 8 active,
+    # GELU-tanh-gated); as transformers builds it, 25.2B / 3.8B parameters, Google's published counts.
+    "gemma4-26b-a4b": (
+        "gemma4_text",
+        {
+            "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112, "moe_intermediate_size": 704,
+            "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+            "global_head_dim": 512, "num_global_key_value_heads": 2, "attention_k_eq_v": True,
+            "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "hidden_size_per_layer_input": 0,
+            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 1024, "final_logit_softcapping": 30.0,
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -191,6 +207,8 @@ HUB_SHAPES = {
     "openai/gpt-oss-20b": ("gpt-oss-20b", {}),
     "meta-llama/Llama-4-Scout-17B-16E": ("llama4-scout-17b-16e", {}),
     "meta-llama/Llama-4-Scout-17B-16E-Instruct": ("llama4-scout-17b-16e", {}),
+    "google/gemma-4-26B-A4B": ("gemma4-26b-a4b", {}),
+    "google/gemma-4-26B-A4B-it": ("gemma4-26b-a4b", {}),
 }
 
 

@@ -87,13 +87,22 @@ def active_matmul_params(model: torch.nn.Module | PretrainedConfig) -> int:
     return round(matmul)
 
 
-def attention_width(model: torch.nn.Module) -> int:
+def attention_width(model: torch.nn.Module, heads_key: str = "num_attention_heads") -> int:
     """Query heads x head size: what one token's attention scores and weighted values cost per position;
-    the hidden size when the config has no head size of its own (heads of hidden / heads each)."""
+    the hidden size when the config has no head size of its own (heads of hidden / heads each). With ``heads_key``
+    ``num_key_value_heads``, the keys' (and values') width the same way. A config whose layers differ
+    (transformers' per_layer_config: Gemma 4's full-attention layers have other heads) gives its layers' mean."""
     text = model.config.get_text_config()
     hidden = getattr(text, "hidden_size", None) or model.get_input_embeddings().embedding_dim
-    heads, head_dim = getattr(text, "num_attention_heads", None), getattr(text, "head_dim", None)
-    return heads * head_dim if heads and head_dim else hidden
+    widths = []
+    for layer in list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text]:
+        heads, head_dim = getattr(layer, "num_attention_heads", None), getattr(layer, "head_dim", None)
+        counted = getattr(layer, heads_key, None) or heads
+        if heads and head_dim:
+            widths.append(counted * head_dim)
+        else:
+            widths.append(hidden * counted // heads if heads else hidden)
+    return round(sum(widths) / len(widths))
 
 
 def token_flops(

@@ -22,6 +22,10 @@ adapters, checkpoints and exports are unchanged; only the computation differs:
   summed in fp32, and its backward that gather (for a frozen down projection without LoRA, inside the
   input gradient's GEMM where quack's kernel gathers rows itself: ``ProjectionSummed``).
 
+A block that is its decoder layer (Gemma 4's: routed experts beside the dense MLP) keeps the layer and its forward:
+its router child is swapped for a :class:`FusedRouter`, which routes as the fused block does, and its experts compute
+the same ``routed_experts``.
+
 Blocks report their routing to the ``RoutingRecorder`` themselves (their router module's forward no
 longer runs) from inside the graph: a compiled decoder layer has no graph break (``report_routing``).
 """
@@ -101,6 +105,7 @@ UNSHARDED_LAYOUTS = {
     "transposed_silu": "transposed expert weights",
     "relu2": "ungated experts",
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
+    "gelu_tanh": "GELU-tanh-gated experts",
 }
 
 # Experts whose last ids are "zero-computation" identities, by class name: the attribute that holds how many. An
@@ -121,8 +126,9 @@ def expert_activation(experts: torch.nn.Module) -> str | None:
     ``transposed_silu``, the same with (E, in, out) weights (Llama 4's);
     ``clamped_glu``, GPT-OSS's: gate and up interleaved, each clamped at ``limit`` (up on both sides),
     gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on each projection;
-    ``relu2``, ungated experts: ReLU(up)², an (E, I, H) ``up_proj`` and no gate (Nemotron-H's); None for any other
-    kind."""
+    ``relu2``, ungated experts: ReLU(up)², an (E, I, H) ``up_proj`` and no gate (Nemotron-H's);
+    ``gelu_tanh``, ``silu``'s layout with GELU's tanh approximation for the SiLU (Gemma 4's gelu_pytorch_tanh);
+    None for any other kind."""
     if type(experts).__name__ == "GptOssExperts":
         return "clamped_glu"
     if getattr(experts, "has_bias", False):
@@ -134,6 +140,8 @@ def expert_activation(experts: torch.nn.Module) -> str | None:
     act_fn = getattr(experts, "act_fn", None)
     if act_fn is F.silu or type(act_fn).__name__ in ("SiLU", "SiLUActivation"):  # LFM2: F.silu itself
         return "transposed_silu" if _weights_transposed(experts) else "silu"
+    if type(act_fn).__name__ == "GELUTanh" and not _weights_transposed(experts):
+        return "gelu_tanh"
     return None
 
 
@@ -184,7 +192,10 @@ def _unsupported(block: MoeBlock) -> str | None:
     if name not in ROUTING_RULES:
         return f"{name} is not one of {', '.join(ROUTING_RULES)}"
     if expert_activation(block.experts) is None:
-        return f"{type(block.experts).__name__} is neither SiLU-gated experts, ReLU²-activated ones nor GPT-OSS's"
+        return (
+            f"{type(block.experts).__name__} is neither SiLU- or GELU-tanh-gated experts, ReLU²-activated ones nor "
+            "GPT-OSS's"
+        )
     return None
 
 
@@ -240,10 +251,14 @@ def use_fused_experts(
         )
     backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
     for block in blocks:
-        fused = FusedMoeBlock(block.block, block.routing, backend)
-        parent = _parent_of(model, block.block)
+        if block.path:
+            parent, replaced = _parent_of(model, block.block), block.block
+            fused = FusedMoeBlock(replaced, block.routing, backend)
+        else:  # the block is its decoder layer (Gemma 4's), whose forward stays: its router child is swapped
+            parent, replaced = block.block, getattr(block.block, block.router_name)
+            fused = FusedRouter(block.block, block.router_name, block.routing, backend)
         for name, child in list(parent.named_children()):
-            if child is block.block:
+            if child is replaced:
                 parent.register_module(name, fused)
     log.info(
         "moe experts: fused (shardtune's grouped-GEMM block) on %d MoE layers; grouped GEMMs: %s",
@@ -324,7 +339,17 @@ class FusedMoeBlock(torch.nn.Module):
 
     reports_routing = True  # to the RoutingRecorder, from inside its forward (see report_routing)
 
-    def __init__(self, original: torch.nn.Module, routing: Routing, grouped_gemm: str = "torch"):
+    def __init__(
+        self,
+        original: torch.nn.Module,
+        routing: Routing,
+        grouped_gemm: str = "torch",
+        experts: torch.nn.Module | None = None,
+        replaced: str | None = None,
+    ):
+        """``original``: the transformers block it replaces, whose children (router, experts, shared experts) and
+        own tensors it takes over; for a :class:`FusedRouter`, a router child, with the ``experts`` of its decoder
+        layer (``replaced``)."""
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
@@ -334,32 +359,20 @@ class FusedMoeBlock(torch.nn.Module):
         for name, parameter in original.named_parameters(recurse=False):
             self.register_parameter(name, parameter)
         self.routing = routing
-        self.replaced = type(original).__name__
-        self.router_name = "gate" if hasattr(self, "gate") else "router"
-        # What computes the logits: the router child, or the Linear it holds (Hunyuan-MoE's gate.wg, AFMoE's gate),
-        # under PEFT's wrappers.
-        linear_name = logits_linear_name(parameter_adapters(self.get_submodule(self.router_name))[0])
-        self.logits_path = f"{self.router_name}.{linear_name}" if linear_name else self.router_name
+        self.replaced = replaced or type(original).__name__
+        if experts is None:
+            self.router_name = "gate" if hasattr(self, "gate") else "router"
+        else:  # the router itself, beside experts that stay its layer's child (not registered here)
+            self.router_name = ""
+            self.__dict__["experts"] = experts
         self.shared_name = next((name for name in SHARED_EXPERT_NAMES if name in self._modules), None)
         self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
-        base_experts = parameter_adapters(self.experts)[0]
-        activation = expert_activation(base_experts)
-        # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
-        self.num_routed_experts = getattr(base_experts, input_projection(activation)).shape[0]
         # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
         # its gradient in this block's backward.
         self.trains_balance = False
         self.train(original.training)
-        # The experts run through their outermost module's call, so that hooks on it (FSDP2 gathers the
-        # experts as a unit of their own) fire; its forward becomes the grouped computation, which reads
-        # PEFT's adapters itself instead of PEFT's forward building W + ΔW.
-        outer = self.experts
-        outer.forward = types.MethodType(routed_experts, outer)
-        outer.grouped_gemm = grouped_gemm  # the kernel routed_experts computes with (model.grouped_gemm)
-        outer.activation = activation
-        outer.weights_input = routing.weights_input
-        outer.swiglu_limit = swiglu_limit(base_experts)
-        outer.identity_experts = identity_experts(base_experts)
+        # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
+        self.num_routed_experts = use_routed_experts(self.experts, routing, grouped_gemm)
         self.second_output = SECOND_OUTPUT.get(self.replaced)
         # Shared experts whose output is averaged with the routed experts', not added to it (Cohere2-MoE's
         # shared_expert_combination_strategy "average").
@@ -367,6 +380,16 @@ class FusedMoeBlock(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"replaces={self.replaced}, {self.routing}"
+
+    def routed(
+        self, tokens: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``route`` of (tokens, hidden) ``tokens`` by the block's router child and rule, the routing reported to the
+        RoutingRecorder in training (``report_routing``): (fp32 logits, fp32 weights, expert ids)."""
+        logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing, self, input_ids)
+        if self.training:
+            weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
+        return logits, weights, chosen
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output; ``input_ids``, the tokens' ids, as the decoder layer of a block that routes by them
@@ -376,9 +399,7 @@ class FusedMoeBlock(torch.nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
-        logits, weights, chosen = route(self.get_submodule(self.logits_path), tokens, self.routing, self, input_ids)
-        if self.training:
-            weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
+        logits, weights, chosen = self.routed(tokens, input_ids)
         if hasattr(self, "fc1_latent_proj"):  # Nemotron-H: the routed experts work in a latent space (or identities)
             output = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), chosen, weights))
         else:
@@ -395,6 +416,44 @@ class FusedMoeBlock(torch.nn.Module):
         if self.second_output is not None:
             return output.reshape(shape), {"weights": weights, "logits": logits}[self.second_output]
         return output.reshape(shape)
+
+
+class FusedRouter(FusedMoeBlock):
+    """The fused path of a MoE block that is its decoder layer (Gemma 4's: the routed experts beside the dense MLP),
+    which keeps transformers' forward: this module takes the router child's place (its children and tensors under
+    their names) and routes as :class:`FusedMoeBlock` does, fp32 and reported; the layer's ``experts`` child stays
+    where it is and computes ``routed_experts`` (``use_routed_experts``), called by the layer with the weights and
+    experts returned here. Float8 experts, expert parallelism and the planner's checks find it as a FusedMoeBlock,
+    whose ``experts`` it names (not a child of its own: the parameter names stay the layer's)."""
+
+    def __init__(self, layer: torch.nn.Module, router_name: str, routing: Routing, grouped_gemm: str = "torch"):
+        super().__init__(
+            getattr(layer, router_name), routing, grouped_gemm, experts=layer.experts, replaced=type(layer).__name__
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What Gemma 4's router returns for (tokens, hidden) ``hidden_states``: (fp32 probabilities, fp32 weights,
+        expert ids), each (tokens, ...). Its layer uses the last two."""
+        logits, weights, chosen = self.routed(hidden_states)
+        return routing_probabilities(logits, self.routing.scoring), weights, chosen
+
+
+def use_routed_experts(experts: torch.nn.Module, routing: Routing, grouped_gemm: str = "torch") -> int:
+    """Make routed ``experts`` (transformers' module, under PEFT's wrappers) compute ``routed_experts`` with the
+    ``grouped_gemm`` kernel (``model.grouped_gemm``), for blocks routed by ``routing``; returns their number.
+
+    The experts run through their outermost module's call, so that hooks on it (FSDP2 gathers the experts as a unit
+    of their own) fire; its forward becomes the grouped computation, which reads PEFT's adapters itself instead of
+    PEFT's forward building W + ΔW."""
+    base_experts = parameter_adapters(experts)[0]
+    activation = expert_activation(base_experts)
+    experts.forward = types.MethodType(routed_experts, experts)
+    experts.grouped_gemm = grouped_gemm  # the kernel routed_experts computes with (model.grouped_gemm)
+    experts.activation = activation
+    experts.weights_input = routing.weights_input
+    experts.swiglu_limit = swiglu_limit(base_experts)
+    experts.identity_experts = identity_experts(base_experts)
+    return getattr(base_experts, input_projection(activation)).shape[0]
 
 
 def report_routing(
@@ -517,12 +576,23 @@ def route(
     input_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)) by ``routing``'s
-    rule; ``router`` computes the logits (its weight, and a bias where it has one and the rule adds it), under PEFT's
-    adapters. A router's correction bias is its own or its ``block``'s (``moe.correction_bias``). ``input_ids``, the
-    tokens' ids in the same order, are where a ``routing.choice_table`` of the router's looks the experts up."""
+    rule; ``router``, a block's router child or the Linear of its logits it holds (``logits_linear_name``), computes
+    the logits (its weight, and a bias where it has one and the rule adds it), under PEFT's adapters. A router's
+    correction bias is its own or its ``block``'s (``moe.correction_bias``); the tensors the rule names
+    (``input_scale``, ``expert_scale``) are the router child's. ``input_ids``, the tokens' ids in the same order, are
+    where a ``routing.choice_table`` of the router's looks the experts up."""
     router, adapters = parameter_adapters(router)
+    holder = router
+    if linear_name := logits_linear_name(router):
+        router, adapters = parameter_adapters(getattr(router, linear_name))
     device = tokens.device.type
     with torch.autocast(device, enabled=False):
+        if routing.input_norm is not None:  # Gemma 4: the router's input RMS-normalized and scaled, in fp32
+            tokens = tokens.float()
+            tokens = tokens * torch.rsqrt(tokens.square().mean(dim=-1, keepdim=True) + routing.input_norm)
+            if routing.input_scale is not None:
+                tokens = tokens * getattr(holder, routing.input_scale).float()
+            tokens = tokens * routing.input_scaling
         logits = Fp32Linear.apply(tokens, router.weight)
         if routing.logits_bias and isinstance(getattr(router, "bias", None), torch.Tensor):  # GPT-OSS's router
             logits = logits + router.bias.float()
@@ -543,7 +613,10 @@ def route(
         weights = scores.gather(1, chosen)
         if routing.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.epsilon)
-        return logits, weights * routing.scaling, chosen
+        weights = weights * routing.scaling
+        if routing.expert_scale is not None:  # Gemma 4's per_expert_scale, at each chosen expert
+            weights = weights * getattr(holder, routing.expert_scale).float()[chosen]
+        return logits, weights, chosen
 
 
 def _best_experts(
@@ -702,7 +775,7 @@ def routed_experts(
     if activation == "relu2":
         hidden = WeightedReluSquared.apply(projected, row_weights)
     else:
-        hidden = WeightedSiluMul.apply(projected, row_weights, limit)
+        hidden = WeightedSiluMul.apply(projected, row_weights, limit, activation)
     if identity_rows is not None:  # the activation's gradient: the down projection leaves the identity rows' unwritten
         hidden = hidden.masked_fill(identity_rows, 0)
     down_adapters = adapters.get("down_proj", [])
@@ -1126,26 +1199,35 @@ class WeightedSiluMul(torch.autograd.Function):
     the forward's precision.
 
     With a ``limit`` (``swiglu_limit``: HY-V4's experts), the gate is clamped above and up on both sides at it before
-    the SiLU; the backward is then torch ops everywhere (the Triton kernel has no clamp)."""
+    the SiLU; the backward is then torch ops everywhere (the Triton kernel has no clamp). The experts' ``activation``
+    ``gelu_tanh`` (Gemma 4's) takes GELU's tanh approximation for the SiLU, its backward torch ops everywhere too (the
+    Triton kernel computes SiLU)."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    def forward(
+        ctx, gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None, activation: str = "silu"
+    ) -> torch.Tensor:
         ctx.save_for_backward(gate_up, row_weights)
-        ctx.limit = limit
-        return _weighted_silu_mul(gate_up, row_weights, _activation_precision(gate_up), limit)
+        ctx.limit, ctx.activation = limit, activation
+        return _weighted_silu_mul(gate_up, row_weights, _activation_precision(gate_up), limit, activation)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return *_weighted_silu_mul_backward(*ctx.saved_tensors, grad, ctx.limit), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        return *_weighted_silu_mul_backward(*ctx.saved_tensors, grad, ctx.limit, ctx.activation), None, None
 
 
 def _weighted_silu_mul_backward(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor, limit: float | None = None
+    gate_up: torch.Tensor,
+    row_weights: torch.Tensor,
+    grad: torch.Tensor,
+    limit: float | None = None,
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (without a limit), torch ops elsewhere."""
-    if weighted_silu_mul_backward is not None and limit is None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+    """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (SiLU without a limit), torch ops elsewhere."""
+    kernel = weighted_silu_mul_backward is not None and limit is None and activation in ("silu", "transposed_silu")
+    if kernel and runs_on(gate_up.device) and gate_up.shape[0] > 0:
         return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _activation_precision(gate_up), limit)
+    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _activation_precision(gate_up), limit, activation)
 
 
 def weighted_silu_mul_backward_ops(
@@ -1154,18 +1236,27 @@ def weighted_silu_mul_backward_ops(
     grad: torch.Tensor,
     compute: torch.dtype,
     limit: float | None = None,
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """WeightedSiluMul's backward as torch ops computing in ``compute``: (the gradient of ``gate_up`` in its
     dtype, the fp32 gradient of ``row_weights``). With a ``limit``, a clamped element takes no gradient (as
-    torch.clamp's backward: none outside the bounds, the bounds themselves included in them)."""
+    torch.clamp's backward: none outside the bounds, the bounds themselves included in them). ``gelu_tanh``: GELU's
+    tanh approximation for the SiLU, its derivative torch's own (``aten.gelu_backward``)."""
     gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit)
     grad = grad.to(compute)
-    sigmoid = torch.sigmoid(gate)
-    silu = gate * sigmoid
-    grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
-    grad = grad * weights
-    grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
-    grad_up = grad * silu
+    if activation == "gelu_tanh":
+        activated = F.gelu(gate, approximate="tanh")
+        grad_weights = (grad * activated * up).sum(dim=-1, dtype=torch.float32)
+        grad = grad * weights
+        grad_gate = torch.ops.aten.gelu_backward(grad * up, gate, approximate="tanh")
+        grad_up = grad * activated
+    else:
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        grad_weights = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
+        grad = grad * weights
+        grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
+        grad_up = grad * silu
     if limit is not None:
         raw_gate, raw_up = gate_up.to(compute).chunk(2, dim=-1)
         grad_gate = grad_gate * (raw_gate <= limit)
@@ -1185,14 +1276,20 @@ def _weighted_activation(
     WeightedReluSquared's forward."""
     if activation == "relu2":
         return _weighted_relu_squared(gate_up, row_weights, compute)
-    return _weighted_silu_mul(gate_up, row_weights, compute, limit)
+    return _weighted_silu_mul(gate_up, row_weights, compute, limit, activation)
 
 
 def _weighted_silu_mul(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype, limit: float | None = None
+    gate_up: torch.Tensor,
+    row_weights: torch.Tensor,
+    compute: torch.dtype,
+    limit: float | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
+    """weight * SiLU(gate) * up (``gelu_tanh``: GELU's tanh approximation for the SiLU) in ``compute``."""
     gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit)
-    return (F.silu(gate) * up * weights).to(gate_up.dtype)
+    activated = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+    return (activated * up * weights).to(gate_up.dtype)
 
 
 def _silu_operands(

@@ -62,12 +62,17 @@ def moe_lora_targets(
             if param.dim() == 3:
                 found["routed_experts"] += 1
                 if "routed_experts" in groups:
-                    chosen_parameters.add(f"{block.path}.experts.{name}")
+                    chosen_parameters.add(_joined(block.path, "experts", name))
         if not _adapted_as_module(block.router):
             found["router"] += 1
             if "router" in groups:
-                chosen_parameters.add(f"{block.path}.{block.router_name}.weight")
+                chosen_parameters.add(_joined(block.path, block.router_name, "weight"))
     return sorted(chosen_modules), sorted(chosen_parameters), found, unreachable
+
+
+def _joined(*names: str) -> str:
+    """A module path from its parts, an empty one (a block that is its decoder layer: Gemma 4's) left out."""
+    return ".".join(name for name in names if name)
 
 
 def _adapted_as_module(module: torch.nn.Module) -> bool:
@@ -109,7 +114,9 @@ def unadaptable_linears(root: torch.nn.Module) -> list[str]:
 
 
 def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> str:
-    if block is not None and (path == block.path or path.startswith(block.path + ".")):
+    # A block that is its decoder layer (Gemma 4's, path ""): its router is the router group's, the rest of the layer
+    # (attention, the dense MLP beside the experts) is grouped as any layer's.
+    if block is not None and (not block.path or path == block.path or path.startswith(block.path + ".")):
         inside = path[len(block.path) :].lstrip(".").split(".")[0]
         # The Qwen2-MoE family's shared expert comes with the gate that scales it (shared_expert_gate).
         if block.shared_name and inside in (block.shared_name, f"{block.shared_name}_gate"):
@@ -118,7 +125,8 @@ def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> 
             return "router"
         # Per-expert nn.Linear modules (older layouts), or the projections into and out of the routed experts' latent
         # space (Nemotron-H's fc1_latent_proj and fc2_latent_proj), which only the routed experts' path passes through.
-        return "routed_experts"
+        if block.path:
+            return "routed_experts"
     name = path.split(".")[0]
     # Token mixers: softmax attention, and those of hybrid models: linear attention (Qwen3-Next's linear_attn), short
     # convolutions (LFM2's ShortConv, whose in_proj and out_proj are its linear layers) and Mamba mixers (Jamba's,

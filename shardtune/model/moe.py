@@ -23,10 +23,12 @@ import torch
 
 ROUTER_NAMES = ("gate", "router")
 # Routers that hold their logits' Linear as a child instead of a weight of their own: Hunyuan-MoE's (wg), AFMoE's
-# (gate), LongCat-Flash's (classifier).
-LOGITS_LINEAR_NAMES = ("wg", "gate", "classifier")
+# (gate), LongCat-Flash's (classifier), Gemma 4's (proj).
+LOGITS_LINEAR_NAMES = ("wg", "gate", "classifier", "proj")
 # Routers that return another float per token and expert (their scores) before the logits: Llama 4's.
 SCORES_BEFORE_LOGITS = ("Llama4Router",)
+# Routers that return their softmax probabilities where others return logits: Gemma 4's.
+PROBABILITIES_FOR_LOGITS = ("Gemma4TextRouter",)
 SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the last: Hunyuan-MoE's
 
 # How routers turn fp32 logits into scores (``Routing.scoring``): a softmax over the experts, or a score of each expert
@@ -54,9 +56,13 @@ class Routing:
     of a (vocab, top_k) table the router holds, the choice is instead the table's row at the token's id (hash
     routing: DeepSeek-V4's frozen tid2eid), whatever the scores. The logits are the router's Linear's, its bias
     included unless ``logits_bias`` is False (LongCat-Flash's router leaves its classifier's out). The weights are the
-    chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``. They scale each
-    chosen expert's output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the two
-    differ).
+    chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``, and times the
+    router's (experts,) parameter ``expert_scale`` at the chosen expert where named (Gemma 4's per_expert_scale). They
+    scale each chosen expert's output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the
+    two differ). With an ``input_norm`` epsilon the router's input is first RMS-normalized (no weight of the norm's
+    own), then multiplied by its (hidden,) parameter ``input_scale`` where named and by ``input_scaling`` (Gemma 4:
+    ``scale`` and hidden_size**-0.5). Parameters are named as attributes of the block's router child
+    (``MoeBlock.router_child``).
     """
 
     scoring: str
@@ -73,6 +79,10 @@ class Routing:
     masked_score: float = float("-inf")
     choice_table: str | None = None
     logits_bias: bool = True
+    input_norm: float | None = None
+    input_scale: str | None = None
+    input_scaling: float = 1.0
+    expert_scale: str | None = None
 
 
 def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
@@ -144,6 +154,23 @@ def _deepseek_v4_rule(router: torch.nn.Module) -> Routing:
         scaling=float(router.routed_scaling_factor),
         epsilon=1e-20,
         choice_table="tid2eid" if hasattr(router, "tid2eid") else None,
+    )
+
+
+def _gemma4_rule(layer: torch.nn.Module) -> Routing:
+    """Gemma 4, whose decoder layer is the block (the routed experts run beside its dense MLP, on the same residual):
+    its router (child ``router``, no top_k of its own: the rule gets the layer) RMS-normalizes its input, scales it by
+    its ``scale`` and hidden_size**-0.5, takes the softmax of its Linear ``proj``'s logits, renormalizes the top-k
+    (``top_k_experts``) probabilities and multiplies each by its expert's ``per_expert_scale``."""
+    router = _children(layer)["router"]
+    return Routing(
+        "softmax",
+        router.config.top_k_experts,
+        normalize=True,
+        input_norm=float(router.eps),
+        input_scale="scale",
+        input_scaling=float(router.scalar_root_size),
+        expert_scale="per_expert_scale",
     )
 
 
@@ -253,6 +280,10 @@ ROUTING_RULES = {
     "AfmoeSparseMoeBlock": lambda router: Routing(
         "sigmoid", router.top_k, normalize=True, scaling=float(router.route_scale), epsilon=1e-20
     ),
+    # Gemma 4 (26B-A4B): the MoE block is the decoder layer itself, which keeps its forward when fused (its router
+    # child routes, its experts run fused: fused_moe.FusedRouter); the router normalizes and scales its input, and
+    # scales each chosen weight by its expert's per_expert_scale; GELU-tanh-gated experts.
+    "Gemma4TextDecoderLayer": _gemma4_rule,
 }
 
 
@@ -261,9 +292,11 @@ def routing_rule(block: torch.nn.Module, router: torch.nn.Module) -> Routing | N
     is its router child, which holds the rule's settings (top_k; AFMoE's route_scale, not the Linear it holds). A
     block's own ``routed_scaling_factor`` (Beam, Laguna: it scales the routed experts' sum, which is scaling each
     weight) joins its router's scaling. A rule reads its settings from the block where the router is a bare Linear
-    that has none (Jamba's in transformers 5.17)."""
-    if isinstance(rule := getattr(block, "routing", None), Routing):
-        return rule
+    that has none (Jamba's in transformers 5.17). A fused block's rule is its own, or, for a block that is its decoder
+    layer, its fused router's."""
+    for holder in (block, router):
+        if isinstance(rule := getattr(holder, "routing", None), Routing):
+            return rule
     make = ROUTING_RULES.get(type(block).__name__)
     if make is None:
         return None
@@ -310,6 +343,13 @@ class MoeBlock:
         """How the block routes (``routing_rule``)."""
         return routing_rule(self.block, self.router_child)
 
+    @property
+    def reporter(self) -> torch.nn.Module | None:
+        """The module that reports the block's routing itself (``reports_routing``): shardtune's fused block, or the
+        fused router child of a block that is its decoder layer (Gemma 4's); None for a block the hooks record."""
+        modules = (self.block, self.router_child)
+        return next((module for module in modules if getattr(module, "reports_routing", False)), None)
+
 
 def _inner(module: torch.nn.Module) -> torch.nn.Module:
     """The module itself under PEFT's and activation checkpointing's wrappers."""
@@ -345,7 +385,10 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 continue
             shared_name = next((name for name in SHARED_EXPERT_NAMES if name in children), None)
-            top_k = getattr(gate, "top_k", None) or getattr(config, "num_experts_per_tok", None)
+            rule = routing_rule(module, gate)
+            # The rule's (Gemma 4's router has no top_k: its rule reads the config's top_k_experts).
+            top_k = rule.top_k if rule is not None else getattr(gate, "top_k", None)
+            top_k = top_k or getattr(config, "num_experts_per_tok", None)
             if top_k is None:
                 raise ValueError(f"cannot tell how many experts {type(router).__name__} picks per token (top_k)")
             blocks.append(
@@ -466,7 +509,7 @@ class RoutingRecorder:
     records: list[RoutingRecord] = field(default_factory=list)
     _real: torch.Tensor | None = None
     _active: bool = False
-    _routed: list[tuple[MoeBlock, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _routed: list[tuple[MoeBlock, torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
     _reported: int = 0
     _balance_gradient: torch.Tensor | None = None
     # Layers replayed as CUDA graphs (``fix_addresses``): the real-token mask and the balance gradient at fixed
@@ -479,9 +522,9 @@ class RoutingRecorder:
     current: ClassVar[RoutingRecorder | None] = None
 
     def __post_init__(self) -> None:
-        self._reporting = [block for block in self.blocks if getattr(block.block, "reports_routing", False)]
+        self._reporting = [block for block in self.blocks if block.reporter is not None]
         for block in self._reporting:
-            block.block.trains_balance = self.trains_balance
+            block.reporter.trains_balance = self.trains_balance
         for block in self.blocks:
             if block not in self._reporting:
                 # The router child itself, which returns its choice where a Linear it holds (Hunyuan-MoE's, AFMoE's)
@@ -501,11 +544,13 @@ class RoutingRecorder:
             # Routers return their logits, and most their choice, in an order of their own (Granite-MoE's in
             # transformers 5.17: choice, weights, logits): the logits are the floats with one column per expert.
             parts = output if isinstance(output, tuple) else (output,)
-            if any(kind.__name__ in SCORES_BEFORE_LOGITS for kind in type(module).__mro__):  # also parametrized by PEFT
+            kinds = {kind.__name__ for kind in type(module).__mro__}  # also parametrized by PEFT
+            if kinds & set(SCORES_BEFORE_LOGITS):
                 parts = parts[::-1]
             logits = next(
                 (part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts), None
             )
+            scoring = "probabilities" if kinds & set(PROBABILITIES_FOR_LOGITS) else block.scoring
             # The router's own choice: DeepSeek-V4's hash routers return their table's.
             chosen = next((part for part in parts if not part.is_floating_point()), None)
             if logits is None and chosen is not None:
@@ -518,7 +563,7 @@ class RoutingRecorder:
             if chosen is None:
                 with torch.no_grad():  # every scoring keeps the order of the logits
                     chosen = logits.topk(block.top_k, dim=-1).indices
-            self._routed.append((block, logits, chosen.reshape(-1, block.top_k)))
+            self._routed.append((block, logits, chosen.reshape(-1, block.top_k), scoring))
 
         return record
 
@@ -537,11 +582,12 @@ class RoutingRecorder:
             yield self.records
         finally:
             self._active = False
-            for block, logits, chosen in self._routed:
+            for block, logits, chosen, scoring in self._routed:
                 if isinstance(logits, tuple):
                     hidden, weight = logits
                     logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), weight.float())
-                probabilities = routing_probabilities(logits, block.scoring)
+                # "probabilities": what the router returned are its probabilities already (Gemma 4's).
+                probabilities = logits.float() if scoring == "probabilities" else routing_probabilities(logits, scoring)
                 sums = sum_real(token_statistics(probabilities, chosen), self._real)
                 self.records.append(RoutingRecord.of(block, sums, sum_real(probabilities, self._real)))
             self._routed = []

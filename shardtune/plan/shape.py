@@ -96,8 +96,6 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     hidden = getattr(text, "hidden_size", None) or embedding.embedding_dim
     mlp_width = next((getattr(text, key) for key in MLP_WIDTH_KEYS if getattr(text, key, None)), 4 * hidden)
     width = attention_width(model)
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     layers = decoder_layers(model)
     blocks = {block.layer: block for block in find_moe_blocks(model, layers)}
     shapes = []
@@ -112,6 +110,8 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
             continue
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
+        if shared is None and not block.path:  # the block is its decoder layer (Gemma 4's): its dense MLP runs beside
+            shared = getattr(block.block, "mlp", None)  # the experts on every token, as shared experts do
         shared_params = sum(p.numel() for p in shared.parameters()) if shared is not None else 0
         base_experts, adapters = parameter_adapters(block.block.get_submodule("experts"))
         activation = expert_activation(base_experts)
@@ -143,7 +143,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         compute_bytes=(precision.autocast or precision.compute).itemsize,
         hidden=hidden,
         attention_width=width,
-        kv_width=width * kv_heads // heads if heads else width,
+        kv_width=attention_width(model, "num_key_value_heads"),
         vocab=embedding.num_embeddings,
         layers=tuple(shapes),
         flops=flops,

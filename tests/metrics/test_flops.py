@@ -55,6 +55,7 @@ def test_glm_shapes_by_hand():
         "ernie-4.5-21b-a3b",
         "gpt-oss-20b",
         "llama4-scout-17b-16e",
+        "gemma4-26b-a4b",
     ],
 )
 def test_active_weights_match_the_built_model(name):
@@ -68,10 +69,11 @@ def test_active_weights_match_the_built_model(name):
     for parameter_name, parameter in model.named_parameters():
         if parameter.dim() < 2 or "embed_tokens" in parameter_name:
             continue  # norms, biases, correction biases; the input embedding is a lookup
-        share = text.num_experts_per_tok / experts if ".experts." in parameter_name else 1.0
+        top_k = getattr(text, "num_experts_per_tok", None) or text.top_k_experts  # the latter: Gemma 4's
+        share = top_k / experts if ".experts." in parameter_name else 1.0
         active += parameter.numel() * share
     head = model.get_output_embeddings().weight
-    if head is model.get_input_embeddings().weight:  # tied (ERNIE 4.5): the head's matmul takes the embedding
+    if head is model.get_input_embeddings().weight:  # tied (ERNIE 4.5, Gemma 4): the head's matmul takes the embedding
         active += head.numel()
     assert active_matmul_params(config) == pytest.approx(active, rel=1e-12)
 

@@ -8,6 +8,8 @@ runs take the fused default). The training comparison marked slow runs with ``-m
 from __future__ import annotations
 
 import copy
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -52,9 +54,9 @@ def moe_dirs(tmp_path_factory):
 
 def build(directory, lora_targets: list[str] | None = None, shared: bool = False) -> torch.nn.Module:
     """transformers' eager experts with routers that route unevenly (random weights, random GLM-style
-    correction biases), hash layers' tables of distinct random experts for each token id (DeepSeek-V4's; transformers
-    starts them at 0, every choice expert 0), and random LoRA weights (PEFT starts B at zero: no gradient would reach
-    A)."""
+    correction biases; Gemma 4's input and per-expert scales drawn from 0.5 to 1.5), hash layers' tables of distinct
+    random experts for each token id (DeepSeek-V4's; transformers starts them at 0, every choice expert 0), and random
+    LoRA weights (PEFT starts B at zero: no gradient would reach A)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(directory), dtype=torch.float32, experts_implementation="eager"
@@ -64,6 +66,9 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
         torch.nn.init.normal_(block.router.weight, std=0.5)
         if (bias := correction_bias(block.router, block.block)) is not None:
             bias.normal_(std=0.1)
+        for name in (block.routing.input_scale, block.routing.expert_scale):
+            if name is not None:
+                torch.nn.init.uniform_(getattr(block.router_child, name), 0.5, 1.5)
         if (table_name := block.routing.choice_table) is not None:
             table = getattr(block.router, table_name)
             table.copy_(torch.rand(table.shape[0], block.num_experts).argsort(dim=-1)[:, : table.shape[1]])
@@ -84,7 +89,8 @@ def build(directory, lora_targets: list[str] | None = None, shared: bool = False
 def fused_copy(model: torch.nn.Module) -> torch.nn.Module:
     fused = copy.deepcopy(model)
     use_fused_experts(fused, decoder_layers(fused), "fused")
-    assert all(isinstance(block.block, FusedMoeBlock) for block in find_moe_blocks(fused, decoder_layers(fused)))
+    # A block that is its decoder layer (Gemma 4's) keeps it: its router child is the fused one (FusedRouter).
+    assert all(isinstance(block.reporter, FusedMoeBlock) for block in find_moe_blocks(fused, decoder_layers(fused)))
     return fused
 
 
@@ -171,8 +177,8 @@ def test_full_finetuning_forward_loss_and_every_gradient_equal_eager(moe_dirs, a
     inputs, labels = padded_batch() if batch == "padded" else packed_batch()
     expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
     assert expected.keys() == got.keys()
-    # Hunyuan-MoE's and LongCat-Flash's routers' Linears last
-    routers = (".gate.weight", ".router.weight", ".gate.wg.weight", ".router.classifier.weight")
+    # The last three: the Linear of Hunyuan-MoE's, LongCat-Flash's and Gemma 4's routers.
+    routers = (".gate.weight", ".router.weight", ".gate.wg.weight", ".router.classifier.weight", ".router.proj.weight")
     assert any(".experts." in name for name in got) and any(name.endswith(routers) for name in got)
     # Hunyuan-MoE's shared_mlp is its block's; Granite-MoE-shared's, the decoder layer's, is outside the block.
     assert any(".shared_expert" in name or ".mlp.shared_mlp." in name for name in got) == (arch in SHARED)
@@ -201,6 +207,16 @@ def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, 
 
 def sparse_block(model: torch.nn.Module):
     return find_moe_blocks(model, decoder_layers(model))[0]
+
+
+def block_output(block, x: torch.Tensor, **ids):
+    """The MoE block's forward on (batch, seq, hidden) ``x``. A block that is its decoder layer (Gemma 4's) runs as
+    its layer, the attention's output zero (its residual is then ``x``, which the router and experts take)."""
+    if block.path:
+        return block.block(x, **ids)
+    zero = types.MethodType(lambda attention, hidden_states, **_: (torch.zeros_like(hidden_states), None), block.block)
+    with mock.patch.object(block.block.self_attn, "forward", zero):
+        return block.block(x, position_embeddings=None, attention_mask=None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -233,7 +249,7 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
     for model in (reference, fused):
         block = sparse_block(model)
         x = tokens.clone().requires_grad_()
-        out = block.block(x, **ids)
+        out = block_output(block, x, **ids)
         if isinstance(out, tuple):  # (output, routing weights) from GPT-OSS's block, (output, logits) from Llama 4's
             out, routing = out
             assert routing.shape == (21, block.num_experts if arch == "llama4_text" else block.top_k)
@@ -243,7 +259,7 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
             name: param.grad for name, param in block.block.named_parameters() if param.grad is not None
         })  # fmt: skip
     block = sparse_block(fused)
-    _, _, chosen = route(block.router, tokens.reshape(-1, hidden), block.block.routing, block.block, **ids)
+    _, _, chosen = route(block.router_child, tokens.reshape(-1, hidden), block.routing, block.block, **ids)
     counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
     assert counts[0] == 21 and counts[1] == 0
     if identities := block.block.experts.identity_experts:
@@ -325,12 +341,13 @@ def assert_same_records(mine: list, theirs: list) -> None:
 # take the choice from the router itself. Laguna's statistics take its capped logits, as its router returns them;
 # Kolibri-1's bias is added to the logits. Jamba's router in transformers 5.17 is a bare Linear, returning its logits
 # alone; Llama 4's returns its scores before its logits. DeepSeek-V4's scores are the square roots of the logits'
-# softplus, and its first layer's router returns the experts of its table.
+# softplus, and its first layer's router returns the experts of its table. Gemma 4's router returns its probabilities
+# where others return logits, and normalizes and scales its input first.
 SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "minimax_m2": "sigmoid", "ernie4_5_moe": "softmax",
            "lfm2_moe": "sigmoid", "granitemoe": "softmax", "gpt_oss": "softmax", "hunyuan_v1_moe": "softmax",
            "afmoe": "sigmoid", "laguna": "sigmoid", "kolibri1": "sigmoid", "flint": "sigmoid",
            "cohere2_moe": "sigmoid", "jamba": "softmax", "llama4_text": "sigmoid", "nemotron_h": "sigmoid",
-           "deepseek_v4": "sqrtsoftplus", "longcat_flash": "softmax"}  # fmt: skip
+           "deepseek_v4": "sqrtsoftplus", "longcat_flash": "softmax", "gemma4_text": "softmax"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", [arch for arch in SCORING if arch in ARCHS])
@@ -434,13 +451,14 @@ def test_fixed_addresses_give_each_forward_its_own_mask_and_balance_gradient(moe
 
 
 # LongCat-Flash: identity experts, whose rows the GEMMs skip by their bounds, in one graph too.
-@pytest.mark.parametrize("arch", ["glm4_moe", *(["longcat_flash"] if "longcat_flash" in ARCHS else [])])
+@pytest.mark.parametrize("arch", ["glm4_moe", *[arch for arch in ("longcat_flash", "gemma4_text") if arch in ARCHS]])
 @pytest.mark.parametrize("compiled", ["outside", pytest.param("inside", marks=pytest.mark.variants)])
 def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled, arch):
     """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
     graph break fails the test) or inside it (where FSDP's hooks on the experts break the graph anyway),
     records its routing once per forward (not again in the recomputation) and gives the eager block's
-    loss, balance loss and gradients."""
+    loss, balance loss and gradients. Gemma 4's layer is its own block, routed by its fused router child."""
+    torch._dynamo.reset()  # the layers' code compiled by earlier tests counts toward dynamo's recompile limit
     reference = fused_copy(build(moe_dirs[arch], ["attention", "routed_experts"]))
     compiled_model = copy.deepcopy(reference)
     for model in (reference, compiled_model):
@@ -662,8 +680,10 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
         # A.X-K1 (a normalized block output), Flint (an ungated shared expert), Kolibri-1 (a correction bias on the
         # logits), Laguna (capped logits, the block's scaling), Cohere2-MoE (averaged shared experts), Llama 4 (the
         # weights on the experts' input; transposed experts), HY-V4 (a SwiGLU limit), AFMoE (a router holding its
-        # logits' Linear), Nemotron-H (ungated ReLU² experts in a latent space; Mamba-2 layers) and DeepSeek-V4
-        # (square-root-softplus scores; a hash layer, choosing by token id), LongCat-Flash (identity experts).
+        # logits' Linear), Nemotron-H (ungated ReLU² experts in a latent space; Mamba-2 layers), DeepSeek-V4
+        # (square-root-softplus scores; a hash layer, choosing by token id), LongCat-Flash (identity experts) and
+        # Gemma 4 (the decoder layer as the block, its router normalizing and scaling its input and its weights by
+        # expert).
         *(
             pytest.param(arch, targets, marks=pytest.mark.variants)
             for arch, targets in [
@@ -683,6 +703,8 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
                 ("nemotron_h", "[attention,routed_experts,shared_experts,router]"),
                 ("deepseek_v4", "[attention,routed_experts,shared_experts,router]"),
                 ("longcat_flash", "[attention]"),  # identity experts beside frozen GEMM ones; two attentions a layer
+                # Gemma 4: the decoder layer is the block, its dense MLP in dense_mlp; GELU-tanh-gated experts
+                ("gemma4_text", "[attention,dense_mlp,routed_experts,router]"),
             ]
             if arch in ARCHS
         ),
@@ -1135,6 +1157,7 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
         ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP"),
         ("nemotron_h", "NemotronHExperts", "ungated experts", "NemotronHMoE"),
         ("longcat_flash", "LongcatFlashExperts", "zero-computation identity experts", "LongcatFlashMoE"),
+        ("gemma4_text", "Gemma4TextExperts", "GELU-tanh-gated experts", "Gemma4TextDecoderLayer"),
     ],
 )
 def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):

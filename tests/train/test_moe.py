@@ -390,3 +390,40 @@ def test_longcat_flash_blocks_are_found_through_their_routers_classifier_and_its
     with caplog.at_level("INFO", logger="shardtune"):
         use_fused_experts(model, layers, "auto")
     assert "moe experts: fused (shardtune's grouped-GEMM block) on 2 MoE layers" in caplog.text
+
+
+def test_gemma4_blocks_are_their_decoder_layers_and_fuse_in_place():
+    """Gemma 4 puts its router and routed experts in the decoder layer itself, beside the dense MLP: the blocks are
+    found as the layers (path ""), with the router's Linear ``proj`` as the router and the config's top_k_experts; the
+    layer's Linear layers keep their LoRA groups (the dense MLP in dense_mlp, the router's in router) and the routed
+    experts' parameters are named from the layer. Fused, the layer stays transformers' (its forward too), its router
+    child becomes the fused router, its experts compute ``routed_experts``, and no parameter changes its name."""
+    from tiny_models import tiny_config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from shardtune.model.fused_moe import FusedRouter, routed_experts, use_fused_experts
+    from shardtune.model.lora import moe_lora_targets
+
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Gemma 4")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma4_text"), dtype=torch.float32)
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    assert [(block.layer, block.path, block.block) for block in blocks] == [(0, "", layers[0]), (1, "", layers[1])]
+    assert all(block.router is layers[block.layer].router.proj for block in blocks)
+    assert {(block.router_name, block.num_experts, block.top_k, block.scoring) for block in blocks} == {
+        ("router", 8, 2, "softmax")
+    }
+    modules, parameters, found, _ = moe_lora_targets(layers, blocks, ["dense_mlp", "routed_experts", "router"])
+    assert modules == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "router.proj"]
+    assert parameters == ["experts.down_proj", "experts.gate_up_proj"]
+    assert (found["dense_mlp"], found["router"], found["routed_experts"]) == (6, 2, 4)
+    names = [name for name, _ in model.named_parameters()]
+    use_fused_experts(model, layers, "fused")
+    assert [name for name, _ in model.named_parameters()] == names
+    assert all(type(layer).__name__ == "Gemma4TextDecoderLayer" for layer in decoder_layers(model))
+    fused = find_moe_blocks(model, decoder_layers(model))
+    assert all(isinstance(block.router_child, FusedRouter) and block.reporter is block.router_child for block in fused)
+    assert all(block.experts.forward.__func__ is routed_experts for block in fused)
+    assert all(block.router_child.experts is block.block.experts for block in fused)
