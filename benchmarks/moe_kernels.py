@@ -422,7 +422,7 @@ def float8_silu(report) -> None:
     )
     quantize = torch.compile(rowwise_float8, dynamic=False)
     # as a compiled layer runs it: the kernel for rows it holds, inductor's kernels for wider ones (Mixtral's)
-    shardtune_forward = torch.compile(fused_moe._weighted_silu_mul_float8, dynamic=False)
+    shardtune_forward = torch.compile(fused_moe._weighted_activation_float8, dynamic=False)
 
     def backward_then_quantized(gate_up, row_weights, grad):
         grad_gate_up, grad_weights = weighted_silu_mul_backward(gate_up, row_weights, grad)

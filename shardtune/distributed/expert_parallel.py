@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardtune.checkpoint.names import without_wrappers
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
-from shardtune.model.fused_moe import UNSHARDED_LAYOUTS, FusedMoeBlock, Permute
+from shardtune.model.fused_moe import FusedMoeBlock, Permute, expert_activation, input_projection, unsharded_layout
 
 
 class AllToAll(torch.autograd.Function):
@@ -99,8 +99,9 @@ def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:
 
 def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     """Keep only this rank's run of routed experts (weights and their LoRA adapters) in every fused MoE block
-    and give each block its token exchange; returns the number of blocks. The tensors may be on the meta
-    device (before their weights arrive, see ``parallelize``)."""
+    and give each block its token exchange; returns the number of blocks. Every layout of ``SHARDED_LAYOUTS`` is
+    taken; the block's other children (router, shared experts, Nemotron-H's latent projections) stay whole. The
+    tensors may be on the meta device (before their weights arrive, see ``parallelize``)."""
     blocks = fused_blocks(model)
     if not blocks:
         raise ConfigError(
@@ -108,15 +109,10 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
             "(model.experts_implementation: fused); this model's architecture has no fused MoE block; set it to 1"
         )
     for block in blocks:
-        if block.experts.activation != "silu":
+        if (layout := unsharded_layout(block.experts)) is not None:
             raise ConfigError(
-                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts "
-                f"({UNSHARDED_LAYOUTS[block.experts.activation]}) yet; set it to 1"
-            )
-        if block.experts.identity_experts:  # the token exchange sends every row to a rank's GEMMs
-            raise ConfigError(
-                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts "
-                f"({UNSHARDED_LAYOUTS['identity']}) yet; set it to 1"
+                f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts ({layout}) "
+                "yet; set it to 1"
             )
         num_experts = block.num_routed_experts
         dims.check_experts(num_experts, type(model).__name__)
@@ -135,12 +131,19 @@ def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
     return {name: param for name, param in block.experts.named_parameters() if tensor_kind(name) is not None}
 
 
+# The routed experts' weights of every layout in SHARDED_LAYOUTS, by name under the experts module: gated experts'
+# gate_up_proj, ungated ones' up_proj (Nemotron-H's), and down_proj. Each holds expert e at index e of its first
+# dimension, whether (E, out, in) or transposed (E, in, out) (Llama 4's): a run of experts is a run of that dimension.
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
 def tensor_kind(name: str) -> str | None:
     """The kind of a routed-expert tensor, by its parameter name under the experts module: ``experts``
-    (E, out, in), ``lora_A`` (r*E, in: expert e's rows e*r..(e+1)*r), ``lora_B`` (out, r*E: expert e's columns
-    e, e+E, ...); None for others."""
+    (E, ..., one of ``EXPERT_WEIGHTS``), ``lora_A`` (r*E, in: expert e's rows e*r..(e+1)*r), ``lora_B`` (out, r*E:
+    expert e's columns e, e+E, ...), as PEFT lays out the factors of any of them (of a transposed weight too, whose
+    in and out it swaps); None for others."""
     last = without_wrappers(name).split(".")
-    if last[-1] in ("gate_up_proj", "down_proj"):
+    if last[-1] in EXPERT_WEIGHTS:
         return "experts"
     if len(last) >= 3 and last[-3] in ("lora_A", "lora_B") and last[-1] == "weight":
         return last[-3]
@@ -167,13 +170,17 @@ def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: ran
 
 def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
     """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor: those of
-    each ``experts`` module holding 3-D ``gate_up_proj`` weights, fused or not (an export's model is not)."""
+    each ``experts`` module holding 3-D ``gate_up_proj`` weights (ungated experts: ``up_proj``), fused or not (an
+    export's model is not)."""
     names: dict[str, tuple[str, int]] = {}
     for module_name, module in model.named_modules():
-        if module_name.rpartition(".")[2] != "experts" or not hasattr(_base_experts(module), "gate_up_proj"):
+        if module_name.rpartition(".")[2] != "experts":
+            continue
+        first = getattr(_base_experts(module), input_projection(expert_activation(_base_experts(module))), None)
+        if not isinstance(first, torch.Tensor):
             continue
         parent = model.get_submodule(module_name.rpartition(".")[0])
-        num_experts = getattr(parent, "num_routed_experts", None) or _base_experts(module).gate_up_proj.shape[0]
+        num_experts = getattr(parent, "num_routed_experts", None) or first.shape[0]
         for name, _ in module.named_parameters():
             kind = tensor_kind(name)
             if kind is not None:

@@ -99,11 +99,12 @@ TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 # routing weights, Llama 4's router logits.
 SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
 
-# What the routed-expert layouts other than ``silu`` have that float8 experts and expert parallelism do not take.
+# The routed-expert layouts (``expert_activation``) that float8 experts and expert parallelism take: weights without
+# biases, expert e at index e of each weight's first dimension, the activation one of the weighted ones below.
+SHARDED_LAYOUTS = ("silu", "transposed_silu", "relu2")
+# What the other layouts have that float8 experts and expert parallelism do not take.
 UNSHARDED_LAYOUTS = {
     "clamped_glu": "transposed, biased expert weights",
-    "transposed_silu": "transposed expert weights",
-    "relu2": "ungated experts",
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
     "gelu_tanh": "GELU-tanh-gated experts",
 }
@@ -268,13 +269,24 @@ def use_fused_experts(
     return find_moe_blocks(model, layers)
 
 
+def unsharded_layout(experts: torch.nn.Module) -> str | None:
+    """What routed ``experts`` (prepared by ``use_routed_experts``) have that float8 experts and expert parallelism do
+    not take (``UNSHARDED_LAYOUTS``), or None: a layout outside ``SHARDED_LAYOUTS``, or identity experts (both send
+    every row through the GEMMs)."""
+    if experts.activation not in SHARDED_LAYOUTS:
+        return UNSHARDED_LAYOUTS.get(experts.activation, experts.activation)
+    return UNSHARDED_LAYOUTS["identity"] if experts.identity_experts else None
+
+
 def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tuple[int, str]:
     """``model.float8_experts``: quantize the frozen routed experts of every fused MoE block of ``model`` to
     float8 (``float8.py``) where they are now; returns the number of blocks and the grouped GEMM they compute
     with (``resolve_float8_grouped_gemm`` of ``model.grouped_gemm``, ``grouped_gemm``). Each weight's parameter
-    keeps its name, shape and object and holds the forward's e4m3 values, with the scales and the input gradient's
-    copy as buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Only the adapter is ever saved
-    from such a model: the checkpoints and ``final/`` of LoRA hold trainable parameters only."""
+    keeps its name, shape and object and holds its e4m3 values scaled per row of each expert's matrix (the forward's
+    operand, or for Llama 4's transposed weights the input gradient's), with the scales and the transpose's copy as
+    buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Every layout in ``SHARDED_LAYOUTS``
+    (gated, transposed, ungated, with a SwiGLU limit) is taken. Only the adapter is ever saved from such a model: the
+    checkpoints and ``final/`` of LoRA hold trainable parameters only."""
     blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
     if not blocks:
         raise ConfigError(
@@ -283,30 +295,23 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
         )
     backend = "torch"
     for block in blocks:
-        experts = parameter_adapters(block.experts)[0]
-        if block.experts.activation != "silu":
+        experts, activation = parameter_adapters(block.experts)[0], block.experts.activation
+        if (layout := unsharded_layout(block.experts)) is not None:
             raise ConfigError(
-                f"model.float8_experts: {type(experts).__name__} ({UNSHARDED_LAYOUTS[block.experts.activation]}) has "
-                "no float8 path; set it to false"
+                f"model.float8_experts: {type(experts).__name__} ({layout}) has no float8 path; set it to false"
             )
-        if block.experts.identity_experts:  # Float8Experts runs every row through the GEMMs
-            raise ConfigError(
-                f"model.float8_experts: {type(experts).__name__} ({UNSHARDED_LAYOUTS['identity']}) has no float8 path; "
-                "set it to false"
-            )
-        if block.experts.swiglu_limit is not None:  # the float8 kernels compute an unclamped SiLU
-            raise ConfigError(
-                f"model.float8_experts: {type(experts).__name__} (a SwiGLU limit) has no float8 path; set it to false"
-            )
-        backend = resolve_float8_grouped_gemm(grouped_gemm, experts.gate_up_proj.device)
+        names = (input_projection(activation), "down_proj")
+        backend = resolve_float8_grouped_gemm(grouped_gemm, getattr(experts, names[0]).device)
         block.experts.float8_grouped_gemm = backend  # read by routed_experts, as grouped_gemm is
-        for name in ("gate_up_proj", "down_proj"):
+        for name in names:
             weight = getattr(experts, name)
             if weight.requires_grad:
                 raise ConfigError(
                     "model.float8_experts: the routed experts train in this run; float8 is for frozen ones "
                     "(lora.enabled: true, the experts' weights frozen); set it to false"
                 )
+            # Quantized as the parameter is laid out: (E, out, in) weights hold the forward's operand, transposed
+            # (E, in, out) ones (Llama 4's) the input gradient's, and the *_t buffers the other (_float8_weight).
             values, scales, values_t, scales_t = quantize_expert_weight(weight.detach())
             # The same parameter object, holding the float8 values: whoever listed the model's parameters before
             # (DDP does, when it is built, and keeps the list) lets the bf16 weight go with it. With a new parameter,
@@ -319,12 +324,14 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     return len(blocks), backend
 
 
-def _float8_weight(experts: torch.nn.Module, name: str) -> tuple[torch.Tensor, ...] | None:
-    """The float8 forms of expert weight ``name`` that ``use_float8_experts`` made: (values, scales) of W_e and
-    of W_e^T, as ``Float8Product`` takes them; None for a weight in its own dtype."""
+def _float8_weight(experts: torch.nn.Module, name: str, transposed: bool = False) -> tuple[torch.Tensor, ...] | None:
+    """The float8 forms of expert weight ``name`` that ``use_float8_experts`` made: (values, scales) of W_e (out, in)
+    and of W_e^T, as ``Float8Product`` takes them; None for a weight in its own dtype. A ``transposed`` parameter
+    holds W_e^T, its ``_t`` buffers W_e."""
     if not hasattr(experts, f"{name}_scale"):
         return None
-    return tuple(getattr(experts, name + suffix) for suffix in ("", "_scale", "_t", "_t_scale"))
+    forms = tuple(getattr(experts, name + suffix) for suffix in ("", "_scale", "_t", "_t_scale"))
+    return (*forms[2:], *forms[:2]) if transposed else forms
 
 
 def _parent_of(model: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
@@ -628,7 +635,8 @@ def _best_experts(
     if bias is not None:
         for_choice = for_choice + bias.float()
     if routing.groups > 1:
-        grouped = for_choice.view(for_choice.shape[0], routing.groups, -1)
+        # The group width given: a rank that routes no token (under expert parallelism) has a view of 0 elements.
+        grouped = for_choice.view(for_choice.shape[0], routing.groups, for_choice.shape[1] // routing.groups)
         if routing.group_score == "max":
             group_scores = grouped.amax(dim=-1)
         else:
@@ -729,12 +737,14 @@ def routed_experts(
     if identities:  # the GEMM experts' bounds; the rows after them, (pairs, 1) True, are the identity experts'
         bounds = bounds[: gate_up.shape[0] + 1]
         identity_rows = (torch.arange(order.shape[0], device=order.device) >= bounds[-1]).unsqueeze(-1)
-    gate_up_float8, down_float8 = _float8_weight(experts, "gate_up_proj"), _float8_weight(experts, "down_proj")
-    if gate_up_float8 is not None and dispatch is None and not adapters:  # LoRA on attention, the MoE default
+    gate_up_float8 = _float8_weight(experts, input_projection(activation), transposed)
+    down_float8 = _float8_weight(experts, "down_proj", transposed)
+    # LoRA on attention, the MoE default; not for experts that take weighted rows (Llama 4's): those are not the tokens.
+    if gate_up_float8 is not None and dispatch is None and not adapters and not weights_input:
         token_of_row = (order // top_k).to(torch.int32)
         return Float8Experts.apply(
-            tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, float8_backend, *gate_up_float8,
-            *down_float8,
+            tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, float8_backend, activation, limit,
+            *gate_up_float8, *down_float8,
         )  # fmt: skip
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     if identity_rows is not None:  # masked_fill's backward sets their input gradient, which the GEMMs leave unwritten
@@ -779,7 +789,13 @@ def routed_experts(
     if identity_rows is not None:  # the activation's gradient: the down projection leaves the identity rows' unwritten
         hidden = hidden.masked_fill(identity_rows, 0)
     down_adapters = adapters.get("down_proj", [])
-    if dispatch is None and not down_adapters and not down.requires_grad and identity_rows is None:
+    if (
+        dispatch is None
+        and not down_adapters
+        and not down.requires_grad
+        and down_float8 is None
+        and identity_rows is None
+    ):
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
@@ -1024,21 +1040,26 @@ class Float8Experts(torch.autograd.Function):
       gradient once before gathering the rows, as gate/up does its tokens.
 
     Elsewhere (CPU) the SiLU's kernels are the torch ops then ``rowwise_float8``: the same operands, up to the
-    rounding of the SiLU's math. Gives the tokens' and the routing weights' gradients."""
+    rounding of the SiLU's math. So are, everywhere, the activations the Triton kernels do not compute: ungated experts'
+    ``activation`` ``relu2`` (``WeightedReluSquared``'s) and a SwiGLU ``limit`` (``WeightedSiluMul``'s clamp). Gives
+    the tokens' and the routing weights' gradients."""
 
     @staticmethod
-    def forward(ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, backend: str, *weights):
+    def forward(
+        ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, backend: str, activation: str,
+        limit: float | None, *weights,
+    ):  # fmt: skip
         gate_up_values, gate_up_scales, gate_up_values_t, gate_up_scales_t = weights[:4]
         down_values, down_scales, down_values_t, down_scales_t = weights[4:]
         rows = gathered_rowwise_float8(tokens, token_of_row)
         projected = float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype, backend)
-        hidden = _weighted_silu_mul_float8(projected, row_weights)
+        hidden = _weighted_activation_float8(projected, row_weights, limit, activation)
         output = float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype, backend)
         ctx.save_for_backward(
             projected, row_weights, token_of_row, inverse, bounds, gate_up_values_t, gate_up_scales_t, down_values_t,
             down_scales_t,
         )  # fmt: skip
-        ctx.top_k, ctx.backend = top_k, backend
+        ctx.top_k, ctx.backend, ctx.activation, ctx.limit = top_k, backend, activation, limit
         return _sum_rows(output, inverse, top_k)
 
     @staticmethod
@@ -1047,34 +1068,51 @@ class Float8Experts(torch.autograd.Function):
         gate_up_values_t, gate_up_scales_t, down_values_t, down_scales_t = weights
         rows = gathered_rowwise_float8(grad, token_of_row)
         grad_hidden = float8_grouped_mm(*rows, down_values_t, down_scales_t, bounds, grad.dtype, ctx.backend)
-        *grad_projected, grad_weights = _weighted_silu_mul_backward_float8(projected, row_weights, grad_hidden)
+        *grad_projected, grad_weights = _weighted_activation_backward_float8(
+            projected, row_weights, grad_hidden, ctx.limit, ctx.activation
+        )  # fmt: skip
         grad_rows = float8_grouped_mm(
             *grad_projected, gate_up_values_t, gate_up_scales_t, bounds, grad.dtype, ctx.backend
         )  # fmt: skip
-        return _sum_rows(grad_rows, inverse, ctx.top_k), grad_weights, *([None] * 13)
+        return _sum_rows(grad_rows, inverse, ctx.top_k), grad_weights, *([None] * 15)
 
 
-def _weighted_silu_mul_float8(gate_up: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rowwise_float8(WeightedSiluMul(gate_up, row_weights))``: one Triton kernel on CUDA, for rows it holds."""
+def _weighted_activation_float8(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None, activation: str = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rowwise_float8(_weighted_activation(gate_up, row_weights, ...))``: for an unclamped SiLU one Triton kernel on
+    CUDA, for rows it holds."""
     width = gate_up.shape[1] // 2
     if (
         weighted_silu_mul_float8 is not None
+        and activation != "relu2"
+        and limit is None
         and runs_on(gate_up.device)
         and gate_up.shape[0] > 0
         and width <= FLOAT8_ROW_TILE
     ):
         return weighted_silu_mul_float8(gate_up.contiguous(), row_weights.contiguous())
-    return rowwise_float8(_weighted_silu_mul(gate_up, row_weights, _activation_precision(gate_up)))
+    return rowwise_float8(_weighted_activation(gate_up, row_weights, _activation_precision(gate_up), limit, activation))
 
 
-def _weighted_silu_mul_backward_float8(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``WeightedSiluMul``'s backward with the gate/up gradient quantized by ``rowwise_float8``: (its e4m3 values, their
-    scales, the routing weights' gradient); one Triton kernel on CUDA."""
-    if weighted_silu_mul_backward_float8 is not None and runs_on(gate_up.device) and gate_up.shape[0] > 0:
+def _weighted_activation_backward_float8(
+    gate_up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor, limit: float | None = None,
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``WeightedSiluMul``'s (``WeightedReluSquared``'s) backward with the gate/up gradient quantized by
+    ``rowwise_float8``: (its e4m3 values, their scales, the routing weights' gradient); for an unclamped SiLU one
+    Triton kernel on CUDA."""
+    if activation == "relu2":
+        grad_gate_up, grad_weights = _weighted_relu_squared_backward(gate_up, row_weights, grad)
+        return *rowwise_float8(grad_gate_up), grad_weights
+    if (
+        weighted_silu_mul_backward_float8 is not None
+        and limit is None
+        and runs_on(gate_up.device)
+        and gate_up.shape[0] > 0
+    ):
         return weighted_silu_mul_backward_float8(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-    grad_gate_up, grad_weights = _weighted_silu_mul_backward(gate_up, row_weights, grad)
+    grad_gate_up, grad_weights = _weighted_silu_mul_backward(gate_up, row_weights, grad, limit)
     return *rowwise_float8(grad_gate_up), grad_weights
 
 
@@ -1316,11 +1354,17 @@ class WeightedReluSquared(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        up, row_weights = ctx.saved_tensors
-        compute = _activation_precision(up)
-        relu, weights, grad = F.relu(up.to(compute)), row_weights.to(compute).unsqueeze(-1), grad.to(compute)
-        grad_weights = (grad * relu.square()).sum(dim=-1, dtype=torch.float32)
-        return (grad * weights * 2 * relu).to(up.dtype), grad_weights
+        return _weighted_relu_squared_backward(*ctx.saved_tensors, grad)
+
+
+def _weighted_relu_squared_backward(
+    up: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``WeightedReluSquared``'s backward: (the gradient of ``up`` in its dtype, the fp32 one of ``row_weights``)."""
+    compute = _activation_precision(up)
+    relu, weights, grad = F.relu(up.to(compute)), row_weights.to(compute).unsqueeze(-1), grad.to(compute)
+    grad_weights = (grad * relu.square()).sum(dim=-1, dtype=torch.float32)
+    return (grad * weights * 2 * relu).to(up.dtype), grad_weights
 
 
 def _weighted_relu_squared(up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """One rank of the expert-parallel MoE block test (``test_expert_parallel.py``), started by torch's launcher:
-a fused Qwen3-MoE block whose router sends every token to experts 0 and 1 (both on rank 0 of EP 2), fed
-tokens on rank 0 only (rank 1 routes nothing: a rank of padding, whose experts also receive nothing).
-Each rank compares the block's output and gradients with the same block unsharded, on its own tokens, and
-writes what it found to ``OUT/rank-<r>.json``."""
+a fused MoE block of the architecture ARCH (default Qwen3-MoE) whose router sends every token to experts 0 and 1
+(both on rank 0 of EP 2), fed tokens on rank 0 only (rank 1 routes nothing: a rank of padding, whose experts also
+receive nothing). Each rank compares the block's output and gradients with the same block unsharded, on its own
+tokens, and writes what it found to ``OUT/rank-<r>.json``. Usage: ``ep_block_worker.py OUT [ARCH]``."""
 
 from __future__ import annotations
 
@@ -18,43 +18,54 @@ from transformers import AutoModelForCausalLM
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.expert_parallel import shard_experts
 from shardtune.distributed.parallelize import decoder_layers
-from shardtune.model.fused_moe import use_fused_experts
+from shardtune.model.fused_moe import input_projection, parameter_adapters, use_fused_experts
 
 TOKENS = 12
 
 
-def block_and_tokens(rank: int) -> tuple[torch.nn.Module, torch.Tensor]:
+def block_and_tokens(rank: int, arch: str) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
     blocks = use_fused_experts(model, decoder_layers(model), "fused")
     block = blocks[0].block.train()
-    hidden = block.gate.weight.shape[1]
+    router = parameter_adapters(block.get_submodule(block.router_name))[0]
+    hidden = router.weight.shape[1]
     with torch.no_grad():  # positive inputs; experts 0 and 1 score high, the others negative
-        block.gate.weight.copy_(-torch.ones_like(block.gate.weight))
-        block.gate.weight[0] = 1.0
-        block.gate.weight[1] = 0.5
+        router.weight.copy_(-torch.ones_like(router.weight))
+        router.weight[0] = 1.0
+        router.weight[1] = 0.5
     tokens = torch.rand(TOKENS if rank == 0 else 0, hidden) + 0.1
     return block, tokens.requires_grad_()
+
+
+def output_of(block: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    output = block(tokens.unsqueeze(0))
+    return output[0] if isinstance(output, tuple) else output  # Llama 4's block returns its router logits too
+
+
+def expert_weights(block: torch.nn.Module) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """The routed experts' two weights (gate_up_proj or, ungated, up_proj; down_proj)."""
+    return getattr(block.experts, input_projection(block.experts.activation)), block.experts.down_proj
 
 
 def _grad(param: torch.nn.Parameter) -> torch.Tensor:
     return torch.zeros_like(param) if param.grad is None else param.grad
 
 
-def run(out: Path) -> None:
+def run(out: Path, arch: str) -> None:
     env = DistributedEnv.from_environment(timeout_s=60, expert_parallel_size=2)
     dims = env.mesh
-    reference, tokens = block_and_tokens(env.rank)
-    expected = reference(tokens.unsqueeze(0))
+    reference, tokens = block_and_tokens(env.rank, arch)
+    expected = output_of(reference, tokens)
     expected.sum().backward()
-    whole_grads = [_grad(param) for param in (reference.experts.gate_up_proj, reference.experts.down_proj)]
+    whole_grads = [_grad(param) for param in expert_weights(reference)]
 
-    block, same_tokens = block_and_tokens(env.rank)
+    block, same_tokens = block_and_tokens(env.rank, arch)
     shard_experts(block, dims)  # the block is the model here: its experts keep this rank's run
-    output = block(same_tokens.unsqueeze(0))
+    output = output_of(block, same_tokens)
     output.sum().backward()
     mine = dims.local_experts(block.num_routed_experts)
-    local_grads = [_grad(param) for param in (block.experts.gate_up_proj, block.experts.down_proj)]
+    local_grads = [_grad(param) for param in expert_weights(block)]
     report = {
         "rank": env.rank,
         "tokens": tokens.shape[0],
@@ -73,4 +84,4 @@ def run(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]))
+    run(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "qwen3_moe")

@@ -3,7 +3,8 @@ workers and EP 2 x data parallel 2 on 4 workers train with the 1-worker losses (
 routed experts, fp32); checkpoints resume across EP sizes (2 -> 1, 1 -> 2) and export the same adapter; a
 rank with no token (whose experts also receive none) neither hangs nor errs; bad sizes are one line.
 
-By default (CI) Qwen3-MoE runs; ``python -m pytest -m expert_parallel`` adds Mixtral and GLM-4.5 (Glm4Moe).
+By default (CI) Qwen3-MoE runs; ``python -m pytest -m expert_parallel`` adds Mixtral, GLM-4.5 (Glm4Moe) and the other
+expert layouts: Llama 4 (transposed), Nemotron-H (ungated, latent projections) and HY-V4 (a SwiGLU limit).
 """
 
 from __future__ import annotations
@@ -125,8 +126,14 @@ def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS) 
 # -- CI: Qwen3-MoE ----------------------------------------------------------------------------------------
 
 
+# Besides the SiLU-gated (E, 2I, H) experts: Llama 4's transposed ones (weighted inputs, PEFT's factors swapped),
+# Nemotron-H's ungated ReLU² ones (between latent projections, replicated like the rest of the layer), HY-V4's with
+# a SwiGLU limit.
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix),
-                                  pytest.param("glm4_moe", marks=ep_matrix)])  # fmt: skip
+                                  pytest.param("glm4_moe", marks=ep_matrix),
+                                  pytest.param("llama4_text", marks=ep_matrix),
+                                  pytest.param("nemotron_h", marks=ep_matrix),
+                                  pytest.param("hy_v4", marks=ep_matrix)])  # fmt: skip
 def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     run = runs.ep2(arch)
     assert_trains_like(run, runs.single(arch))
@@ -151,7 +158,7 @@ def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
 
 
 @ep_matrix
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h"])
 def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
     single, ep2 = runs.single(arch), runs.ep2(arch)
     from_ep2 = runs.resumed(arch, ep2, "ep2-to-1", 1, "training.gradient_accumulation_steps=2")
@@ -166,7 +173,7 @@ def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
 
 
 @ep_matrix
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama4_text", "nemotron_h"])
 def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path):
     run = runs.ep2(arch)
     checkpoint = run["out"] / f"checkpoint-{STEPS}"
@@ -182,7 +189,7 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
     assert_same_adapter(adapter(tmp_path / "adapter"), adapter(run["out"] / "final"), rel=0, abs=0)
     # The merged model of the checkpoint is the run's own final-merged/ (merged from the gathered experts).
     merged, final_merged = (weights(directory) for directory in (tmp_path / "merged", run["out"] / "final-merged"))
-    expert_weights = [name for name in merged if "experts" in name and name.endswith("gate_up_proj")]
+    expert_weights = [name for name in merged if "experts" in name and name.endswith("up_proj")]  # gate_up, up
     assert expert_weights and all(merged[name].shape[0] == 8 for name in expert_weights)  # every expert
     assert sorted(merged) == sorted(final_merged)
     for name, tensor in merged.items():
@@ -214,14 +221,18 @@ def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
 # -- no hang with idle experts or an idle rank; sizes that do not fit ---------------------------------------
 
 
-@pytest.mark.expert_parallel
-@pytest.mark.representative
-def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path):
+# Each expert layout's block: Qwen3-MoE's SiLU-gated experts, Nemotron-H's ungated ones (up_proj, inside latent
+# projections that stay whole on every rank), Llama 4's transposed ones (weighted inputs; its block also returns its
+# router logits), HY-V4's with a SwiGLU limit.
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("nemotron_h", marks=ci),
+                                  pytest.param("llama4_text", marks=ep_matrix),
+                                  pytest.param("hy_v4", marks=ep_matrix)])  # fmt: skip
+def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path, arch):
     # Rank 0 routes every token to experts 0 and 1 (both its own); rank 1 has no token at all: its experts
     # get no row, and it takes part in every exchange with empty splits, forward and backward.
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests/distributed/ep_block_worker.py"), str(tmp_path)],
+         str(REPO / "tests/distributed/ep_block_worker.py"), str(tmp_path), arch],
         cwd=REPO, env={**ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
