@@ -697,6 +697,11 @@ gemma4)
     bench gemma4-26b-a4b --shape gemma4-26b-a4b --seq 4096 --batch 2 --steps 8 --warmup 3 --baseline hf "${extra[@]}"
     bench gemma4-26b-a4b-experts --shape gemma4-26b-a4b --seq 4096 --batch 2 --steps 6 --warmup 3 --baseline hf \
         'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
+    # Where the LoRA-attention step goes: two profiled steps, kernels by kind (shardtune.bench.profile_share).
+    bench gemma4-26b-a4b-profile --shape gemma4-26b-a4b --seq 4096 --batch 2 --steps 2 --warmup 4 \
+        'logging.profile_steps=[3,4]' parallel.cuda_graphs=false "${extra[@]}" &&
+        python3 -m shardtune.bench.profile_share "$work/gemma4-26b-a4b-profile/shardtune/profile/rank0.trace.json.gz" |
+        tee "$results/gemma4-26b-a4b-profile.gemm.txt"
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

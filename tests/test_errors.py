@@ -395,9 +395,9 @@ def tiny_model_with(tmp_path: Path, **settings) -> Path:
             "parallel.cpu_offload: needs parallel.strategy: fsdp (got auto)",
         ),
         (
-            ["training.loss_chunk_tokens=64", "model.name_or_path={softcapped}"],
-            "training.loss_chunk_tokens: not for {softcapped}: it transforms its logits after the LM head "
-            "(final_logit_softcapping), which a fused or chunked loss would skip; turn training.loss_chunk_tokens off",
+            ["training.loss_chunk_tokens=64", "model.name_or_path={scaled}"],
+            "training.loss_chunk_tokens: not for {scaled}: it transforms its logits after the LM head "
+            "(logit_scale), which a fused or chunked loss would skip; turn training.loss_chunk_tokens off",
         ),
         (
             ["lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "lora.lora_dropout=0.1"],
@@ -413,15 +413,15 @@ def tiny_model_with(tmp_path: Path, **settings) -> Path:
         "bf16-contradiction",
         "cpu-offload-ddp",
         "cpu-offload-auto",
-        "logit-softcapping",
+        "logit-scale",
         "expert-dropout",
         "shared-adapter",
     ],
 )
 def test_config_only_contradictions_stop_before_anything_is_written(tmp_path, overrides, line):
-    softcapped = tiny_model_with(tmp_path, final_logit_softcapping=30.0)
-    overrides = [override.format(softcapped=softcapped) for override in overrides]
-    assert_one_line(train(tmp_path, 2, *overrides), line.format(softcapped=softcapped))
+    scaled = tiny_model_with(tmp_path, logit_scale=0.5)  # Cohere's: a transform the chunked loss does not apply
+    overrides = [override.format(scaled=scaled) for override in overrides]
+    assert_one_line(train(tmp_path, 2, *overrides), line.format(scaled=scaled))
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 

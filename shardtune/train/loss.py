@@ -20,6 +20,8 @@ cross-entropy, a Triton kernel that does the same block by block.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator
 
@@ -38,12 +40,20 @@ SoftmaxGradient = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Models that change the logits after the LM head: a head that returns a loss would skip that.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+# The transform the chunked loss applies itself (Gemma 2's and Gemma 4's cap * tanh(logits / cap)), the model's own
+# turned off while the chunked head stands in for its LM head.
+SOFTCAP = "final_logit_softcapping"
 
 
-def logit_transforms(text_config) -> list[str]:
-    """The keys of a model's config that change its logits after the LM head (the preflight refuses a chunked
-    or fused loss for such a model before anything loads; ``_loss_head`` checks again on the model itself)."""
-    return [key for key in LOGIT_TRANSFORMS if getattr(text_config, key, None) not in (None, 1, 1.0)]
+def logit_transforms(text_config, chunked: bool = False) -> list[str]:
+    """The keys of a model's config that change its logits after the LM head, all of them or (``chunked``) those
+    the chunked loss does not apply itself (the preflight refuses a chunked or fused loss for such a model before
+    anything loads; ``_loss_head`` checks again on the model itself)."""
+    return [
+        key
+        for key in LOGIT_TRANSFORMS
+        if getattr(text_config, key, None) not in (None, 1, 1.0) and not (chunked and key == SOFTCAP)
+    ]
 
 
 # auto: the logits one chunk may hold (tokens x vocabulary): 1 GiB in fp32, 1,024 tokens of a 152k vocabulary.
@@ -61,7 +71,7 @@ def head_vocab(model: torch.nn.Module) -> int | None:
     (no chunked loss can stand in for such a head)."""
     causal_lm = _causal_lm(model)
     head = causal_lm.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or logit_transforms(causal_lm.config.get_text_config()):
+    if not isinstance(head, torch.nn.Linear) or logit_transforms(causal_lm.config.get_text_config(), chunked=True):
         return None
     return head.out_features
 
@@ -204,17 +214,20 @@ def compiled_softmax_gradient(backend: Callable) -> SoftmaxGradient:
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """The summed cross entropy of ``hidden @ weight.T + bias`` against ``targets`` (``IGNORE_INDEX``: no
-    loss), ``chunk`` rows at a time, with the gradients of ``hidden``, ``weight`` and ``bias`` computed in
-    the forward pass from each chunk's softmax (``softmax_gradient``), so no chunk's logits outlive it and
-    backward recomputes nothing (it scales the kept gradients by the loss's incoming gradient).
+    """The summed cross entropy of ``hidden @ weight.T + bias`` (capped at ``softcap`` by ``softcap * tanh(x /
+    softcap)`` where given, in fp32) against ``targets`` (``IGNORE_INDEX``: no loss), ``chunk`` rows at a time,
+    with the gradients of ``hidden``, ``weight`` and ``bias`` computed in the forward pass from each chunk's softmax
+    (``softmax_gradient``), so no chunk's logits outlive it and backward recomputes nothing (it scales the kept
+    gradients by the loss's incoming gradient).
 
     Written here rather than taken from liger-kernel (``model.liger_kernel``) so that it runs wherever torch
     does (CPU included, so CI tests the path GPUs run) and follows autocast as the standard loss does: bf16
     GEMMs, softmax in fp32. Ignored positions are masked, not filtered out: no host sync."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, grad_enabled, softmax_gradient=softmax_gradient_):
+    def forward(
+        ctx, hidden, weight, bias, targets, chunk, grad_enabled, softmax_gradient=softmax_gradient_, softcap=None
+    ):
         device = hidden.device.type
         compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         # Under no_grad (evaluation) needs_input_grad still says which inputs require grad: nothing to compute.
@@ -232,11 +245,17 @@ class LinearCrossEntropy(torch.autograd.Function):
                 part = rows[start : start + chunk].to(compute)
                 wanted = targets[start : start + chunk]
                 logits = F.linear(part, weight_c, bias_c)
+                if softcap:
+                    capped = torch.tanh(logits.float() / softcap)
+                    logits = capped * softcap
                 if not (needs_hidden or needs_weight or needs_bias):
                     total += _log_softmax_loss(logits, wanted)[1]
                     del logits  # before the next chunk's logits are allocated, not after
                     continue
                 total += softmax_gradient(logits, wanted)  # logits now hold d(loss)/d(logits), 0 on ignored rows
+                if softcap:  # through the cap: d tanh(u) = 1 - tanh(u)^2
+                    logits = logits.mul_(capped.square_().neg_().add_(1)).to(compute)
+                    del capped
                 if needs_hidden:
                     grad_rows[start : start + chunk] = logits @ weight_c
                 if needs_weight:
@@ -256,7 +275,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         # In fp32: the incoming gradient (1 / the step's target tokens) rounded to bf16 would scale by up to 0.4%.
         grads = [None if grad is None else (grad.float() * grad_total).to(grad.dtype) for grad in ctx.saved_tensors]
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 class _ChunkedLossHead(torch.nn.Module):
@@ -267,9 +286,11 @@ class _ChunkedLossHead(torch.nn.Module):
         chunk_tokens: int,
         fused: bool,
         softmax_gradient: SoftmaxGradient,
+        softcap: float | None = None,
     ):
         super().__init__()
         self.head = head
+        self.softcap = softcap
         self.targets = targets
         self.chunk_tokens = chunk_tokens
         self.fused_loss = _liger_loss() if fused else None
@@ -280,7 +301,7 @@ class _ChunkedLossHead(torch.nn.Module):
             chunk = self.chunk_tokens or max(self.targets.numel(), 1)
             head, grad_enabled = self.head, torch.is_grad_enabled()
             return LinearCrossEntropy.apply(
-                hidden, head.weight, head.bias, self.targets, chunk, grad_enabled, self.softmax_gradient
+                hidden, head.weight, head.bias, self.targets, chunk, grad_enabled, self.softmax_gradient, self.softcap
             )
         keep = self.targets != IGNORE_INDEX
         hidden, targets = hidden[keep], self.targets[keep]
@@ -310,16 +331,36 @@ def _loss_head(
 ) -> Iterator[None]:
     causal_lm = _causal_lm(model)
     head = causal_lm.get_output_embeddings()
-    transforms = logit_transforms(causal_lm.config.get_text_config())
+    text_config = causal_lm.config.get_text_config()
+    transforms = logit_transforms(text_config, chunked=not fused)
     if transforms or not isinstance(head, torch.nn.Linear):
         why = f"it transforms logits after the head ({', '.join(transforms)})" if transforms else "no linear head"
         key = "model.liger_kernel" if fused else "training.loss_chunk_tokens"
         raise ConfigError(f"{key}: not for {type(causal_lm).__name__}: {why}; turn it off")
-    causal_lm.set_output_embeddings(_ChunkedLossHead(head, targets, chunk_tokens, fused, softmax_gradient))
+    # The chunked head caps its logits itself where the model's forward caps them (a config may carry the key for a
+    # model that never reads it); that forward would cap the loss the head returns in their place.
+    softcap = getattr(text_config, SOFTCAP, None) if _reads_softcap(type(causal_lm)) else None
+    configs = [
+        config for config in {id(c): c for c in (causal_lm.config, text_config)}.values() if hasattr(config, SOFTCAP)
+    ]
+    causal_lm.set_output_embeddings(_ChunkedLossHead(head, targets, chunk_tokens, fused, softmax_gradient, softcap))
+    for config in configs:
+        setattr(config, SOFTCAP, None)
     try:
         yield
     finally:
         causal_lm.set_output_embeddings(head)
+        for config in configs:
+            setattr(config, SOFTCAP, softcap)
+
+
+@functools.cache
+def _reads_softcap(causal_lm_class: type) -> bool:
+    """Whether the forward of ``causal_lm_class`` applies ``final_logit_softcapping`` (Gemma 2's, Gemma 4's)."""
+    try:
+        return SOFTCAP in inspect.getsource(causal_lm_class.forward)
+    except (OSError, TypeError):  # no source to read: taken as capping, as its config says
+        return True
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:

@@ -84,15 +84,14 @@ def check_model_config(config: Config, model_config: PretrainedConfig) -> Pretra
                     f"{model.name_or_path} was built for ({key}); set data.max_length to at most {positions}"
                 )
             break
-    transforms = logit_transforms(text_config)
-    if transforms:
-        for key, value in (("model.liger_kernel", config.model.liger_kernel),
-                           ("training.loss_chunk_tokens", config.training.loss_chunk_tokens)):  # fmt: skip
-            if value and value != "auto":  # auto takes the standard loss for such a model
-                raise ConfigError(
-                    f"{key}: not for {model.name_or_path}: it transforms its logits after the LM head "
-                    f"({', '.join(transforms)}), which a fused or chunked loss would skip; turn {key} off"
-                )
+    for key, value, chunked in (("model.liger_kernel", config.model.liger_kernel, False),
+                                ("training.loss_chunk_tokens", config.training.loss_chunk_tokens, True)):  # fmt: skip
+        transforms = logit_transforms(text_config, chunked=chunked)
+        if transforms and value and value != "auto":  # auto takes the standard loss for such a model
+            raise ConfigError(
+                f"{key}: not for {model.name_or_path}: it transforms its logits after the LM head "
+                f"({', '.join(transforms)}), which a fused or chunked loss would skip; turn {key} off"
+            )
     return text_config
 
 

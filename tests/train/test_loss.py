@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.config import LoraConfig
 from shardtune.data.collate import collate
@@ -62,10 +62,44 @@ def test_chunked_loss_equals_the_standard_loss_and_gradients(tiny_model_dir, lor
 
 def test_chunked_loss_refuses_models_that_transform_logits(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.config.final_logit_softcapping = 30.0
+    model.config.logit_scale = 0.5  # Cohere's
     expected = "loss_chunk_tokens: not for LlamaForCausalLM: it transforms logits.*turn it off"
     with pytest.raises(ConfigError, match=expected):
         summed_token_loss(model, batch_with_prompts_and_padding(), None, 16)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma4_text"])
+def test_chunked_loss_caps_the_logits_as_the_model_does(tmp_path, arch):
+    """Gemma 2 and Gemma 4 cap their logits at final_logit_softcapping (cap * tanh(logits / cap)) after the LM
+    head: the chunked loss caps each chunk's logits itself (the model's own cap off while its head stands in), with
+    the standard loss's loss and every gradient, and the model caps its logits again afterwards."""
+    from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
+
+    if arch not in {**FUSED_MOE_ARCHITECTURES, "gemma2": None}:
+        pytest.skip(f"this transformers has no {arch}")
+    directory = write_tiny_model(tmp_path / arch, arch)
+    batch = batch_with_prompts_and_padding()
+    results = []
+    for chunk_tokens in (0, 7):
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(directory)
+        config.final_logit_softcapping = 30.0  # Gemma 2's default, Gemma 4 26B-A4B's
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        assert model.config.final_logit_softcapping == 30.0 and head_vocab(model) == model.config.vocab_size
+        with torch.no_grad():  # logits up to about 60: the cap bends them
+            model.get_output_embeddings().weight.mul_(60 / model(input_ids=batch.input_ids).logits.abs().max())
+        loss = summed_token_loss(model, batch, None, chunk_tokens)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads))
+        logits = model(input_ids=batch.input_ids).logits
+        assert model.config.final_logit_softcapping == 30.0 and 25 < logits.abs().max() < 30
+    (loss, grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, loss, rtol=1e-5, atol=1e-5)
+    assert chunked_grads.keys() == grads.keys() and grads
+    for name in grads:
+        scale = grads[name].abs().max().item()
+        torch.testing.assert_close(chunked_grads[name], grads[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
 
 
 @pytest.fixture(scope="module")
