@@ -46,7 +46,7 @@
 # layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite,
 # ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too), llama4 (Llama 4
 # Scout's first 12 layers against HF, the same two runs), gemma4 (Gemma 4 26B-A4B's text model against HF, the same two
-# runs). Each run's bench.json (and profile report, where one is taken) is copied to
+# runs, and a profiled run, gemma4-26b-a4b-profile). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
