@@ -27,14 +27,15 @@ from shardtune.plan.memory import Checkpointing
 
 def layer_sublayers(layer: torch.nn.Module) -> tuple[str, str] | None:
     """The names of ``layer``'s attention and MLP children (the MLP may be an MoE block), or None where the
-    layer has no such pair (OPT computes its MLP with two linear layers of the decoder layer itself).
+    layer has no such pair (OPT computes its MLP with two linear layers of the decoder layer itself; Gemma 4's
+    routed experts are children of the decoder layer beside its ``mlp``, so that child is not all of its MLP).
 
     Attention is the child whose class is an ``...Attention`` of transformers (``self_attn``, GPT-2's
     ``attn``, GPT-NeoX's ``attention``, Falcon's ``self_attention``); the MLP is the child named ``mlp``,
     the name every supported architecture gives its MLP or MoE block."""
     children = dict(layer.named_children())
     attention = [name for name, child in children.items() if type(child).__name__.endswith("Attention")]
-    if len(attention) != 1 or "mlp" not in children:
+    if len(attention) != 1 or "mlp" not in children or "experts" in children:
         return None
     return attention[0], "mlp"
 

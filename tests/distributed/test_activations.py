@@ -131,13 +131,24 @@ def test_recomputed_sublayers_give_the_same_loss_and_gradients(arch):
 
 
 def test_a_layer_without_an_mlp_module_has_no_sublayers():
-    """OPT computes its MLP with two linear layers of the decoder layer itself: only whole layers can be
-    checkpointed there (plan.memory.checkpoint_parts); every other architecture has both sublayers."""
+    """OPT computes its MLP with two linear layers of the decoder layer itself, and Gemma 4 its routed experts (the
+    decoder layer is its MoE block, its ``mlp`` the dense MLP beside them): only whole layers can be checkpointed
+    there (plan.memory.checkpoint_parts); every other architecture has both sublayers."""
+    from tiny_models import FUSED_MOE_ARCHITECTURES
+
+    archs = (
+        "opt",
+        "llama",
+        "gpt2",
+        "gpt_neox",
+        "falcon",
+        *(["gemma4_text"] if "gemma4_text" in FUSED_MOE_ARCHITECTURES else []),
+    )
     found = {
-        arch: layer_sublayers(decoder_layers(AutoModelForCausalLM.from_config(tiny_config(arch)))[0])
-        for arch in ("opt", "llama", "gpt2", "gpt_neox", "falcon")
+        arch: layer_sublayers(decoder_layers(AutoModelForCausalLM.from_config(tiny_config(arch)))[0]) for arch in archs
     }
     assert found == {
+        **({"gemma4_text": None} if "gemma4_text" in archs else {}),
         "opt": None,
         "llama": ("self_attn", "mlp"),
         "gpt2": ("attn", "mlp"),
