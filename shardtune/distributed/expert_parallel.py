@@ -27,7 +27,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardtune.checkpoint.names import without_wrappers
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
-from shardtune.model.fused_moe import FusedMoeBlock, Permute, expert_activation, input_projection, unsharded_layout
+from shardtune.model.fused_moe import (
+    EXPERT_PARALLEL_LAYOUTS,
+    FusedMoeBlock,
+    Permute,
+    expert_activation,
+    input_projection,
+    unsupported_layout,
+)
 
 
 class AllToAll(torch.autograd.Function):
@@ -99,7 +106,7 @@ def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:
 
 def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     """Keep only this rank's run of routed experts (weights and their LoRA adapters) in every fused MoE block
-    and give each block its token exchange; returns the number of blocks. Every layout of ``SHARDED_LAYOUTS`` is
+    and give each block its token exchange; returns the number of blocks. Every layout of ``EXPERT_PARALLEL_LAYOUTS`` is
     taken; the block's other children (router, shared experts, Nemotron-H's latent projections) stay whole. The
     tensors may be on the meta device (before their weights arrive, see ``parallelize``)."""
     blocks = fused_blocks(model)
@@ -109,7 +116,7 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
             "(model.experts_implementation: fused); this model's architecture has no fused MoE block; set it to 1"
         )
     for block in blocks:
-        if (layout := unsharded_layout(block.experts)) is not None:
+        if (layout := unsupported_layout(block.experts, EXPERT_PARALLEL_LAYOUTS)) is not None:
             raise ConfigError(
                 f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts ({layout}) "
                 "yet; set it to 1"
@@ -131,10 +138,11 @@ def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
     return {name: param for name, param in block.experts.named_parameters() if tensor_kind(name) is not None}
 
 
-# The routed experts' weights of every layout in SHARDED_LAYOUTS, by name under the experts module: gated experts'
-# gate_up_proj, ungated ones' up_proj (Nemotron-H's), and down_proj. Each holds expert e at index e of its first
-# dimension, whether (E, out, in) or transposed (E, in, out) (Llama 4's): a run of experts is a run of that dimension.
-EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+# The routed experts' weights of every layout in EXPERT_PARALLEL_LAYOUTS, by name under the experts module: gated
+# experts' gate_up_proj, ungated ones' up_proj (Nemotron-H's), and down_proj, and GPT-OSS's biases of the two. Each
+# holds expert e at index e of its first dimension, whether (E, out, in) or transposed (E, in, out) (Llama 4's), or
+# (E, out) for a bias: a run of experts is a run of that dimension.
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def tensor_kind(name: str) -> str | None:

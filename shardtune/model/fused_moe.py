@@ -99,11 +99,13 @@ TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 # routing weights, Llama 4's router logits.
 SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
 
-# The routed-expert layouts (``expert_activation``) that float8 experts and expert parallelism take: weights without
-# biases, expert e at index e of each weight's first dimension, the activation one of the weighted ones below.
-SHARDED_LAYOUTS = ("silu", "transposed_silu", "relu2")
-# What the other layouts have that float8 experts and expert parallelism do not take.
-UNSHARDED_LAYOUTS = {
+# The routed-expert layouts (``expert_activation``) that float8 experts and expert parallelism take: expert e at index
+# e of each weight's first dimension (of a bias's too), the activation one of the weighted ones below. Float8 experts
+# have no biases to add (GPT-OSS's clamped GLU).
+EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu")
+FLOAT8_LAYOUTS = ("silu", "transposed_silu", "relu2")
+# What a layout, or identity experts, have that one of them does not take, for its refusal.
+LAYOUT_TRAITS = {
     "clamped_glu": "transposed, biased expert weights",
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
     "gelu_tanh": "GELU-tanh-gated experts",
@@ -269,13 +271,13 @@ def use_fused_experts(
     return find_moe_blocks(model, layers)
 
 
-def unsharded_layout(experts: torch.nn.Module) -> str | None:
-    """What routed ``experts`` (prepared by ``use_routed_experts``) have that float8 experts and expert parallelism do
-    not take (``UNSHARDED_LAYOUTS``), or None: a layout outside ``SHARDED_LAYOUTS``, or identity experts (both send
-    every row through the GEMMs)."""
-    if experts.activation not in SHARDED_LAYOUTS:
-        return UNSHARDED_LAYOUTS.get(experts.activation, experts.activation)
-    return UNSHARDED_LAYOUTS["identity"] if experts.identity_experts else None
+def unsupported_layout(experts: torch.nn.Module, layouts: tuple[str, ...]) -> str | None:
+    """What routed ``experts`` (prepared by ``use_routed_experts``) have that a feature taking ``layouts``
+    (``FLOAT8_LAYOUTS``, ``EXPERT_PARALLEL_LAYOUTS``) does not take (``LAYOUT_TRAITS``), or None: another layout, or
+    identity experts (both features send every row through the GEMMs)."""
+    if experts.activation not in layouts:
+        return LAYOUT_TRAITS.get(experts.activation, experts.activation)
+    return LAYOUT_TRAITS["identity"] if experts.identity_experts else None
 
 
 def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tuple[int, str]:
@@ -284,7 +286,7 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     with (``resolve_float8_grouped_gemm`` of ``model.grouped_gemm``, ``grouped_gemm``). Each weight's parameter
     keeps its name, shape and object and holds its e4m3 values scaled per row of each expert's matrix (the forward's
     operand, or for Llama 4's transposed weights the input gradient's), with the scales and the transpose's copy as
-    buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Every layout in ``SHARDED_LAYOUTS``
+    buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Every layout in ``FLOAT8_LAYOUTS``
     (gated, transposed, ungated, with a SwiGLU limit) is taken. Only the adapter is ever saved from such a model: the
     checkpoints and ``final/`` of LoRA hold trainable parameters only."""
     blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
@@ -296,7 +298,7 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     backend = "torch"
     for block in blocks:
         experts, activation = parameter_adapters(block.experts)[0], block.experts.activation
-        if (layout := unsharded_layout(block.experts)) is not None:
+        if (layout := unsupported_layout(block.experts, FLOAT8_LAYOUTS)) is not None:
             raise ConfigError(
                 f"model.float8_experts: {type(experts).__name__} ({layout}) has no float8 path; set it to false"
             )
@@ -756,10 +758,6 @@ def routed_experts(
     def regathered(a: torch.Tensor) -> torch.Tensor:
         return LowRankOfRebuiltRows.apply(rows, a, bounds, "gathered", tokens, order, top_k)
 
-    if activation == "clamped_glu":
-        return _clamped_glu_experts(
-            experts, adapters, rows, chosen, order, inverse, bounds, row_weights, dtype, regathered
-        )
     if weights_input:
         # Each row scaled by its weight before gate/up, the activation by 1: the experts are not linear in their
         # input. LoRA's A factors on gate/up then keep these rows, which gathering the tokens again would not give.
@@ -768,6 +766,11 @@ def routed_experts(
     if dispatch is not None:
         rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
     low_rank = regathered if dispatch is None and not weights_input else None
+    if activation == "clamped_glu":
+        outputs = _clamped_glu_experts(experts, adapters, rows, bounds, row_weights, dtype, low_rank)
+        if dispatch is not None:
+            outputs = receive_back(outputs)
+        return SumRows.apply(outputs, order, inverse, top_k)
     gate_up_adapters = adapters.get(input_projection(activation), [])
     projected = _projection(
         rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
@@ -820,23 +823,21 @@ def _clamped_glu_experts(
     experts: torch.nn.Module,
     adapters: dict[str, list[tuple]],
     rows: torch.Tensor,
-    chosen: torch.Tensor,
-    order: torch.Tensor,
-    inverse: torch.Tensor,
     bounds: torch.Tensor,
     row_weights: torch.Tensor,
     dtype: torch.dtype,
-    regathered: Callable[[torch.Tensor], torch.Tensor],
+    low_rank: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> torch.Tensor:
-    """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows``: each projection adds
-    its expert's bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) =
-    (w h) W + w b). The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are
-    torch's, which take the (E, in, out) weights as they are. LoRA's A factors of gate/up build their rows again in
-    backward (``regathered``, as in ``routed_experts``); the down projection's adapters keep their rows."""
-    top_k = chosen.shape[1]
-    expert_of_row = chosen.reshape(-1).index_select(0, order)
+    """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows`` (expert e: rows
+    bounds[e]:bounds[e+1] of this rank's experts), as output rows in the same order: each projection adds its expert's
+    bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) = (w h) W + w b).
+    The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are torch's, which take
+    the (E, in, out) weights as they are. LoRA's A factors of gate/up build their rows again in backward where
+    ``low_rank`` does (``regathered``, as in ``routed_experts``); the down projection's adapters keep their rows."""
+    positions = torch.arange(rows.shape[0], device=rows.device, dtype=bounds.dtype)
+    expert_of_row = torch.searchsorted(bounds[1:], positions, right=True)
     projected = _projection(
-        rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch", regathered,
+        rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch", low_rank,
         transposed=True,
     )  # fmt: skip
     projected = projected + experts.gate_up_proj_bias.to(dtype).index_select(0, expert_of_row)
@@ -847,8 +848,7 @@ def _clamped_glu_experts(
     outputs = _projection(
         hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", transposed=True
     )
-    outputs = outputs + (weights * experts.down_proj_bias.index_select(0, expert_of_row).float()).to(outputs.dtype)
-    return SumRows.apply(outputs, order, inverse, top_k)
+    return outputs + (weights * experts.down_proj_bias.index_select(0, expert_of_row).float()).to(outputs.dtype)
 
 
 def _projection(

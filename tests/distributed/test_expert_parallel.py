@@ -128,12 +128,13 @@ def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS) 
 
 # Besides the SiLU-gated (E, 2I, H) experts: Llama 4's transposed ones (weighted inputs, PEFT's factors swapped),
 # Nemotron-H's ungated ReLU² ones (between latent projections, replicated like the rest of the layer), HY-V4's with
-# a SwiGLU limit.
+# a SwiGLU limit, GPT-OSS's transposed ones with a bias per expert and projection (sharded with their experts).
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix),
                                   pytest.param("glm4_moe", marks=ep_matrix),
                                   pytest.param("llama4_text", marks=ep_matrix),
                                   pytest.param("nemotron_h", marks=ep_matrix),
-                                  pytest.param("hy_v4", marks=ep_matrix)])  # fmt: skip
+                                  pytest.param("hy_v4", marks=ep_matrix),
+                                  pytest.param("gpt_oss", marks=ep_matrix)])  # fmt: skip
 def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     run = runs.ep2(arch)
     assert_trains_like(run, runs.single(arch))
@@ -158,7 +159,7 @@ def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
 
 
 @ep_matrix
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h", "gpt_oss"])
 def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
     single, ep2 = runs.single(arch), runs.ep2(arch)
     from_ep2 = runs.resumed(arch, ep2, "ep2-to-1", 1, "training.gradient_accumulation_steps=2")
@@ -226,7 +227,8 @@ def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
 # router logits), HY-V4's with a SwiGLU limit.
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("nemotron_h", marks=ci),
                                   pytest.param("llama4_text", marks=ep_matrix),
-                                  pytest.param("hy_v4", marks=ep_matrix)])  # fmt: skip
+                                  pytest.param("hy_v4", marks=ep_matrix),
+                                  pytest.param("gpt_oss", marks=ci)])  # fmt: skip
 def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path, arch):
     # Rank 0 routes every token to experts 0 and 1 (both its own); rank 1 has no token at all: its experts
     # get no row, and it takes part in every exchange with empty splits, forward and backward.

@@ -1151,17 +1151,17 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
     )
 
 
-# Llama 4's transposed, Nemotron-H's ungated and HY-V4's and DeepSeek-V4's clamped experts have both paths
-# (tests/train/test_float8.py, tests/distributed/test_expert_parallel.py).
+# Llama 4's transposed, Nemotron-H's ungated and HY-V4's and DeepSeek-V4's clamped experts have both paths, GPT-OSS's
+# expert parallelism (tests/train/test_float8.py, tests/distributed/test_expert_parallel.py).
 @pytest.mark.parametrize(
-    ("arch", "experts", "layout", "block"),
+    ("arch", "experts", "layout", "block", "sharded"),
     [
-        ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP"),
-        ("longcat_flash", "LongcatFlashExperts", "zero-computation identity experts", "LongcatFlashMoE"),
-        ("gemma4_text", "Gemma4TextExperts", "GELU-tanh-gated experts", "Gemma4TextDecoderLayer"),
+        ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP", True),
+        ("longcat_flash", "LongcatFlashExperts", "zero-computation identity experts", "LongcatFlashMoE", False),
+        ("gemma4_text", "Gemma4TextExperts", "GELU-tanh-gated experts", "Gemma4TextDecoderLayer", False),
     ],
 )
-def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):
+def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block, sharded):
     from shardtune.distributed.expert_parallel import shard_experts
     from shardtune.distributed.mesh import ParallelDims
     from shardtune.model.fused_moe import use_float8_experts
@@ -1171,6 +1171,8 @@ def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch,
     fused = fused_copy(build(moe_dirs[arch]))
     with pytest.raises(ConfigError, match=rf"^model.float8_experts: {experts} \({layout}\) has no float8 path"):
         use_float8_experts(fused)
+    if sharded:  # its expert parallelism: tests/distributed/test_expert_parallel.py
+        return
     dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
     with pytest.raises(ConfigError, match=rf"^parallel.expert_parallel_size: 2 does not shard {block}'s experts"):
         shard_experts(fused, dims)
