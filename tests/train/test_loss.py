@@ -35,6 +35,23 @@ def batch_with_prompts_and_padding():
     return collate(sequences, pad_token_id=0, packed=False)
 
 
+def loss_and_gradients(model: torch.nn.Module, batch, chunk_tokens: int) -> tuple[torch.Tensor, dict]:
+    """``summed_token_loss`` of ``batch`` with ``chunk_tokens``, and every gradient it gives."""
+    loss = summed_token_loss(model, batch, None, chunk_tokens)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_loss_and_gradients(chunked: tuple[torch.Tensor, dict], standard: tuple[torch.Tensor, dict]) -> None:
+    (chunked_loss, chunked_grads), (loss, grads) = chunked, standard
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-5, atol=1e-5)
+    assert chunked_grads.keys() == grads.keys() and grads
+    for name in grads:
+        # Summation order differs between chunks: allow fp32 rounding relative to the gradient's scale.
+        scale = grads[name].abs().max().item()
+        torch.testing.assert_close(chunked_grads[name], grads[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
+
+
 @pytest.mark.parametrize("lora", [True, False])
 @pytest.mark.parametrize("chunk", [7, 1000])
 def test_chunked_loss_equals_the_standard_loss_and_gradients(tiny_model_dir, lora, chunk):
@@ -45,19 +62,11 @@ def test_chunked_loss_equals_the_standard_loss_and_gradients(tiny_model_dir, lor
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         if lora:
             model = apply_lora(model, LoraConfig(r=4, lora_dropout=0.0))
-        loss = summed_token_loss(model, batch, None, chunk_tokens)
-        loss.backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), grads))
+        results.append(loss_and_gradients(model, batch, chunk_tokens))
         # The head is restored: the model gives logits again.
         assert model(input_ids=batch.input_ids).logits.shape[-1] == model.config.vocab_size
-    (loss, grads), (chunked, chunked_grads) = results
-    torch.testing.assert_close(chunked, loss, rtol=1e-5, atol=1e-5)
-    assert chunked_grads.keys() == grads.keys() and grads
-    for name in grads:
-        # Summation order differs between chunks: allow fp32 rounding relative to the gradient's scale.
-        scale = grads[name].abs().max().item()
-        torch.testing.assert_close(chunked_grads[name], grads[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
+    standard, chunked = results
+    assert_same_loss_and_gradients(chunked, standard)
 
 
 def test_chunked_loss_refuses_models_that_transform_logits(tiny_model_dir):
@@ -88,18 +97,11 @@ def test_chunked_loss_caps_the_logits_as_the_model_does(tmp_path, arch):
         assert model.config.final_logit_softcapping == 30.0 and head_vocab(model) == model.config.vocab_size
         with torch.no_grad():  # logits up to about 60: the cap bends them
             model.get_output_embeddings().weight.mul_(60 / model(input_ids=batch.input_ids).logits.abs().max())
-        loss = summed_token_loss(model, batch, None, chunk_tokens)
-        loss.backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), grads))
+        results.append(loss_and_gradients(model, batch, chunk_tokens))
         logits = model(input_ids=batch.input_ids).logits
         assert model.config.final_logit_softcapping == 30.0 and 25 < logits.abs().max() < 30
-    (loss, grads), (chunked, chunked_grads) = results
-    torch.testing.assert_close(chunked, loss, rtol=1e-5, atol=1e-5)
-    assert chunked_grads.keys() == grads.keys() and grads
-    for name in grads:
-        scale = grads[name].abs().max().item()
-        torch.testing.assert_close(chunked_grads[name], grads[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0))
+    standard, chunked = results
+    assert_same_loss_and_gradients(chunked, standard)
 
 
 @pytest.fixture(scope="module")
