@@ -106,7 +106,7 @@ def unadaptable_linears(root: torch.nn.Module) -> list[str]:
     """The paths under ``root`` of the Linear modules whose weight their parent reads itself
     (``_weights_read_directly``)."""
     return [
-        f"{path}.{name}" if path else name
+        _joined(path, name)
         for path, parent in root.named_modules()
         for name in sorted(_weights_read_directly(type(parent)))
         if isinstance(getattr(parent, name, None), torch.nn.Linear)
