@@ -163,6 +163,24 @@ SHAPES = {
             "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         },
     ),
+    # LiquidAI/LFM2-8B-A1B: 24 layers, 18 of them gated short convolutions and 6 grouped-query attention (layers 2, 6,
+    # 10, 14, 18 and 21), the first two with a dense MLP, the rest 32 routed experts (1,792 wide, 4 active, sigmoid
+    # scores with a correction bias); as transformers builds it, 8.3B / 1.6B parameters (Liquid AI's counts: 8.3B /
+    # 1.5B).
+    "lfm2-8b-a1b": (
+        "lfm2_moe",
+        {
+            "vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 7168, "moe_intermediate_size": 1792,
+            "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 8, "num_dense_layers": 2,
+            "num_experts": 32, "num_experts_per_tok": 4, "use_expert_bias": True, "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0, "conv_L_cache": 3, "conv_bias": False,
+            "layer_types": [
+                "full_attention" if layer in (2, 6, 10, 14, 18, 21) else "conv" for layer in range(24)
+            ],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "max_position_embeddings": 128000, "norm_eps": 1e-5, "tie_word_embeddings": True,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -209,6 +227,7 @@ HUB_SHAPES = {
     "meta-llama/Llama-4-Scout-17B-16E-Instruct": ("llama4-scout-17b-16e", {}),
     "google/gemma-4-26B-A4B": ("gemma4-26b-a4b", {}),
     "google/gemma-4-26B-A4B-it": ("gemma4-26b-a4b", {}),
+    "LiquidAI/LFM2-8B-A1B": ("lfm2-8b-a1b", {}),
 }
 
 
@@ -226,8 +245,12 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
         return shape_config(shape, layers, **{**differences, **overrides})
     if name in SHAPES:
         model_type, values = SHAPES[name]
-        layer_count = {"num_hidden_layers": layers} if layers else {}
-        return AutoConfig.for_model(model_type, **{**values, **layer_count, **overrides})
+        values = {**values, **overrides}
+        if layers:
+            values["num_hidden_layers"] = layers
+            if "layer_types" in values:  # the attention kinds of a hybrid model follow the layers kept
+                values["layer_types"] = values["layer_types"][:layers]
+        return AutoConfig.for_model(model_type, **values)
     path = Path(name)
     if path.is_file() or (path / "config.json").is_file():
         config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)

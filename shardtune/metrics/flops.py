@@ -11,11 +11,13 @@ router, the top_k routed experts and the shared experts a token passes through):
 - LoRA: 4 per frozen weight (forward and input gradients; no weight gradients) and 6 per adapter weight
   a token passes through (all of them, except that adapters with one slice per routed expert count
   top_k / num_experts of their size);
-- plus the attention scores, 12 x layers x attention width x sequence length (QK^T and AV, forward and
-  backward, counted over the whole sequence as Megatron, NeMo and torchtitan do, though a causal mask
-  skips half); LoRA needs all of it, since gradients flow through every layer's attention. The attention
-  width comes from the config through transformers' own names for it (``num_attention_heads`` is GPT-2's
-  ``n_head``).
+- plus the attention scores, 12 x attention layers x attention width x sequence length (QK^T and AV, forward
+  and backward, counted over the whole sequence as Megatron, NeMo and torchtitan do, though a causal mask
+  skips half, and a sliding window more); LoRA needs all of it, since gradients flow through every layer's
+  attention. The attention width comes from the config through transformers' own names for it
+  (``num_attention_heads`` is GPT-2's ``n_head``). The attention layers are the decoder layers whose token
+  mixer computes attention scores: in hybrid models not those of linear attention, Mamba mixers or short
+  convolutions, by the config's ``layer_types``.
 
 Recomputation under activation checkpointing is not counted: these are model FLOPs (useful work), not
 hardware FLOPs. Peak: dense bf16 of the device.
@@ -39,7 +41,7 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H20": 1
 @dataclass(frozen=True)
 class TokenFlops:
     matmul_params: int  # parameters a token passes through (active ones for MoE)
-    layers: int
+    layers: int  # the layers that compute attention scores (attention_layers)
     attention_width: int  # heads x head_dim
     # Tokens per sequence; a token-weighted mean (sum of squared lengths / sum of lengths) for sequences
     # of mixed lengths, which makes per_token x tokens the exact sum of every sequence's attention cost.
@@ -105,6 +107,21 @@ def attention_width(model: torch.nn.Module, heads_key: str = "num_attention_head
     return round(sum(widths) / len(widths))
 
 
+# transformers' layer_types of the layers whose token mixer computes no attention scores: linear attention and Mamba
+# mixers ("linear_attention"), LFM2's short convolutions ("conv"), Nemotron-H's layers of an MoE block alone ("moe").
+NO_ATTENTION_SCORES = frozenset({"linear_attention", "conv", "moe"})
+
+
+def attention_layers(model: torch.nn.Module) -> int:
+    """The decoder layers of ``model`` that compute attention scores: all of them, but for hybrid models those
+    whose ``layer_types`` entry (transformers' per-layer kind) is in ``NO_ATTENTION_SCORES``."""
+    layers = len(decoder_layers(model))
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    if not layer_types:
+        return layers
+    return sum(kind not in NO_ATTENTION_SCORES for kind in layer_types[:layers])
+
+
 def token_flops(
     model: torch.nn.Module | PretrainedConfig, sequence_length: float, adapter_params: int | None
 ) -> TokenFlops:
@@ -113,7 +130,7 @@ def token_flops(
     model = as_model(model)
     return TokenFlops(
         matmul_params=active_matmul_params(model),
-        layers=len(decoder_layers(model)),
+        layers=attention_layers(model),
         attention_width=attention_width(model),
         sequence_length=sequence_length,
         adapter_params=adapter_params,

@@ -10,9 +10,11 @@ few huge groups and many empty ones, which is neither the work nor the speed of 
 ``balanced`` and ``skewed`` change two kinds of weights after the model is drawn, the same way in every
 process (seeded, drawn on the CPU):
 
-- the attention output projections (``o_proj``; DeepSeek-V4's ``o_b_proj``) are scaled by 1 / (8 x layers),
-  so the residual stream keeps each token's own embedding and a router sees the token rather than its
-  sequence's average (the shared component grows by a factor of about 1 + c x scale per layer);
+- the output projections of the token mixers (attention's ``o_proj``, DeepSeek-V4's ``o_b_proj``; the
+  ``out_proj`` of LFM2's attention and short convolutions, of linear attention and of Mamba mixers) are
+  scaled by 1 / (8 x layers), so the residual stream keeps each token's own embedding and a router sees the
+  token rather than its sequence's average (the shared component grows by a factor of about 1 + c x scale
+  per layer);
 - each MoE layer's router gets orthonormal rows (a seeded QR). Router inputs are RMS-normalized, so every
   expert's logit is about a standard normal over tokens, independent of the others'. ``balanced`` keeps
   them so: no expert is favoured, and the max/mean load is near 1 (sampling noise). ``skewed`` scales
@@ -39,13 +41,16 @@ import logging
 
 import torch
 
+from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
+from shardtune.model.lora import mixes_tokens
 from shardtune.model.moe import MoeBlock
 
 log = logging.getLogger(__name__)
 
-# The attention's output projection: most architectures' o_proj, DeepSeek-V4's o_b_proj (after its grouped o_a_proj).
-ATTENTION_OUTPUT_NAMES = ("o_proj", "o_b_proj")
+# A token mixer's output projection: most attention's o_proj, DeepSeek-V4's o_b_proj (after its grouped o_a_proj),
+# the out_proj of LFM2's attention and short convolutions, of linear attention and of Mamba mixers.
+OUTPUT_PROJECTION_NAMES = ("o_proj", "o_b_proj", "out_proj")
 _SIMULATED_TOKENS = 8192
 _BISECTION_STEPS = 24
 
@@ -98,10 +103,15 @@ def set_init_routing(
     if not blocks:
         raise ConfigError(f"model.init_routing: {routing} needs MoE layers; {name} has none")
     projections = [
-        module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in ATTENTION_OUTPUT_NAMES
+        module
+        for layer in decoder_layers(model)
+        for child_name, child in layer.named_children()
+        if mixes_tokens(child_name, child)
+        for path, module in child.named_modules()
+        if path.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_NAMES
     ]
     if not projections:
-        raise ConfigError(f"model.init_routing: no attention output projection (o_proj) in {name}")
+        raise ConfigError(f"model.init_routing: no token mixer's output projection (o_proj, out_proj) in {name}")
     if not materialized:
         return
     layers = model.config.get_text_config().num_hidden_layers
@@ -136,7 +146,7 @@ def set_init_routing(
                 table.copy_(choices.to(table.device, table.dtype))
     target = 1.0 if routing == "balanced" else skewed_max_mean(blocks[0].num_experts, blocks[0].top_k)
     log.info(
-        "moe: router weights for a %s expert load (max/mean about %.2f); attention outputs scaled by 1/%d",
+        "moe: router weights for a %s expert load (max/mean about %.2f); token mixers' outputs scaled by 1/%d",
         routing,
         target,
         8 * layers,

@@ -128,12 +128,15 @@ def _linear_group(layer: torch.nn.Module, path: str, block: MoeBlock | None) -> 
         if block.path:
             return "routed_experts"
     name = path.split(".")[0]
-    # Token mixers: softmax attention, and those of hybrid models: linear attention (Qwen3-Next's linear_attn), short
-    # convolutions (LFM2's ShortConv, whose in_proj and out_proj are its linear layers) and Mamba mixers (Jamba's,
-    # Granite-4.0-H's, Nemotron-H's).
-    kind = type(layer.get_submodule(name)).__name__
-    mixes_tokens = any(word in kind for word in ("Attention", "ShortConv", "Mamba")) or name.endswith("attn")
-    return "attention" if mixes_tokens else "dense_mlp"
+    return "attention" if mixes_tokens(name, layer.get_submodule(name)) else "dense_mlp"
+
+
+def mixes_tokens(name: str, child: torch.nn.Module) -> bool:
+    """Whether a decoder layer's child ``name`` mixes tokens: softmax attention, and the token mixers of hybrid
+    models: linear attention (Qwen3-Next's linear_attn), short convolutions (LFM2's ShortConv, whose in_proj and
+    out_proj are its linear layers) and Mamba mixers (Jamba's, Granite-4.0-H's, Nemotron-H's)."""
+    kind = type(child).__name__
+    return any(word in kind for word in ("Attention", "ShortConv", "Mamba")) or name.endswith("attn")
 
 
 @contextlib.contextmanager

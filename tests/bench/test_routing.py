@@ -20,14 +20,23 @@ from shardtune.model.init_routing import (
 )
 from shardtune.model.moe import RoutingRecorder, find_moe_blocks
 
+QWEN3_MOE = dict(
+    model_type="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=32,
+    num_experts_per_tok=4, max_position_embeddings=1024, tie_word_embeddings=False,
+)  # fmt: skip
+# LFM2-MoE: short convolutions in four of six layers, attention in two, each with its out_proj; the first layer dense.
+LFM2_MOE = dict(
+    model_type="lfm2_moe", vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, num_experts=32, num_experts_per_tok=4,
+    num_dense_layers=1, layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+    max_position_embeddings=1024, tie_word_embeddings=False,
+)  # fmt: skip
 
-def _loads(routing: str, seed: int = 0) -> list[float]:
-    """max/mean load per layer of a 6-layer Qwen3-MoE (32 experts, top 4) on fresh random tokens."""
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
-        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=32,
-        num_experts_per_tok=4, max_position_embeddings=1024, tie_word_embeddings=False,
-    )  # fmt: skip
+
+def _loads(routing: str, seed: int = 0, shape: dict = QWEN3_MOE) -> list[float]:
+    """max/mean load per MoE layer of a 6-layer model (32 experts, top 4) on fresh random tokens."""
+    config = AutoConfig.for_model(**shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     blocks = find_moe_blocks(model, decoder_layers(model))
@@ -50,6 +59,25 @@ def test_balanced_and_skewed_loads_hold_on_tokens_the_weights_never_saw():
     target = skewed_max_mean(32, 4)  # 1 + 7/10
     assert target == pytest.approx(1.7)
     assert all(abs(load - target) < 0.35 for load in skewed) and sum(skewed) / 6 == pytest.approx(target, abs=0.15)
+
+
+def test_the_token_mixers_of_a_hybrid_model_are_scaled_and_its_loads_hold():
+    """LFM2-MoE names both its attention's and its short convolutions' output projections out_proj: each token
+    mixer's is scaled, nothing else, and the loads hold as on Qwen3-MoE (before: a ConfigError, no o_proj)."""
+    config = AutoConfig.for_model(**LFM2_MOE)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    drawn = {name: weight.clone() for name, weight in model.state_dict().items()}
+    set_init_routing(model, find_moe_blocks(model, decoder_layers(model)), "balanced", seed=0)
+    changed = {name for name, weight in model.state_dict().items() if not torch.equal(weight, drawn[name])}
+    scaled = {name for name in changed if name.endswith("out_proj.weight")}
+    assert sorted({name.split(".")[3] for name in scaled}) == ["conv", "self_attn"] and len(scaled) == 6
+    for name in scaled:
+        torch.testing.assert_close(model.state_dict()[name], drawn[name] / (8 * 6), rtol=1e-6, atol=0)
+    assert changed - scaled == {f"model.layers.{layer}.feed_forward.gate.weight" for layer in range(1, 6)}
+    balanced, skewed = _loads("balanced", shape=LFM2_MOE), _loads("skewed", shape=LFM2_MOE)
+    assert len(balanced) == 5 and all(load < 1.4 for load in balanced)
+    assert sum(skewed) / 5 == pytest.approx(skewed_max_mean(32, 4), abs=0.2)
 
 
 def test_skew_spread_reaches_the_target_of_each_shape():

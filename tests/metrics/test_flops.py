@@ -56,6 +56,7 @@ def test_glm_shapes_by_hand():
         "gpt-oss-20b",
         "llama4-scout-17b-16e",
         "gemma4-26b-a4b",
+        "lfm2-8b-a1b",
     ],
 )
 def test_active_weights_match_the_built_model(name):
@@ -76,6 +77,18 @@ def test_active_weights_match_the_built_model(name):
     if head is model.get_input_embeddings().weight:  # tied (ERNIE 4.5, Gemma 4): the head's matmul takes the embedding
         active += head.numel()
     assert active_matmul_params(config) == pytest.approx(active, rel=1e-12)
+
+
+def test_only_the_layers_that_compute_attention_scores_count_them():
+    """LFM2-8B-A1B: 6 of its 24 layers are attention, the others short convolutions (no attention scores);
+    --layers keeps the first layers' kinds (4 layers: one attention layer, the third)."""
+    config = shape_config("lfm2-8b-a1b")
+    flops = token_flops(config, 4096, None)
+    assert flops.layers == 6
+    assert flops.per_token == 6 * active_matmul_params(config) + 12 * 6 * 2048 * 4096
+    assert token_flops(shape_config("lfm2-8b-a1b", layers=4), 4096, None).layers == 1
+    # A model without layer_types: every layer.
+    assert token_flops(shape_config("qwen3-30b-a3b", layers=4), 4096, None).layers == 4
 
 
 def test_lora_counts_frozen_weights_at_4_adapters_at_6_and_attention_in_full():
