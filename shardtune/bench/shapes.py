@@ -181,6 +181,44 @@ SHAPES = {
             "max_position_embeddings": 128000, "norm_eps": 1e-5, "tie_word_embeddings": True,
         },
     ),
+    # microsoft/Phi-3.5-MoE-instruct: 32 layers, 16 experts (6,400 wide) of which 2 per token, chosen by sparsemixer
+    # (sampled in training, with router and input jitter); biased attention and LM head, LayerNorms; 41.9B / 6.6B
+    # parameters (its long-context rope scaling left out: these sequences stay within its original 4,096 positions).
+    "phi3.5-moe": (
+        "phimoe",
+        {
+            "vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2,
+            "router_jitter_noise": 0.01, "input_jitter_noise": 0.01, "attention_bias": True, "lm_head_bias": True,
+            "sliding_window": 131072, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+        },
+    ),
+    # jetmoe/jetmoe-8b: 24 layers, each with a mixture of 8 attention experts (query and output projections, 2 per
+    # token, sharing one key-value projection) and of 8 MLP experts (5,632 wide, 2 per token); 8.5B / 2.2B parameters.
+    "jetmoe-8b": (
+        "jetmoe",
+        {
+            "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 24, "num_key_value_heads": 16,
+            "kv_channels": 128, "intermediate_size": 5632, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "activation_function": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": True,
+        },
+    ),
+    # databricks/dbrx-base: 40 layers, 16 experts (10,752 wide) of which 4 per token, stored as 2-D slabs; query,
+    # key and value clipped at 8; 131.6B / 36.5B parameters (--layers 8 fits one H200 with HF + PEFT beside it).
+    "dbrx": (
+        "dbrx",
+        {
+            "vocab_size": 100352, "d_model": 6144, "n_heads": 48, "n_layers": 40, "max_seq_len": 32768,
+            "attn_config": {"clip_qkv": 8.0, "kv_n_heads": 8, "rope_theta": 500000.0},
+            "ffn_config": {
+                "ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4,
+                "moe_jitter_eps": 0.0, "moe_loss_weight": 0.05, "moe_normalize_expert_weights": 1.0,
+            },
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "tie_word_embeddings": False,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -228,6 +266,10 @@ HUB_SHAPES = {
     "google/gemma-4-26B-A4B": ("gemma4-26b-a4b", {}),
     "google/gemma-4-26B-A4B-it": ("gemma4-26b-a4b", {}),
     "LiquidAI/LFM2-8B-A1B": ("lfm2-8b-a1b", {}),
+    "microsoft/Phi-3.5-MoE-instruct": ("phi3.5-moe", {}),
+    "jetmoe/jetmoe-8b": ("jetmoe-8b", {}),
+    "databricks/dbrx-base": ("dbrx", {}),
+    "databricks/dbrx-instruct": ("dbrx", {}),
 }
 
 
