@@ -46,7 +46,8 @@
 # layers without, alternating: Qwen3-30B-A3B LoRA attention, 24 layers, both float8 options), more-moe (DeepSeek-V2-Lite,
 # ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too), llama4 (Llama 4
 # Scout's first 12 layers against HF, the same two runs), gemma4 (Gemma 4 26B-A4B's text model against HF, the same two
-# runs, and a profiled run, gemma4-26b-a4b-profile). Each run's bench.json (and profile report, where one is taken) is copied to
+# runs, and a profiled run, gemma4-26b-a4b-profile), last-moe (LFM2-8B-A1B, Phi-3.5-MoE's first 16 layers, JetMoE-8B and
+# DBRX's first 8 layers against HF, the same two runs; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -702,6 +703,20 @@ gemma4)
         'logging.profile_steps=[3,4]' parallel.cuda_graphs=false "${extra[@]}" &&
         python3 -m shardtune.bench.profile_share "$work/gemma4-26b-a4b-profile/shardtune/profile/rank0.trace.json.gz" |
         tee "$results/gemma4-26b-a4b-profile.gemm.txt"
+    ;;
+last-moe)
+    # The last MoE architectures put on the fused block, against HF + PEFT in the same run, LoRA on attention, then on
+    # the routed experts too: LFM2-8B-A1B (all 24 layers; short convolutions in 18), Phi-3.5-MoE (its first 16 of 32
+    # layers: sparsemixer routing, sampled in training), JetMoE-8B (all 24 layers; its attention experts stay on
+    # transformers' code) and DBRX (its first 8 of 40 layers, 26B parameters; 2-D expert slabs).
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    for run in lfm2-8b-a1b:24 phi3.5-moe:16 jetmoe-8b:24 dbrx:8; do
+        shape=${run%%:*} layers=${run##*:}
+        bench "last-$shape" --shape "$shape" --layers "$layers" --seq 4096 --batch 2 --steps 8 --warmup 3 --baseline hf \
+            "${extra[@]}"
+        bench "last-$shape-experts" --shape "$shape" --layers "$layers" --seq 4096 --batch 2 --steps 6 --warmup 3 \
+            --baseline hf 'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
+    done
     ;;
 *)
     echo "unknown suite $suite (see the list at the top of $0)" >&2

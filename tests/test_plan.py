@@ -554,8 +554,8 @@ def test_expert_parallel_sizes_that_do_not_fit_the_cluster_are_one_line(capsys, 
 
 @pytest.mark.parametrize(
     ("arch", "gated"),
-    [("qwen3_moe", True), ("llama4_text", True), ("gpt_oss", True), ("nemotron_h", False)],
-    ids=["silu", "transposed_silu", "clamped_glu", "relu2"],
+    [("qwen3_moe", True), ("llama4_text", True), ("gpt_oss", True), ("nemotron_h", False), ("jetmoe", True)],
+    ids=["silu", "transposed_silu", "clamped_glu", "relu2", "expert_pair"],
 )
 def test_routed_rows_and_expert_adapters_are_read_from_each_expert_layout(tmp_path, arch, gated):
     # What a routed row keeps for backward is its first projection's output: [gate | up] for gated experts, up alone

@@ -482,6 +482,17 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "v_head_dim": 16,
         "head_dim": 8,
     },
+    # DBRX: a softmax router whose top-k probabilities are divided by their p-norm (moe_normalize_expert_weights; 1:
+    # their sum), its Linear the router's child layer; SiLU-gated experts held as 2-D (experts x width, hidden) slabs
+    # (w1 gate, v1 up, w2 down: each expert's rows (in, out) for down); fused query-key-value attention clipped at
+    # clip_qkv. transformers 5.24 copies d_model into ffn_config before the standard keys land, and clamps with
+    # clip_qkv unconditionally; its attention reads a rope_theta of attn_config's.
+    "dbrx": {
+        "d_model": 64,
+        "tie_word_embeddings": False,
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+    },
     # Cohere2-MoE: sigmoid scores of the top-k logits renormalized (its other choice, their softmax, is Mixtral's rule),
     # a shared expert averaged with the routed ones, a dense first layer, attention and MLP in parallel.
     "cohere2_moe": {
@@ -508,6 +519,16 @@ MORE_FUSED_MOE_ARCHITECTURES = {
         "indexer_head_dim": 16,
         "indexer_budget": 32,
         "indexer_compress_ratio": 4,
+    },
+    # JetMoE: a softmax of the top-k logits; the experts a pair of modules (input_linear, output_linear) and a bias
+    # added to the block's output; the attention a mixture of 4 query/output experts too (2 a token, 2 key/value heads
+    # each: 4 query heads), which stays on transformers' code.
+    "jetmoe": {
+        "kv_channels": 16,
+        "num_key_value_heads": 2,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
     },
     # Gemma 4 (26B-A4B's layout): the decoder layer is the MoE block, GELU-tanh-gated routed experts beside a dense MLP
     # on the same residual, each through norms of its own; the router normalizes and scales its input, and each chosen

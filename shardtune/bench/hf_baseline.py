@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         # The same PEFT adapters as the shardtune run (plain get_peft_model; the same target modules).
         model = apply_lora(model, config.lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    routed_trainable = routed_expert_trainable(moe_blocks)
+    routed_trainable = routed_expert_trainable(moe_blocks, model)
     total = sum(p.numel() for p in model.parameters())
 
     class Examples(torch.utils.data.Dataset):

@@ -43,7 +43,7 @@ from shardtune.distributed.strategy import ParallelPlan, choose_parallelism
 from shardtune.errors import ConfigError
 from shardtune.model.float8 import describe_float8_grouped_gemm, require_float8, use_float8_linears
 from shardtune.model.fused_moe import FusedMoeBlock, use_float8_experts
-from shardtune.model.moe import find_moe_blocks
+from shardtune.model.moe import ExpertPair, find_moe_blocks
 from shardtune.plan.memory import Checkpointing, describe_checkpointing, estimate_memory, usable_memory
 from shardtune.plan.shape import ModelShape
 
@@ -286,7 +286,9 @@ def _shard(
         # a unit holds this rank's experts, sharded over the ranks that hold the same ones; their
         # gradients sum over those ranks and are divided by the world size, as the dense weights' are
         # averaged over it: each rank's loss is scaled for an average over all ranks (see the loop).
-        experts = block.block.get_submodule("experts")
+        # A block whose experts are two modules of its own (JetMoE's ExpertPair, not in the module tree): the block
+        # is their unit, its router and bias with them.
+        experts = block.block if isinstance(block.experts, ExpertPair) else block.block.get_submodule("experts")
         mesh = dims.expert_mesh if dims.ep_enabled else dims.dense_mesh
         fully_shard(experts, mesh=mesh, **{**options, "mp_policy": experts_policy})
         if dims.ep_enabled:

@@ -5,7 +5,8 @@ architecture calls them or however it fuses them (GPT-2's Conv1D, Falcon's and G
 query_key_value, Phi-3's gate_up_proj): every weight of two or more dimensions except embedding lookups
 (token and learned position embeddings) and LoRA adapters, plus the LM head even when it shares the input
 embedding's weight; in an MoE block each routed expert weight counts top_k / num_experts of itself (the
-router, the top_k routed experts and the shared experts a token passes through):
+router, the top_k routed experts and the shared experts a token passes through), and so does each expert weight of a
+mixture of attention (JetMoE's query and output projections):
 
 - full fine-tuning: 6 FLOPs per weight (forward 2, input gradients 2, weight gradients 2);
 - LoRA: 4 per frozen weight (forward and input gradients; no weight gradients) and 6 per adapter weight
@@ -32,7 +33,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from shardtune.distributed.parallelize import decoder_layers
-from shardtune.model.moe import find_moe_blocks
+from shardtune.model.moe import ATTENTION_EXPERTS, EXPERT_PAIR_NAMES, ExpertPair, find_moe_blocks
 
 # Dense bf16 tensor-core peak, FLOP/s (SXM parts; PCIe H100 is lower and named "H100 PCIe").
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12}
@@ -70,6 +71,7 @@ def active_matmul_params(model: torch.nn.Module | PretrainedConfig) -> int:
     model = as_model(model)
     moe_blocks = find_moe_blocks(model, decoder_layers(model))
     share = {id(param): block.top_k / block.num_experts for block in moe_blocks for param in block.experts.parameters()}
+    share |= {id(param): used for param, used in attention_expert_parameters(model)}
     lookups = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
     adapters = {
         id(param)
@@ -137,15 +139,32 @@ def token_flops(
     )
 
 
-def routed_expert_trainable(blocks) -> int:
+def attention_expert_parameters(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, float]]:
+    """The parameters of ``model``'s mixtures of attention's experts (``moe.ATTENTION_EXPERTS``: JetMoE's query and
+    output projections, with their LoRA factors), each with the share of it a token passes through (top_k /
+    num_experts); not their router."""
+    return [
+        (param, module.top_k / module.num_experts)
+        for module in model.modules()
+        if type(module).__name__ in ATTENTION_EXPERTS
+        for name in EXPERT_PAIR_NAMES
+        for param in getattr(module, name).parameters()
+    ]
+
+
+def routed_expert_trainable(blocks, model: torch.nn.Module | None = None) -> int:
     """Trainable parameters inside the routed experts of MoE blocks (``shardtune.model.moe.MoeBlock``),
-    adapters included: per-expert adapters a token uses top_k / num_experts of."""
-    return sum(
+    adapters included: per-expert adapters a token uses top_k / num_experts of; with ``model``, also those of its
+    mixtures of attention's experts (JetMoE's, whose top_k and number of experts are its MLP's)."""
+    routed = sum(
         parameter.numel()
         for block in blocks
         for name, parameter in block.block.named_parameters()
-        if parameter.requires_grad and name.split(".", 1)[0] == "experts"
+        if parameter.requires_grad
+        and name.split(".", 1)[0] in (EXPERT_PAIR_NAMES if isinstance(block.experts, ExpertPair) else ("experts",))
     )
+    attention = attention_expert_parameters(model) if model is not None else []
+    return routed + sum(param.numel() for param, _ in attention if param.requires_grad)
 
 
 def run_token_flops(

@@ -59,13 +59,16 @@ from shardtune.model.grouped_gemm import (
     resolve_grouped_gemm,
 )
 from shardtune.model.moe import (
+    ATTENTION_EXPERTS,
     ROUTING_RULES,
     SCORING_FUNCTIONS,
     SHARED_EXPERT_NAMES,
+    ExpertPair,
     MoeBlock,
     Routing,
     RoutingRecorder,
     correction_bias,
+    expert_pair,
     find_moe_blocks,
     logits_linear_name,
     routing_probabilities,
@@ -99,6 +102,9 @@ TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 # routing weights, Llama 4's router logits.
 SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
 
+# Blocks that add a (hidden,) parameter of their own to their output, by class name: its name. JetMoE's.
+OUTPUT_BIAS = {"JetMoeMoE": "bias"}
+
 # The routed-expert layouts (``expert_activation``) that float8 experts and expert parallelism take: expert e at index
 # e of each weight's first dimension (of a bias's too), the activation one of the weighted ones below. Float8 experts
 # have no biases to add (GPT-OSS's clamped GLU).
@@ -109,12 +115,21 @@ LAYOUT_TRAITS = {
     "clamped_glu": "transposed, biased expert weights",
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
     "gelu_tanh": "GELU-tanh-gated experts",
+    "pair": "experts held as two modules of their block, input_linear and output_linear",  # ExpertPair (JetMoE's)
+    "split_silu": "2-D slabs of every expert's gate, up and down weights",
 }
 
 # Experts whose last ids are "zero-computation" identities, by class name: the attribute that holds how many. An
 # identity expert's output is the token itself (times its routing weight); the GEMM experts are the first
 # down_proj.shape[0] (LongCat-Flash's gate_up_proj has a row for each identity expert too, which nothing reads).
 IDENTITY_EXPERTS = {"LongcatFlashExperts": "zero_expert_num"}
+
+
+# Experts that hold each projection as one 2-D (experts x width, hidden) slab of every expert, by class name: the child
+# holding them and the names of gate, up and down (DBRX's DbrxExperts: mlp.w1, mlp.v1, mlp.w2). Expert e's rows are
+# e*I..(e+1)*I of each, so (E, I, H) views of them are the weights, with no copy: gate and up (E, out, in), down
+# (E, in, out) (h @ w2_e) (``expert_slabs``; ``expert_activation``: ``split_silu``).
+SLAB_EXPERTS = {"DbrxExperts": ("mlp", "w1", "v1", "w2")}
 
 
 # SiLU-gated experts that clamp the gate from above and up on both sides at a limit first (a SwiGLU limit), by class
@@ -131,9 +146,15 @@ def expert_activation(experts: torch.nn.Module) -> str | None:
     gate * sigmoid(alpha * gate) * (up + 1), with (E, in, out) weights and a bias on each projection;
     ``relu2``, ungated experts: ReLU(up)², an (E, I, H) ``up_proj`` and no gate (Nemotron-H's);
     ``gelu_tanh``, ``silu``'s layout with GELU's tanh approximation for the SiLU (Gemma 4's gelu_pytorch_tanh);
-    None for any other kind."""
+    None for any other kind. A block's pair of expert modules (``moe.ExpertPair``: JetMoE's input_linear and
+    output_linear) names its weights and activation as an experts module does: its SiLU is ``silu``.
+    ``split_silu``, SiLU(gate) * up of gate and up apart and down, each a 2-D slab of every expert (DBRX's,
+    ``SLAB_EXPERTS``)."""
     if type(experts).__name__ == "GptOssExperts":
         return "clamped_glu"
+    if (slabs := SLAB_EXPERTS.get(type(experts).__name__)) is not None:
+        act_fn = getattr(getattr(experts, slabs[0]), "activation_fn", None)
+        return "split_silu" if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else None
     if getattr(experts, "has_bias", False):
         return None
     if isinstance(getattr(experts, "up_proj", None), torch.Tensor) and not hasattr(experts, "gate_up_proj"):
@@ -171,8 +192,22 @@ def expert_row_width(experts: torch.nn.Module) -> int | None:
     activation = expert_activation(experts)
     if activation is None:
         return None
+    if activation == "split_silu":
+        return 2 * expert_slabs(experts)[0].shape[1]
     weight = getattr(experts, input_projection(activation))
     return weight.shape[2] if _weights_transposed(experts) else weight.shape[1]
+
+
+def expert_slabs(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Slab experts' (``SLAB_EXPERTS``: DBRX's; transformers' module, under no wrapper) gate, up and down weights as
+    (E, I, H) views of their 2-D slabs, no copy: gate and up (E, out, in), down (E, in, out); None for other experts."""
+    names = SLAB_EXPERTS.get(type(experts).__name__)
+    if names is None:
+        return None
+    holder = getattr(experts, names[0])
+    return tuple(
+        getattr(holder, name).view(experts.num_experts, -1, getattr(holder, name).shape[-1]) for name in names[1:]
+    )
 
 
 def identity_experts(experts: torch.nn.Module) -> int:
@@ -244,6 +279,16 @@ def use_fused_experts(
         if blocks and implementation != "transformers":
             log.info("moe experts: transformers' %s", implementation)
         return blocks
+    mixtures = sorted(
+        {kind for kind in (type(module).__name__ for module in model.modules()) if kind in ATTENTION_EXPERTS}
+    )
+    if mixtures:
+        # Its query and output experts run apart, the attention between them (map, attention, reduce): no one block
+        # to swap. Their adapters are LoRA's attention group; their routers are no MoE block's (not recorded).
+        log.info(
+            "moe experts: the mixture of attention (%s) stays on transformers' code; its routers are not recorded",
+            ", ".join(mixtures),
+        )
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         # transformers collects router logits from the router modules' forwards, which fused blocks do
@@ -274,9 +319,12 @@ def use_fused_experts(
 def unsupported_layout(experts: torch.nn.Module, layouts: tuple[str, ...]) -> str | None:
     """What routed ``experts`` (prepared by ``use_routed_experts``) have that a feature taking ``layouts``
     (``FLOAT8_LAYOUTS``, ``EXPERT_PARALLEL_LAYOUTS``) does not take (``LAYOUT_TRAITS``), or None: another layout, or
-    identity experts (both features send every row through the GEMMs)."""
+    identity experts (both features send every row through the GEMMs), or a pair of expert modules (JetMoE's: neither
+    shards nor quantizes weights outside an experts module)."""
     if experts.activation not in layouts:
         return LAYOUT_TRAITS.get(experts.activation, experts.activation)
+    if isinstance(experts, ExpertPair):
+        return LAYOUT_TRAITS["pair"]
     return LAYOUT_TRAITS["identity"] if experts.identity_experts else None
 
 
@@ -371,11 +419,17 @@ class FusedMoeBlock(torch.nn.Module):
         self.replaced = replaced or type(original).__name__
         if experts is None:
             self.router_name = "gate" if hasattr(self, "gate") else "router"
+            if "experts" not in self._modules:  # experts held as two modules of the block (JetMoE's): seen as one
+                self.__dict__["experts"] = expert_pair(self)
         else:  # the router itself, beside experts that stay its layer's child (not registered here)
             self.router_name = ""
             self.__dict__["experts"] = experts
         self.shared_name = next((name for name in SHARED_EXPERT_NAMES if name in self._modules), None)
-        self.jitter_noise = float(getattr(original, "jitter_noise", 0.0) or 0.0)
+        # Mixtral's jitter_noise, DBRX's router's moe_jitter_eps: in training the block's input times uniform noise
+        # in [1 - it, 1 + it], which the experts take too (DBRX's router multiplies its input in place), drawn as
+        # transformers draws it (a seeded run draws the same noise).
+        router_jitter = getattr(getattr(original, "router", None), "moe_jitter_eps", None)
+        self.jitter_noise = float(getattr(original, "jitter_noise", None) or router_jitter or 0.0)
         # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
         # its gradient in this block's backward.
         self.trains_balance = False
@@ -383,6 +437,7 @@ class FusedMoeBlock(torch.nn.Module):
         # The layer's routed experts, all of them: under expert parallelism this rank holds a run of them.
         self.num_routed_experts = use_routed_experts(self.experts, routing, grouped_gemm)
         self.second_output = SECOND_OUTPUT.get(self.replaced)
+        self.output_bias = OUTPUT_BIAS.get(self.replaced)
         # Shared experts whose output is averaged with the routed experts', not added to it (Cohere2-MoE's
         # shared_expert_combination_strategy "average").
         self.averages_shared = getattr(original, "shared_expert_combination_strategy", "sum") == "average"
@@ -404,7 +459,7 @@ class FusedMoeBlock(torch.nn.Module):
         """The block's output; ``input_ids``, the tokens' ids, as the decoder layer of a block that routes by them
         passes them (``Routing.choice_table``: DeepSeek-V4's hash layers)."""
         shape = hidden_states.shape
-        if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input noise
+        if self.training and self.jitter_noise > 0:  # Mixtral's and DBRX's multiplicative input noise
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, shape[-1])
@@ -422,6 +477,8 @@ class FusedMoeBlock(torch.nn.Module):
                 output = output / 2
         if hasattr(self, "post_mlp_layernorm"):  # A.X-K1's block normalizes its output
             output = self.post_mlp_layernorm(output)
+        if self.output_bias is not None:  # JetMoE's, added after the routed experts' sum
+            output = output + getattr(self, self.output_bias)
         if self.second_output is not None:
             return output.reshape(shape), {"weights": weights, "logits": logits}[self.second_output]
         return output.reshape(shape)
@@ -462,6 +519,8 @@ def use_routed_experts(experts: torch.nn.Module, routing: Routing, grouped_gemm:
     experts.weights_input = routing.weights_input
     experts.swiglu_limit = swiglu_limit(base_experts)
     experts.identity_experts = identity_experts(base_experts)
+    if activation == "split_silu":
+        return expert_slabs(base_experts)[0].shape[0]
     return getattr(base_experts, input_projection(activation)).shape[0]
 
 
@@ -551,7 +610,12 @@ def parameter_adapters(module: torch.nn.Module) -> tuple[torch.nn.Module, dict[s
     in transformers 5.17, whose adapters are its weight's) and, per wrapped parameter name, the active adapters'
     (lora_A weight, lora_B weight, scaling, rank, shared by the experts, the dropout on the adapter's input: an
     identity but for a Linear's). Merged or disabled adapters are left out: their effect is in the base weight
-    already, or off."""
+    already, or off. A pair of expert modules (``ExpertPair``: JetMoE's) is its own base; each of its weights'
+    adapters are those of the module that holds it (``weight``), under the pair's name for it (``gate_up_proj``,
+    ``down_proj``)."""
+    if isinstance(module, ExpertPair):
+        held = {name: parameter_adapters(child)[1].get("weight") for name, child in module.adapted().items()}
+        return module, {name: adapters for name, adapters in held.items() if adapters}
     adapters: dict[str, list[tuple]] = {}
     while hasattr(module, "base_layer") and hasattr(module, "lora_A"):
         if not module.disable_adapters and not module.merged:
@@ -621,7 +685,11 @@ def route(
             chosen = _best_experts(logits, scores, routing, correction_bias(router, block))
         weights = scores.gather(1, chosen)
         if routing.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.epsilon)
+            if routing.norm_p == 1.0:
+                total = weights.sum(dim=-1, keepdim=True)
+            else:  # DBRX's moe_normalize_expert_weights
+                total = torch.linalg.vector_norm(weights, ord=routing.norm_p, dim=-1, keepdim=True)
+            weights = weights / (total + routing.epsilon)
         weights = weights * routing.scaling
         if routing.expert_scale is not None:  # Gemma 4's per_expert_scale, at each chosen expert
             weights = weights * getattr(holder, routing.expert_scale).float()[chosen]
@@ -720,13 +788,20 @@ def routed_experts(
     identities = experts.identity_experts
     experts, adapters = parameter_adapters(experts)
     # (E, 2I, H), (E, H, I): this rank's experts; transposed (Llama 4's), (E, H, 2I) and (E, I, H), which torch's
-    # grouped GEMM takes as they are (as GPT-OSS's); ungated, an (E, I, H) up projection.
-    gate_up, down = getattr(experts, input_projection(activation)), experts.down_proj
+    # grouped GEMM takes as they are (as GPT-OSS's); ungated, an (E, I, H) up projection. Slab experts (DBRX's):
+    # gate and up (E, I, H) views apart, each its own GEMM, and down an (E, I, H) view, (in, out) as transposed
+    # experts' (torch's grouped GEMM takes it as it is).
+    slabs = expert_slabs(experts)
+    if slabs is not None:
+        gate_up, up, down = slabs
+    else:
+        gate_up, down = getattr(experts, input_projection(activation)), experts.down_proj
     if identities:
         gate_up = gate_up[: down.shape[0]]  # LongCat-Flash's: the identity experts' rows are never read
     transposed = activation == "transposed_silu"
     if transposed:
         backend = "torch"
+    down_transposed, down_backend = (True, "torch") if slabs is not None else (transposed, backend)
     # PEFT reads a 3-D weight as (E, out, in) unless its module is marked is_transposed: on unmarked transposed
     # weights its A factor multiplies from the output side (_projection).
     lora_reversed = transposed and not getattr(experts, "is_transposed", False)
@@ -772,10 +847,13 @@ def routed_experts(
             outputs = receive_back(outputs)
         return SumRows.apply(outputs, order, inverse, top_k)
     gate_up_adapters = adapters.get(input_projection(activation), [])
-    projected = _projection(
-        rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
-        transposed, lora_reversed,
-    )  # fmt: skip
+    if slabs is not None:  # no adapters (lora.moe_targets refuses routed_experts), no float8 (refused)
+        projected = torch.cat([_projection(rows, weight, [], bounds, dtype, backend) for weight in (gate_up, up)], -1)
+    else:
+        projected = _projection(
+            rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
+            transposed, lora_reversed,
+        )  # fmt: skip
     if identity_rows is not None:  # the identity rows' gate/up output, unwritten: 0, and so is their activation
         projected = projected.masked_fill(identity_rows, 0)
 
@@ -802,11 +880,11 @@ def routed_experts(
         # A frozen down projection without LoRA sums its rows back to the tokens in the same function, whose
         # backward gathers each row's token gradient inside the input gradient's GEMM where the kernel can.
         token_of_row = (order // top_k).to(torch.int32)
-        weight = down.to(dtype) if transposed else down.to(dtype).transpose(-2, -1)
-        return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, backend)
+        weight = down.to(dtype) if down_transposed else down.to(dtype).transpose(-2, -1)
+        return ProjectionSummed.apply(hidden, weight, bounds, token_of_row, inverse, top_k, down_backend)
     outputs = _projection(
-        hidden, down, down_adapters, bounds, dtype, backend, reactivated, down_float8, float8_backend, transposed,
-        lora_reversed,
+        hidden, down, down_adapters, bounds, dtype, down_backend, reactivated, down_float8, float8_backend,
+        down_transposed, lora_reversed,
     )  # fmt: skip
     if dispatch is not None:
         outputs = receive_back(outputs)  # this rank's (pair) rows again, in expert-sorted order
@@ -1254,6 +1332,10 @@ class WeightedSiluMul(torch.autograd.Function):
         return *_weighted_silu_mul_backward(*ctx.saved_tensors, grad, ctx.limit, ctx.activation), None, None
 
 
+# The layouts whose activation is a plain SiLU(gate) * up of a [gate | up] row: the Triton backward kernel's.
+SILU_KERNEL_LAYOUTS = ("silu", "transposed_silu", "split_silu")
+
+
 def _weighted_silu_mul_backward(
     gate_up: torch.Tensor,
     row_weights: torch.Tensor,
@@ -1262,7 +1344,7 @@ def _weighted_silu_mul_backward(
     activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (SiLU without a limit), torch ops elsewhere."""
-    kernel = weighted_silu_mul_backward is not None and limit is None and activation in ("silu", "transposed_silu")
+    kernel = weighted_silu_mul_backward is not None and limit is None and activation in SILU_KERNEL_LAYOUTS
     if kernel and runs_on(gate_up.device) and gate_up.shape[0] > 0:
         return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
     return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _activation_precision(gate_up), limit, activation)

@@ -10,11 +10,11 @@ few huge groups and many empty ones, which is neither the work nor the speed of 
 ``balanced`` and ``skewed`` change two kinds of weights after the model is drawn, the same way in every
 process (seeded, drawn on the CPU):
 
-- the output projections of the token mixers (attention's ``o_proj``, DeepSeek-V4's ``o_b_proj``; the
-  ``out_proj`` of LFM2's attention and short convolutions, of linear attention and of Mamba mixers) are
-  scaled by 1 / (8 x layers), so the residual stream keeps each token's own embedding and a router sees the
-  token rather than its sequence's average (the shared component grows by a factor of about 1 + c x scale
-  per layer);
+- the output projections of the token mixers (attention's ``o_proj``, DeepSeek-V4's ``o_b_proj``, the
+  output experts of JetMoE's mixture of attention, its ``output_linear``; the ``out_proj`` of LFM2's attention
+  and short convolutions, of linear attention and of Mamba mixers) are scaled by 1 / (8 x layers), so the
+  residual stream keeps each token's own embedding and a router sees the token rather than its sequence's
+  average (the shared component grows by a factor of about 1 + c x scale per layer);
 - each MoE layer's router gets orthonormal rows (a seeded QR). Router inputs are RMS-normalized, so every
   expert's logit is about a standard normal over tokens, independent of the others'. ``balanced`` keeps
   them so: no expert is favoured, and the max/mean load is near 1 (sampling noise). ``skewed`` scales
@@ -49,8 +49,9 @@ from shardtune.model.moe import MoeBlock
 log = logging.getLogger(__name__)
 
 # A token mixer's output projection: most attention's o_proj, DeepSeek-V4's o_b_proj (after its grouped o_a_proj),
-# the out_proj of LFM2's attention and short convolutions, of linear attention and of Mamba mixers.
-OUTPUT_PROJECTION_NAMES = ("o_proj", "o_b_proj", "out_proj")
+# JetMoE's mixture of attention's output experts (output_linear, (E, H, width)), the out_proj of LFM2's attention
+# and short convolutions, of linear attention and of Mamba mixers.
+OUTPUT_PROJECTION_NAMES = ("o_proj", "o_b_proj", "output_linear", "out_proj")
 _SIMULATED_TOKENS = 8192
 _BISECTION_STEPS = 24
 
@@ -102,8 +103,10 @@ def set_init_routing(
     name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
     if not blocks:
         raise ConfigError(f"model.init_routing: {routing} needs MoE layers; {name} has none")
+    from shardtune.model.fused_moe import parameter_adapters
+
     projections = [
-        module
+        parameter_adapters(module)[0]  # under PEFT's parameter wrappers where adapted (JetMoE's output experts)
         for layer in decoder_layers(model)
         for child_name, child in layer.named_children()
         if mixes_tokens(child_name, child)
@@ -135,11 +138,10 @@ def set_init_routing(
                 )
                 rows = rows * popularity[:, None]
             weight.copy_(rows.to(weight.device))
-            if (table_name := block.routing.choice_table) is not None:
+            if (table := block.choice_table) is not None:
                 # Hash layers (DeepSeek-V4's) take each token's experts from a table by token id, which a drawn model
                 # leaves at 0 (every token's choices all expert 0): each id gets distinct experts, drawn in
                 # proportion to the same popularity as the router's rows.
-                table = getattr(block.router_child, table_name)
                 choices = torch.multinomial(
                     popularity.expand(table.shape[0], -1), table.shape[1], replacement=False, generator=generator
                 )
@@ -159,6 +161,6 @@ def router_weights_digest(blocks: list[MoeBlock]) -> str:
     digest = hashlib.sha256()
     for block in blocks:
         digest.update(block.router.weight.detach().float().cpu().contiguous().numpy().tobytes())
-        if (table_name := block.routing.choice_table) is not None:
-            digest.update(getattr(block.router_child, table_name).detach().cpu().contiguous().numpy().tobytes())
+        if (table := block.choice_table) is not None:
+            digest.update(table.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from shardtune.config import DEFAULT_MOE_TARGETS, LoraConfig
 from shardtune.errors import ConfigError
-from shardtune.model.moe import MoeBlock, find_moe_blocks
+from shardtune.model.moe import ATTENTION_EXPERTS, EXPERT_PAIR_NAMES, MoeBlock, find_moe_blocks
 
 log = logging.getLogger("shardtune")
 
@@ -37,7 +37,8 @@ def moe_lora_targets(
 
     Both are paths relative to a decoder layer (``self_attn.q_proj``, ``mlp.experts.gate_up_proj``):
     PEFT matches them as suffixes of the full names, so ``mlp.gate_proj`` (a dense layer's MLP) never
-    matches ``mlp.shared_experts.gate_proj``.
+    matches ``mlp.shared_experts.gate_proj``. A mixture of attention's expert weights (``moe.ATTENTION_EXPERTS``:
+    JetMoE's query and output projections, 3-D) are parameters of the attention group.
     """
     block_of_layer = {block.layer: block for block in blocks}
     chosen_modules: set[str] = set()
@@ -56,13 +57,18 @@ def moe_lora_targets(
                 found[group] += 1
                 if group in groups:
                     chosen_modules.add(path)
+            elif type(module).__name__ in ATTENTION_EXPERTS:
+                for name in EXPERT_PAIR_NAMES:
+                    found["attention"] += 1
+                    if "attention" in groups:
+                        chosen_parameters.add(_joined(path, name, "weight"))
         if block is None:
             continue
-        for name, param in block.experts.named_parameters(recurse=False):
+        for name, param in block.expert_weights.items():
             if param.dim() == 3:
                 found["routed_experts"] += 1
                 if "routed_experts" in groups:
-                    chosen_parameters.add(_joined(block.path, "experts", name))
+                    chosen_parameters.add(_joined(block.path, name))
         if not _adapted_as_module(block.router):
             found["router"] += 1
             if "router" in groups:
@@ -184,6 +190,8 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
         if target_modules == "all-linear":  # every nn.Linear of this model, found by PEFT on its modules
             as_given = targets_as_given()
     else:
+        if "routed_experts" in config.moe_targets:
+            _check_expert_parameters_adaptable(blocks)
         modules, target_parameters, found, unreachable = moe_lora_targets(layers, blocks, config.moe_targets)
         missing = [group for group in config.moe_targets if not found[group]]
         for group in missing:
@@ -237,16 +245,40 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
     return peft_model
 
 
+def _check_expert_parameters_adaptable(blocks: list[MoeBlock]) -> None:
+    """``lora.moe_targets: routed_experts`` on experts whose weights PEFT's target_parameters cannot adapt: DBRX's
+    (fused_moe.SLAB_EXPERTS) slice 2-D slabs of every expert held by a child (mlp.w1, v1, w2) themselves, and PEFT's
+    ParamWrapper around that child hides the other slabs from the experts' forward (an AttributeError in
+    transformers and PEFT alike), where it would also be one adapter for the whole slab, not one per expert."""
+    from shardtune.model.fused_moe import SLAB_EXPERTS
+
+    for block in blocks:
+        names = SLAB_EXPERTS.get(type(block.experts).__name__)
+        if names is not None:
+            holder, *slabs = names
+            raise ConfigError(
+                f"lora.moe_targets: routed_experts: {type(block.experts).__name__} slices its 2-D expert slabs "
+                f"({', '.join(f'{holder}.{name}' for name in slabs)}) itself, which PEFT's parameter adapters break "
+                "(its forward fails under them in transformers and PEFT); drop routed_experts"
+            )
+
+
 def share_expert_adapters(model: torch.nn.Module) -> None:
     """Make each routed-expert adapter one adapter shared by the layer's experts.
 
     PEFT's layout keeps a rank-r block per expert (lora_A: (r * experts, in), lora_B: (out, r *
     experts)). Every expert's block starts as a copy of the first; the fused experts compute with their
     mean (``shared_across_experts``), so each block gets the same gradient and stays equal to the others.
-    The saved adapter is thus PEFT's own format, which loads and merges anywhere unchanged.
+    The saved adapter is thus PEFT's own format, which loads and merges anywhere unchanged. A mixture of attention's
+    expert adapters (``moe.ATTENTION_EXPERTS``: JetMoE's), which transformers' code computes per expert, stay per
+    expert.
     """
+    attention = {id(inner) for module in model.modules() if type(module).__name__ in ATTENTION_EXPERTS
+                 for inner in module.modules()}  # fmt: skip
     for module in model.modules():
         if not (hasattr(module, "parameter_name") and hasattr(module, "lora_A")) or module.num_experts < 2:
+            continue
+        if id(module) in attention:
             continue
         experts = module.num_experts
         with torch.no_grad():

@@ -5,7 +5,8 @@ Blocks are found by structure, not by architecture name: a sparse MoE block is a
 ``experts`` child (the expert weights, fused 3-D parameters in transformers 5) and a router child
 (``gate`` or ``router``) whose weight has one row per expert. That covers Qwen3-MoE, Mixtral and
 Glm4Moe (GLM-4.5/4.6/4.7), the Qwen2-MoE family (Qwen3-Next, Qwen3.5-MoE), and the DeepSeek-style models
-built the same way (GLM-4.7-Flash, GLM-5, MiniMax-M2).
+built the same way (GLM-4.7-Flash, GLM-5, MiniMax-M2). A block may instead hold its routed experts as two modules of
+its own (``EXPERT_PAIR_NAMES``: JetMoE's input_linear and output_linear), seen as one experts module (``ExpertPair``).
 
 How each architecture's router decides is written out once, by block class, in ``ROUTING_RULES``: the fused
 block computes it, and the routing statistics of every block take its scores.
@@ -23,10 +24,24 @@ import torch
 
 ROUTER_NAMES = ("gate", "router")
 # Routers that hold their logits' Linear as a child instead of a weight of their own: Hunyuan-MoE's (wg), AFMoE's
-# (gate), LongCat-Flash's (classifier), Gemma 4's (proj).
-LOGITS_LINEAR_NAMES = ("wg", "gate", "classifier", "proj")
+# (gate), LongCat-Flash's (classifier), Gemma 4's (proj), JetMoE's and DBRX's (layer).
+LOGITS_LINEAR_NAMES = ("wg", "gate", "classifier", "proj", "layer")
 # Routers that return another float per token and expert (their scores) before the logits: Llama 4's.
 SCORES_BEFORE_LOGITS = ("Llama4Router",)
+# Routers whose last output is their logits and whose other outputs are no (tokens, top_k) choice: JetMoE's returns the
+# (token, choice) pairs' expert order, their tokens, gates and per-expert counts (a list) first. The hooks take the
+# top-k of the logits for the choice.
+LOGITS_LAST = ("JetMoeTopKGating",)
+# Blocks that hold their routed experts as two modules of their own, each an (E, out, in) 3-D ``weight``, where others
+# have one ``experts`` module: JetMoE's JetMoeMoE, input_linear (E, 2I, H), [gate | up], and output_linear (E, H, I)
+# (``ExpertPair``). Found by structure, gated ones only (2I rows in, I columns out).
+EXPERT_PAIR_NAMES = ("input_linear", "output_linear")
+# Mixtures of attention, whose query and output projections are routed experts (JetMoE's JetMoeMoA, the attention's
+# ``experts``: its input_linear (E, heads_per_expert x head_dim, H) and output_linear, split by the attention between
+# them). They stay on transformers' code, in no MoE block (their router is not recorded nor balanced by shardtune);
+# their expert weights are LoRA's attention group (``lora.moe_lora_targets``), and a token passes through top_k /
+# num_experts of them (``metrics.flops``).
+ATTENTION_EXPERTS = ("JetMoeMoA",)
 # Routers that return their softmax probabilities where others return logits: Gemma 4's.
 PROBABILITIES_FOR_LOGITS = ("Gemma4TextRouter",)
 SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # the last: Hunyuan-MoE's
@@ -56,7 +71,8 @@ class Routing:
     of a (vocab, top_k) table the router holds, the choice is instead the table's row at the token's id (hash
     routing: DeepSeek-V4's frozen tid2eid), whatever the scores. The logits are the router's Linear's, its bias
     included unless ``logits_bias`` is False (LongCat-Flash's router leaves its classifier's out). The weights are the
-    chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize``, times ``scaling``, and times the
+    chosen plain scores, divided by their sum plus ``epsilon`` when ``normalize`` (by their ``norm_p``-norm where that
+    is not 1: DBRX's moe_normalize_expert_weights), times ``scaling``, and times the
     router's (experts,) parameter ``expert_scale`` at the chosen expert where named (Gemma 4's per_expert_scale). They
     scale each chosen expert's output, or with ``weights_input`` its input (Llama 4: the experts are nonlinear, so the
     two differ). With an ``input_norm`` epsilon the router's input is first RMS-normalized (no weight of the norm's
@@ -83,6 +99,7 @@ class Routing:
     input_scale: str | None = None
     input_scaling: float = 1.0
     expert_scale: str | None = None
+    norm_p: float = 1.0
 
 
 def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
@@ -172,6 +189,15 @@ def _gemma4_rule(layer: torch.nn.Module) -> Routing:
         input_scaling=float(router.scalar_root_size),
         expert_scale="per_expert_scale",
     )
+
+
+def _dbrx_rule(block: torch.nn.Module) -> Routing:
+    """DBRX: the top-k softmax probabilities divided by their p-norm, p the block's moe_normalize_expert_weights (1:
+    their sum; None: not renormalized). Its router child holds no settings (the rule gets the block); in training it
+    multiplies the block's input by uniform jitter (moe_jitter_eps), which the experts take too
+    (FusedMoeBlock.jitter_noise)."""
+    p = block.moe_normalize_expert_weights
+    return Routing("softmax", block.top_k, normalize=p is not None, norm_p=1.0 if p is None else float(p))
 
 
 def _lfm2_rule(router: torch.nn.Module) -> Routing:
@@ -273,6 +299,9 @@ ROUTING_RULES = {
     "LongcatFlashMoE": lambda router: Routing(
         "softmax", router.top_k, normalize=False, scaling=float(router.routed_scaling_factor), logits_bias=False
     ),
+    # DBRX: the top-k softmax probabilities divided by their p-norm; its router's logits are its Linear layer's; its
+    # experts hold 2-D slabs of every expert (fused_moe.SLAB_EXPERTS).
+    "DbrxFFN": _dbrx_rule,
     # Hunyuan-MoE: the top-k softmax probabilities renormalized; its router's logits are its Linear wg's.
     "HunYuanMoEV1Moe": _renormalized_softmax_rule,
     # AFMoE: sigmoid scores chosen with its block's expert_bias, renormalized and scaled (route_scale); its router
@@ -280,6 +309,10 @@ ROUTING_RULES = {
     "AfmoeSparseMoeBlock": lambda router: Routing(
         "sigmoid", router.top_k, normalize=True, scaling=float(router.route_scale), epsilon=1e-20
     ),
+    # JetMoE: a softmax of the top-k logits (fp32), which is the top-k probabilities renormalized; its router holds the
+    # logits' Linear as layer; its experts are a pair of modules (ExpertPair), SiLU-gated; the block adds a bias of its
+    # own (fused_moe.OUTPUT_BIAS).
+    "JetMoeMoE": _renormalized_softmax_rule,
     # Gemma 4 (26B-A4B): the MoE block is the decoder layer itself, which keeps its forward when fused (its router
     # child routes, its experts run fused: fused_moe.FusedRouter); the router normalizes and scales its input, and
     # scales each chosen weight by its expert's per_expert_scale; GELU-tanh-gated experts.
@@ -315,6 +348,54 @@ def logits_linear_name(router: torch.nn.Module) -> str | None:
     )
 
 
+class ExpertPair(torch.nn.Module):
+    """The routed experts of a block that holds them as two modules of its own (``EXPERT_PAIR_NAMES``: JetMoE's
+    input_linear and output_linear), seen as transformers' experts module: ``gate_up_proj`` is the first's (E, 2I, H)
+    weight ([gate | up]), ``down_proj`` the second's (E, H, I), ``act_fn`` the block's ``activation``. Not part of the
+    model's module tree: the weights keep their names under the block. Its children are the two modules under PEFT's
+    wrappers (parameters() are the weights); ``adapted`` gives each as the block holds it now, PEFT's wrappers
+    included, where their adapters are (``fused_moe.parameter_adapters``)."""
+
+    # The experts module's names of the weights, and the modules of the block that hold them as ``weight``.
+    PROJECTIONS: ClassVar[dict[str, str]] = dict(zip(("gate_up_proj", "down_proj"), EXPERT_PAIR_NAMES, strict=True))
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.__dict__["block"] = block  # not a child: the block holds this (a fused one), not the other way
+        for name in EXPERT_PAIR_NAMES:
+            self.add_module(name, _inner(getattr(block, name)))
+        self.__dict__["act_fn"] = getattr(block, "activation", None)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self.get_submodule(self.PROJECTIONS["gate_up_proj"]).weight
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.get_submodule(self.PROJECTIONS["down_proj"]).weight
+
+    def adapted(self) -> dict[str, torch.nn.Module]:
+        """``gate_up_proj`` and ``down_proj``'s modules as the block holds them now (under PEFT's wrappers)."""
+        return {name: getattr(self.block, child) for name, child in self.PROJECTIONS.items()}
+
+
+def expert_pair(module: torch.nn.Module) -> ExpertPair | None:
+    """``module``'s routed experts if it holds them as a pair of gated (E, out, in) weights (``EXPERT_PAIR_NAMES``):
+    the pair a fused block made (which its routed_experts settings are on), or a new one; else None. A pair whose
+    first projection is not twice as wide as the second's input (JetMoE's mixture of attention) is no MLP's."""
+    module = _inner(module)
+    if isinstance(made := module.__dict__.get("experts"), ExpertPair):
+        return made
+    children = _children(module)
+    weights = [getattr(children.get(name), "weight", None) for name in EXPERT_PAIR_NAMES]
+    if not all(isinstance(weight, torch.Tensor) and weight.dim() == 3 for weight in weights):
+        return None
+    first, second = weights
+    if first.shape[0] != second.shape[0] or first.shape[1] != 2 * second.shape[2] or first.shape[2] != second.shape[1]:
+        return None
+    return ExpertPair(module)
+
+
 @dataclass(eq=False)
 class MoeBlock:
     """One sparse MoE block, by module object (they stay valid when PEFT or checkpointing wraps them)."""
@@ -342,6 +423,30 @@ class MoeBlock:
     def routing(self) -> Routing | None:
         """How the block routes (``routing_rule``)."""
         return routing_rule(self.block, self.router_child)
+
+    @property
+    def choice_table(self) -> torch.Tensor | None:
+        """The frozen table of each token id's experts that a hash layer chooses by (DeepSeek-V4's tid2eid), or None:
+        also for a block without a routing rule (transformers' experts run it)."""
+        routing = self.routing
+        name = routing.choice_table if routing is not None else None
+        return getattr(self.router_child, name) if name is not None else None
+
+    @property
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        """The routed experts' own parameters by path under the block (under no wrapper): ``experts.<name>``, or an
+        ``ExpertPair``'s ``input_linear.weight`` and ``output_linear.weight`` (JetMoE's)."""
+        if isinstance(self.experts, ExpertPair):
+            return {f"{name}.weight": getattr(self.experts, name).weight for name in EXPERT_PAIR_NAMES}
+        return {f"experts.{name}": param for name, param in self.experts.named_parameters(recurse=False)}
+
+    @property
+    def adapted_experts(self) -> torch.nn.Module:
+        """The routed experts under PEFT's wrappers, where their adapters are (``fused_moe.parameter_adapters``): the
+        block's ``experts`` child as it holds it, or its ``ExpertPair``."""
+        if isinstance(self.experts, ExpertPair):
+            return self.experts
+        return _inner(self.block).experts
 
     @property
     def reporter(self) -> torch.nn.Module | None:
@@ -376,7 +481,10 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                 continue  # a wrapper (a checkpointed MoE block's): the block itself comes next
             children = _children(module)
             router_name = next((name for name in ROUTER_NAMES if name in children), None)
-            if "experts" not in children or router_name is None:
+            if router_name is None:
+                continue
+            experts = children["experts"] if "experts" in children else expert_pair(module)
+            if experts is None:
                 continue
             gate = children[router_name]
             linear_name = logits_linear_name(gate)
@@ -398,7 +506,7 @@ def find_moe_blocks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> li
                     block=module,
                     router=router,
                     router_name=router_name,
-                    experts=children["experts"],
+                    experts=experts,
                     shared_name=shared_name,
                     num_experts=weight.shape[0],
                     top_k=int(top_k),
@@ -547,6 +655,8 @@ class RoutingRecorder:
             kinds = {kind.__name__ for kind in type(module).__mro__}  # also parametrized by PEFT
             if kinds & set(SCORES_BEFORE_LOGITS):
                 parts = parts[::-1]
+            if kinds & set(LOGITS_LAST):
+                parts = parts[-1:]
             logits = next(
                 (part for part in parts if part.is_floating_point() and part.shape[-1] == block.num_experts), None
             )

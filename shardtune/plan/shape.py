@@ -113,7 +113,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         if shared is None and not block.path:  # the block is its decoder layer (Gemma 4's): its dense MLP runs beside
             shared = getattr(block.block, "mlp", None)  # the experts on every token, as shared experts do
         shared_params = sum(p.numel() for p in shared.parameters()) if shared is not None else 0
-        base_experts, adapters = parameter_adapters(block.block.get_submodule("experts"))
+        base_experts, adapters = parameter_adapters(block.adapted_experts)
         activation = expert_activation(base_experts)
         # Read from the weights where the fused block computes the layout; else taken as gated: gate, up and down,
         # each hidden x I.
@@ -134,7 +134,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 qk_norm=qk_norm,
             )
         )
-    routed = routed_expert_trainable(list(blocks.values()))
+    routed = routed_expert_trainable(list(blocks.values()), model)
     flops = run_token_flops(model, config.data.max_length, config.lora.enabled, trainable, routed)
     return ModelShape(
         trainable=trainable,

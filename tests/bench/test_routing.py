@@ -80,6 +80,23 @@ def test_the_token_mixers_of_a_hybrid_model_are_scaled_and_its_loads_hold():
     assert sum(skewed) / 5 == pytest.approx(skewed_max_mean(32, 4), abs=0.2)
 
 
+def test_a_block_without_a_routing_rule_gets_its_router_set(monkeypatch):
+    """A MoE block found by its structure whose router has no rule in moe.ROUTING_RULES (transformers' experts run
+    it) has no hash table either: its routers are set and digested as any other's (before: an AttributeError)."""
+    from shardtune.model import moe
+
+    monkeypatch.delitem(moe.ROUTING_RULES, "Qwen3MoeSparseMoeBlock")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_MOE))
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    assert blocks and all(block.routing is None and block.choice_table is None for block in blocks)
+    drawn = router_weights_digest(blocks)
+    set_init_routing(model, blocks, "balanced", seed=0)
+    assert router_weights_digest(blocks) != drawn
+    rows = blocks[0].router.weight.double()
+    torch.testing.assert_close(rows @ rows.t(), torch.eye(32, dtype=torch.float64))  # orthonormal rows
+
+
 def test_skew_spread_reaches_the_target_of_each_shape():
     for experts, top_k, target in [(128, 8, 2.5), (160, 8, 2.9), (8, 2, 1.3)]:
         assert skewed_max_mean(experts, top_k) == pytest.approx(target)
@@ -124,6 +141,26 @@ def test_hash_layers_get_distinct_experts_per_token_id():
         assert (chosen[:, 0] != chosen[:, 1]).all()  # two distinct experts per token
         counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts).double()
         assert counts.max() / counts.mean() < 1.2  # 2,048 choices over 8 experts, even but for sampling noise
+
+
+def test_dbrx_attention_outputs_are_scaled_and_its_routers_set():
+    """DBRX's attention output projection is ``out_proj`` (a name Mamba-2 mixers use too, found by its attention's
+    class): ``balanced`` scales it by 1 / (8 x layers) and gives its routers' Linear (``router.layer``) orthonormal
+    rows; before, no attention output projection was found (a ConfigError)."""
+    from tiny_models import MORE_FUSED_MOE_ARCHITECTURES, tiny_config
+
+    if "dbrx" not in MORE_FUSED_MOE_ARCHITECTURES:
+        pytest.skip("this transformers has no DBRX")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("dbrx"))
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    drawn = [layer.norm_attn_norm.attn.out_proj.weight.clone() for layer in model.transformer.blocks]
+    set_init_routing(model, blocks, "balanced", seed=0)
+    for layer, weight in zip(model.transformer.blocks, drawn, strict=True):
+        torch.testing.assert_close(layer.norm_attn_norm.attn.out_proj.weight, weight / 16)
+    for block in blocks:
+        rows = block.router.weight.double()
+        torch.testing.assert_close(rows @ rows.t(), torch.eye(8, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
 @pytest.mark.variants
@@ -209,3 +246,26 @@ def test_calibrated_routing_needs_moe_layers(tmp_path, capsys, tiny_model_dir, a
     )
     assert main(["train", str(config)]) == 2
     assert "model.init_routing: skewed needs MoE layers; LlamaForCausalLM has none" in capsys.readouterr().err
+
+
+def test_jetmoes_attention_output_experts_are_its_attention_output_projection(tmp_path):
+    """JetMoE has no o_proj: its attention's output projection is its mixture of attention's output experts
+    (output_linear, 3-D), scaled as o_proj is; its MLP's output_linear (a routed expert weight) is not."""
+    from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
+
+    if "jetmoe" not in FUSED_MOE_ARCHITECTURES:
+        pytest.skip("this transformers has no JetMoE")
+    config = AutoConfig.from_pretrained(write_tiny_model(tmp_path / "jetmoe", "jetmoe"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    set_init_routing(model, blocks, "balanced", seed=0)
+    scale = 1 / (8 * config.num_hidden_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("self_attention.experts.output_linear.weight"):
+            torch.testing.assert_close(param, before[name] * scale, rtol=0, atol=0)
+        elif not name.endswith("mlp.router.layer.weight"):
+            assert torch.equal(param, before[name]), name
+    rows = blocks[0].router.weight
+    torch.testing.assert_close(rows @ rows.T, torch.eye(rows.shape[0]), rtol=0, atol=1e-6)  # orthonormal rows

@@ -131,3 +131,41 @@ def test_routed_expert_adapters_are_told_apart(tmp_path):
     flops = run_token_flops(model.config, 64, True, trainable, routed)
     top_k = AutoConfig.from_pretrained(directory).num_experts_per_tok
     assert flops.adapter_params == trainable - routed + routed * top_k // experts
+
+
+def test_jetmoe_counts_its_mixture_of_attention_experts_at_top_k_of_them(tmp_path):
+    """JetMoE's attention is a mixture of query/output experts (JetMoeMoA, on transformers' code): a token passes
+    through top_k / num_experts of their weights and adapters, as of its MLP's pair of expert modules; their routers
+    and the key/value projection in full."""
+    from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
+    from transformers import AutoConfig
+
+    from shardtune.config import LoraConfig
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.metrics.flops import routed_expert_trainable
+    from shardtune.model.lora import apply_lora
+    from shardtune.model.moe import find_moe_blocks
+
+    if "jetmoe" not in FUSED_MOE_ARCHITECTURES:
+        pytest.skip("this transformers has no JetMoE")
+    config = AutoConfig.from_pretrained(write_tiny_model(tmp_path / "jetmoe", "jetmoe"))
+    hidden, width, experts, top_k = config.hidden_size, config.intermediate_size, 4, 2
+    assert (config.num_local_experts, config.num_experts_per_tok) == (experts, top_k)
+    attention_width = config.num_key_value_heads * config.kv_channels  # each attention expert's query width
+    mlp_experts = experts * (2 * width * hidden + hidden * width)
+    attention_experts = experts * 2 * attention_width * hidden
+    dense = 2 * experts * hidden + hidden * 2 * attention_width  # the two routers, kv_proj
+    layer = (mlp_experts + attention_experts) * top_k / experts + dense
+    head = config.vocab_size * hidden  # tied: the head's matmul takes the embedding
+    assert active_matmul_params(config) == pytest.approx(config.num_hidden_layers * layer + head, rel=1e-12)
+
+    model = AutoModelForCausalLM.from_config(config)
+    blocks = find_moe_blocks(model, decoder_layers(model))
+    groups = ["attention", "routed_experts"]
+    model = apply_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, moe_targets=groups))
+    rank = 4 * experts  # PEFT's per-expert factors: (r * E, in) and (out, r * E)
+    mlp = rank * (hidden + 2 * width) + rank * (width + hidden)
+    attention = 2 * rank * (hidden + attention_width)
+    layers = config.num_hidden_layers
+    assert routed_expert_trainable(blocks) == layers * mlp
+    assert routed_expert_trainable(blocks, model) == layers * (mlp + attention)

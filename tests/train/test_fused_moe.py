@@ -41,9 +41,15 @@ SHARED = {"glm4_moe": "added", "deepseek_v3": "added", "glm4_moe_lite": "added",
           "laguna": "added", "lara_mini": "added", "nemotron_h": "added", "deepseek_v4": "added",
           "qwen2_moe": "gated", "qwen3_next": "gated", "qwen3_5_moe_text": "gated",
           "qwen4_exp_text": "gated", "cohere2_moe": "averaged"}  # fmt: skip
+# Where an architecture's routed expert weights are under its block, where not in its experts module: JetMoE's pair of
+# modules (moe.ExpertPair; its mixture of attention has an experts module, which is not routed MLP experts).
+ROUTED_EXPERTS = {"jetmoe": "mlp.input_linear"}
 # Routers whose logits no LoRA adapter reaches (LongCat-Flash's multiplies by its classifier's weight itself:
 # lora.unadaptable_linears): lora.moe_targets refuses router for them.
 ROUTER_OUT_OF_LORA_REACH = {"longcat_flash"}
+# Routed experts PEFT's parameter adapters cannot adapt (DBRX's 2-D slabs of every expert, which its experts slice
+# themselves: fused_moe.SLAB_EXPERTS): lora.moe_targets refuses routed_experts for them; their tests train them fully.
+EXPERTS_OUT_OF_LORA_REACH = {"dbrx"}
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +183,11 @@ def test_full_finetuning_forward_loss_and_every_gradient_equal_eager(moe_dirs, a
     inputs, labels = padded_batch() if batch == "padded" else packed_batch()
     expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
     assert expected.keys() == got.keys()
-    # The last three: the Linear of Hunyuan-MoE's, LongCat-Flash's and Gemma 4's routers.
-    routers = (".gate.weight", ".router.weight", ".gate.wg.weight", ".router.classifier.weight", ".router.proj.weight")
-    assert any(".experts." in name for name in got) and any(name.endswith(routers) for name in got)
+    # The last four: the Linear of Hunyuan-MoE's, LongCat-Flash's, Gemma 4's, and JetMoE's and DBRX's routers.
+    routers = (".gate.weight", ".router.weight", ".gate.wg.weight", ".router.classifier.weight", ".router.proj.weight",
+               ".router.layer.weight")  # fmt: skip
+    assert any(f".{ROUTED_EXPERTS.get(arch, 'experts')}." in name for name in got)
+    assert any(name.endswith(routers) for name in got)
     # Hunyuan-MoE's shared_mlp is its block's; Granite-MoE-shared's, the decoder layer's, is outside the block.
     assert any(".shared_expert" in name or ".mlp.shared_mlp." in name for name in got) == (arch in SHARED)
     assert any(".shared_expert_gate." in name for name in got) == (SHARED.get(arch) == "gated")
@@ -193,14 +201,21 @@ def test_lora_on_routed_experts_router_and_shared_experts_equals_peft(moe_dirs, 
     block multiplies by W and by the low-rank factors apart (it never forms W + ΔW), a different rounding that adapters
     drawn this large (std 0.3) make as large as W's own. With LoRA on attention alone the two land 5e-7 apart; with the
     routed experts' and the router's too, up to 8e-6 on this CPU and 1.4e-5 on an AVX-512 one (OLMoE)."""
-    targets = ["attention", "routed_experts"] + (["router"] if arch not in ROUTER_OUT_OF_LORA_REACH else [])
+    targets = ["attention"] + (["routed_experts"] if arch not in EXPERTS_OUT_OF_LORA_REACH else [])
+    targets += ["router"] if arch not in ROUTER_OUT_OF_LORA_REACH else []
     targets += ["shared_experts"] if arch in SHARED else []
     reference = build(moe_dirs[arch], targets)
     fused = fused_copy(reference)
     inputs, labels = padded_batch()
     expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
     assert expected.keys() == got.keys()
-    assert any("experts.lora_A" in name for name in got) and any("experts.base_layer.lora_B" in name for name in got)
+    if arch in ROUTED_EXPERTS:  # one weight a module: no nested wrappers
+        assert any(f"{ROUTED_EXPERTS[arch]}.lora_A" in name for name in got)
+    elif arch in EXPERTS_OUT_OF_LORA_REACH:  # the router's adapter, and the frozen experts' down projection's shortcut
+        assert any(".router." in name and "lora_A" in name for name in got)
+    else:
+        assert any("experts.lora_A" in name for name in got)
+        assert any("experts.base_layer.lora_B" in name for name in got)
     for name in expected:
         assert_same(got[name], expected[name], name, max(MODEL_TOLERANCE.get(arch, 0.0), 3e-5))
 
@@ -227,7 +242,7 @@ def test_an_expert_with_every_token_and_one_with_none(moe_dirs, arch):
     other softmax score must stay above fp32's smallest, or DeepSeek-V2's choice among the zeros of its best group
     would be a tie. With identity experts (LongCat-Flash's), the last one's row equal to expert 0's makes it every
     token's other choice and leaves the others none: the GEMMs' rows end before the pairs do."""
-    reference = build(moe_dirs[arch], ["routed_experts"])
+    reference = build(moe_dirs[arch], None if arch in EXPERTS_OUT_OF_LORA_REACH else ["routed_experts"])
     router = sparse_block(reference).router
     ids = {}  # a hash layer's block takes the tokens' ids
     with torch.no_grad():
@@ -342,12 +357,14 @@ def assert_same_records(mine: list, theirs: list) -> None:
 # Kolibri-1's bias is added to the logits. Jamba's router in transformers 5.17 is a bare Linear, returning its logits
 # alone; Llama 4's returns its scores before its logits. DeepSeek-V4's scores are the square roots of the logits'
 # softplus, and its first layer's router returns the experts of its table. Gemma 4's router returns its probabilities
-# where others return logits, and normalizes and scales its input first.
+# where others return logits, and normalizes and scales its input first. JetMoE's returns its logits last, after the
+# pairs' expert order (no choice: the hooks take the logits' top-k).
 SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "minimax_m2": "sigmoid", "ernie4_5_moe": "softmax",
            "lfm2_moe": "sigmoid", "granitemoe": "softmax", "gpt_oss": "softmax", "hunyuan_v1_moe": "softmax",
            "afmoe": "sigmoid", "laguna": "sigmoid", "kolibri1": "sigmoid", "flint": "sigmoid",
            "cohere2_moe": "sigmoid", "jamba": "softmax", "llama4_text": "sigmoid", "nemotron_h": "sigmoid",
-           "deepseek_v4": "sqrtsoftplus", "longcat_flash": "softmax", "gemma4_text": "softmax"}  # fmt: skip
+           "deepseek_v4": "sqrtsoftplus", "longcat_flash": "softmax", "gemma4_text": "softmax",
+           "jetmoe": "softmax", "dbrx": "softmax"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", [arch for arch in SCORING if arch in ARCHS])
@@ -705,6 +722,7 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
                 ("longcat_flash", "[attention]"),  # identity experts beside frozen GEMM ones; two attentions a layer
                 # Gemma 4: the decoder layer is the block, its dense MLP in dense_mlp; GELU-tanh-gated experts
                 ("gemma4_text", "[attention,dense_mlp,routed_experts,router]"),
+                ("dbrx", "[attention,router]"),  # 2-D expert slabs, frozen; the router's Linear child
             ]
             if arch in ARCHS
         ),
@@ -1151,7 +1169,8 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
     )
 
 
-# Llama 4's transposed, Nemotron-H's ungated and HY-V4's and DeepSeek-V4's clamped experts have both paths, GPT-OSS's
+# JetMoE's pair of expert modules (moe.ExpertPair) has neither: both work on an experts module's weights. Llama 4's
+# transposed, Nemotron-H's ungated and HY-V4's and DeepSeek-V4's clamped experts have both paths, GPT-OSS's
 # expert parallelism (tests/train/test_float8.py, tests/distributed/test_expert_parallel.py).
 @pytest.mark.parametrize(
     ("arch", "experts", "layout", "block", "sharded"),
@@ -1159,6 +1178,14 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
         ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP", True),
         ("longcat_flash", "LongcatFlashExperts", "zero-computation identity experts", "LongcatFlashMoE", False),
         ("gemma4_text", "Gemma4TextExperts", "GELU-tanh-gated experts", "Gemma4TextDecoderLayer", False),
+        (
+            "jetmoe",
+            "ExpertPair",
+            "experts held as two modules of their block, input_linear and output_linear",
+            "JetMoeMoE",
+            False,
+        ),
+        ("dbrx", "DbrxExperts", "2-D slabs of every expert's gate, up and down weights", "DbrxFFN", False),
     ],
 )
 def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block, sharded):
@@ -1176,3 +1203,168 @@ def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch,
     dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
     with pytest.raises(ConfigError, match=rf"^parallel.expert_parallel_size: 2 does not shard {block}'s experts"):
         shard_experts(fused, dims)
+
+
+@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
+def test_jetmoes_mixture_of_attention_stays_on_transformers_in_the_attention_group(moe_dirs, caplog):
+    """JetMoE's MLP is a block of two expert modules (moe.ExpertPair) that runs fused; its attention's mixture of
+    query/output experts (JetMoeMoA, the attention's ``experts``) is no MoE block: it keeps transformers' code, says so
+    in one line, and its expert weights (with its router's Linear) are LoRA's attention group, each expert's adapter
+    its own even with lora.shared_expert_adapter (transformers computes them per expert; their gradients are held to
+    PEFT's in test_lora_on_routed_experts_router_and_shared_experts_equals_peft)."""
+    from shardtune.model.lora import moe_lora_targets
+    from shardtune.model.moe import ExpertPair
+
+    model = build(moe_dirs["jetmoe"])
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    assert [block.path for block in blocks] == ["mlp"] * len(layers)
+    assert all(isinstance(block.experts, ExpertPair) and block.router_name == "router" for block in blocks)
+    groups = {}
+    for group in ("attention", "routed_experts", "router"):
+        modules, parameters, found, _ = moe_lora_targets(layers, blocks, [group])
+        groups[group] = (modules, parameters)
+    assert found == {"attention": 2 * len(layers) + 2 * len(layers), "routed_experts": 2 * len(layers),
+                     "router": len(layers)}  # fmt: skip
+    assert groups["attention"] == (
+        ["self_attention.experts.router.layer", "self_attention.kv_proj"],
+        ["self_attention.experts.input_linear.weight", "self_attention.experts.output_linear.weight"],
+    )
+    assert groups["routed_experts"] == ([], ["mlp.input_linear.weight", "mlp.output_linear.weight"])
+    assert groups["router"] == (["mlp.router.layer"], [])
+
+    adapted = build(moe_dirs["jetmoe"], ["attention", "routed_experts"], shared=True)
+    shared = {name: getattr(module, "shared_across_experts", False) for name, module in adapted.named_modules()
+              if name.endswith(("input_linear", "output_linear"))}  # fmt: skip
+    assert shared and all(value == (".mlp." in name) for name, value in shared.items())
+    with caplog.at_level("INFO", logger="shardtune"):
+        fused = fused_copy(adapted)
+    assert [record.getMessage() for record in caplog.records if "mixture of attention" in record.getMessage()] == [
+        "moe experts: the mixture of attention (JetMoeMoA) stays on transformers' code; its routers are not recorded"
+    ]
+    assert all(type(layer.self_attention.experts).__name__ == "JetMoeMoA" for layer in decoder_layers(fused))
+    assert all(isinstance(layer.mlp, FusedMoeBlock) for layer in decoder_layers(fused))
+
+
+@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
+def test_fsdp_makes_jetmoes_block_the_unit_of_its_pair_of_expert_modules(moe_dirs, world, tmp_path):
+    """JetMoE's experts are two modules of its block (moe.ExpertPair, not in the module tree): under FSDP2 the fused
+    block is their unit (its router and bias with them), gathered for its forward; the model's logits are those of the
+    same model unsharded."""
+    from conftest import REPO
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardtune.config import load_config
+    from shardtune.distributed.parallelize import parallelize
+    from shardtune.distributed.strategy import ParallelPlan
+    from shardtune.train.loop import build_run_model
+
+    overrides = [f"model.name_or_path={moe_dirs['jetmoe']}", "model.init=random", "model.dtype=float32",
+                 "lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "parallel.strategy=fsdp",
+                 f"training.output_dir={tmp_path}"]  # fmt: skip
+    config = load_config(REPO / "examples/quickstart.yaml", overrides)
+    model, blocks = build_run_model(config, world)
+    ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32, materialized=True)
+    assert blocks and all(isinstance(block.block, FusedMoeBlock) and isinstance(block.block, FSDPModule)
+                          for block in blocks)  # fmt: skip
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert_same(got, expected, "logits")
+
+
+def dbrx_variant(moe_dirs, directory, **ffn) -> torch.nn.Module:
+    """The tiny DBRX with ``ffn`` set in its ffn_config, saved to ``directory`` and built as ``build`` builds."""
+    config = AutoConfig.from_pretrained(moe_dirs["dbrx"])
+    for key, value in ffn.items():
+        setattr(config.ffn_config, key, value)
+    config.save_pretrained(directory)
+    return build(directory)
+
+
+@pytest.mark.skipif("dbrx" not in ARCHS, reason="this transformers has no DBRX")
+@pytest.mark.parametrize("p", [2.0, 0.5, None])
+def test_dbrx_divides_its_weights_by_their_p_norm(moe_dirs, tmp_path, p):
+    """DBRX's router divides the top-k softmax probabilities by their p-norm, p its moe_normalize_expert_weights (the
+    tiny model's 1: their sum; None: as they are): the whole model's logits, loss and every gradient, and the weights
+    themselves against the norm's (a 1-norm, the sum, would give other weights)."""
+    reference = dbrx_variant(moe_dirs, tmp_path, moe_normalize_expert_weights=p)
+    fused = fused_copy(reference)
+    block = sparse_block(fused)
+    assert (block.routing.normalize, block.routing.norm_p) == (p is not None, p or 1.0)
+    tokens = torch.randn(21, block.router.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    _, weights, _ = route(block.router_child, tokens, block.routing, block.block)
+    probabilities = (tokens @ block.router.weight.t()).softmax(dim=-1).topk(2, dim=-1).values
+    norm = probabilities.norm(p=p, dim=-1, keepdim=True) if p is not None else 1.0
+    assert_same(weights, probabilities / norm)
+    assert p is None or not torch.allclose(weights.sum(dim=-1), torch.ones(21))
+    inputs, labels = padded_batch()
+    expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert_same(got[name], expected[name], name)
+
+
+@pytest.mark.skipif("dbrx" not in ARCHS, reason="this transformers has no DBRX")
+def test_dbrx_jitter_draws_what_transformers_draws(moe_dirs, tmp_path):
+    """In training DBRX's router multiplies its input in place by uniform noise in [1 - moe_jitter_eps, 1 +
+    moe_jitter_eps], so the experts take the jittered tokens too: from one seed, the fused model draws the same noise
+    and gives transformers' logits, loss and every gradient; another seed gives other logits (the noise acts)."""
+    reference = dbrx_variant(moe_dirs, tmp_path, moe_jitter_eps=0.2)
+    fused = fused_copy(reference)
+    assert sparse_block(fused).block.jitter_noise == 0.2
+    inputs, labels = padded_batch()
+    results = []
+    for model, seed in ((reference, 5), (fused, 5), (fused, 6)):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        results.append(run(model, inputs, labels))
+    expected, got, other = results
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert_same(got[name], expected[name], name)
+    assert (other["logits"] - expected["logits"]).abs().max() > 1e-3
+
+
+@pytest.mark.skipif("dbrx" not in ARCHS, reason="this transformers has no DBRX")
+def test_dbrx_experts_take_no_lora_and_its_attention_and_router_their_groups(moe_dirs):
+    """DBRX's fused Wqkv and out_proj are in the attention group, its router's Linear child (router.layer) in router;
+    its experts slice their 2-D slabs of every expert themselves, which PEFT's parameter adapters break (transformers'
+    forward fails under them): routed_experts is one line."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from shardtune.model.lora import moe_lora_targets
+
+    model = build(moe_dirs["dbrx"])
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    assert [(block.path, block.router_name, block.num_experts, block.top_k) for block in blocks] == [
+        ("ffn", "router", 8, 2)
+    ] * 2
+    assert all(block.router is layers[block.layer].ffn.router.layer for block in blocks)
+    modules, parameters, found, _ = moe_lora_targets(layers, blocks, ["attention", "router"])
+    assert modules == ["ffn.router.layer", "norm_attn_norm.attn.Wqkv", "norm_attn_norm.attn.out_proj"]
+    assert parameters == [] and found["routed_experts"] == 0
+    with pytest.raises(ConfigError) as error:
+        apply_lora(model, LoraConfig(moe_targets=["attention", "routed_experts"]))
+    assert str(error.value) == (
+        "lora.moe_targets: routed_experts: DbrxExperts slices its 2-D expert slabs (mlp.w1, mlp.v1, mlp.w2) itself, "
+        "which PEFT's parameter adapters break (its forward fails under them in transformers and PEFT); drop "
+        "routed_experts"
+    )
+    adapted = get_peft_model(copy.deepcopy(model), PeftLoraConfig(r=2, target_parameters=["ffn.experts.mlp.w1"]))
+    with pytest.raises(AttributeError, match="ParamWrapper"):  # what the refusal spares
+        adapted(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+@pytest.mark.skipif("dbrx" not in ARCHS, reason="this transformers has no DBRX")
+def test_dbrx_experts_of_another_activation_stay_on_transformers(moe_dirs, tmp_path):
+    """The fused slabs compute SiLU-gated experts only: DBRX with GELU experts (ffn_act_fn) keeps transformers'."""
+    model = dbrx_variant(moe_dirs, tmp_path, ffn_act_fn={"name": "gelu"})
+    blocks = use_fused_experts(model, decoder_layers(model), "auto")
+    assert blocks and not any(isinstance(block.block, FusedMoeBlock) for block in blocks)
+    with pytest.raises(ConfigError, match="fused cannot run this model: DbrxExperts is neither SiLU"):
+        use_fused_experts(model, decoder_layers(model), "fused")
