@@ -396,6 +396,10 @@ MORE_FUSED_MOE_ARCHITECTURES = {
     },
     # MiniMax-Text-01: Mixtral's block; lightning attention (linear) in one of two layers.
     "minimax": {**EXPERTS_BY_INTERMEDIATE_SIZE, "layer_types": ["linear_attention", "full_attention"]},
+    # Phi-3.5-MoE: SparseMixer's router, two experts a token drawn at random in training (the tests seed each run), the
+    # tokens jittered by its block and again by its router; a tolerance (router_jitter_noise) wide enough that about
+    # half the tokens have a second candidate (Phi-3.5-MoE's own: 0.01, and 0.01 of input noise).
+    "phimoe": {**EXPERTS_BY_INTERMEDIATE_SIZE, "router_jitter_noise": 0.3, "input_jitter_noise": 0.05},
     # Jamba: the top-k softmax probabilities not renormalized; Mamba layers but the attention one (the second), sparse
     # and dense MLPs alternating.
     "jamba": {

@@ -425,11 +425,15 @@ class FusedMoeBlock(torch.nn.Module):
             self.router_name = ""
             self.__dict__["experts"] = experts
         self.shared_name = next((name for name in SHARED_EXPERT_NAMES if name in self._modules), None)
-        # Mixtral's jitter_noise, DBRX's router's moe_jitter_eps: in training the block's input times uniform noise
-        # in [1 - it, 1 + it], which the experts take too (DBRX's router multiplies its input in place), drawn as
-        # transformers draws it (a seeded run draws the same noise).
-        router_jitter = getattr(getattr(original, "router", None), "moe_jitter_eps", None)
-        self.jitter_noise = float(getattr(original, "jitter_noise", None) or router_jitter or 0.0)
+        # Multiplicative uniform noise on the tokens in training, drawn as transformers draws it (a seeded run draws the
+        # same noise): the block's (Mixtral's jitter_noise, Phi-3.5-MoE's input_jitter_noise) and its router's
+        # (Phi-3.5-MoE's input_jitter_noise again, DBRX's moe_jitter_eps: such a router multiplies its input in place,
+        # so the experts take the jittered tokens too).
+        block_noise = getattr(original, "jitter_noise", 0.0) or getattr(original, "input_jitter_noise", 0.0)
+        self.jitter_noise = float(block_noise or 0.0)
+        router = parameter_adapters(getattr(original, self.router_name))[0] if experts is None else original
+        router_noise = getattr(router, "input_jitter_noise", 0.0) or getattr(router, "moe_jitter_eps", 0.0)
+        self.router_jitter_noise = float(router_noise or 0.0)
         # Set by a RoutingRecorder that trains the load-balancing loss: the router probabilities then take
         # its gradient in this block's backward.
         self.trains_balance = False
@@ -450,7 +454,8 @@ class FusedMoeBlock(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``route`` of (tokens, hidden) ``tokens`` by the block's router child and rule, the routing reported to the
         RoutingRecorder in training (``report_routing``): (fp32 logits, fp32 weights, expert ids)."""
-        logits, weights, chosen = route(self.get_submodule(self.router_name), tokens, self.routing, self, input_ids)
+        router = self.get_submodule(self.router_name)
+        logits, weights, chosen = route(router, tokens, self.routing, self, input_ids, self.training)
         if self.training:
             weights = report_routing(logits, weights, chosen, self.routing.scoring, self.trains_balance)
         return logits, weights, chosen
@@ -459,10 +464,11 @@ class FusedMoeBlock(torch.nn.Module):
         """The block's output; ``input_ids``, the tokens' ids, as the decoder layer of a block that routes by them
         passes them (``Routing.choice_table``: DeepSeek-V4's hash layers)."""
         shape = hidden_states.shape
-        if self.training and self.jitter_noise > 0:  # Mixtral's and DBRX's multiplicative input noise
-            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-            hidden_states = hidden_states * noise
+        if self.training and self.jitter_noise > 0:  # Mixtral's and Phi-3.5-MoE's multiplicative input noise
+            hidden_states = hidden_states * _jitter(hidden_states, self.jitter_noise)
         tokens = hidden_states.reshape(-1, shape[-1])
+        if self.training and self.router_jitter_noise > 0:  # Phi-3.5-MoE's and DBRX's router's (after the block's)
+            tokens = tokens * _jitter(tokens, self.router_jitter_noise)
         logits, weights, chosen = self.routed(tokens, input_ids)
         if hasattr(self, "fc1_latent_proj"):  # Nemotron-H: the routed experts work in a latent space (or identities)
             output = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), chosen, weights))
@@ -482,6 +488,12 @@ class FusedMoeBlock(torch.nn.Module):
         if self.second_output is not None:
             return output.reshape(shape), {"weights": weights, "logits": logits}[self.second_output]
         return output.reshape(shape)
+
+
+def _jitter(hidden_states: torch.Tensor, noise: float) -> torch.Tensor:
+    """Uniform noise from 1 - ``noise`` to 1 + ``noise`` shaped as ``hidden_states``, drawn as transformers draws it
+    (the same shape, dtype and generator calls: a seeded run multiplies by the same numbers)."""
+    return torch.empty_like(hidden_states).uniform_(1.0 - noise, 1.0 + noise)
 
 
 class FusedRouter(FusedMoeBlock):
@@ -647,18 +659,25 @@ def route(
     routing: Routing,
     block: torch.nn.Module | None = None,
     input_ids: torch.Tensor | None = None,
+    training: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits (tokens, experts), fp32 weights (tokens, top_k), expert ids (tokens, top_k)) by ``routing``'s
     rule; ``router``, a block's router child or the Linear of its logits it holds (``logits_linear_name``), computes
     the logits (its weight, and a bias where it has one and the rule adds it), under PEFT's adapters. A router's
     correction bias is its own or its ``block``'s (``moe.correction_bias``); the tensors the rule names
     (``input_scale``, ``expert_scale``) are the router child's. ``input_ids``, the tokens' ids in the same order, are
-    where a ``routing.choice_table`` of the router's looks the experts up."""
+    where a ``routing.choice_table`` of the router's looks the experts up. ``training``: a router that samples
+    (``routing.sparsemixer``) draws its experts at random, as transformers' in training mode."""
     router, adapters = parameter_adapters(router)
     holder = router
     if linear_name := logits_linear_name(router):
         router, adapters = parameter_adapters(getattr(router, linear_name))
     device = tokens.device.type
+    # The dtype of the logits of transformers' router, in which SparseMixer draws its random numbers.
+    if torch.is_autocast_enabled(device):
+        draw_dtype = torch.get_autocast_dtype(device)
+    else:
+        draw_dtype = torch.promote_types(tokens.dtype, router.weight.dtype)
     with torch.autocast(device, enabled=False):
         if routing.input_norm is not None:  # Gemma 4: the router's input RMS-normalized and scaled, in fp32
             tokens = tokens.float()
@@ -673,6 +692,9 @@ def route(
             logits = logits + F.linear(F.linear(dropout(tokens.float()), lora_a.float()), lora_b.float()) * scaling
         if routing.logit_softcap > 0:  # the capped logits are the router's: its hooks record them
             logits = torch.tanh(logits / routing.logit_softcap) * routing.logit_softcap
+        if routing.sparsemixer is not None:  # Phi-3.5-MoE's
+            weights, chosen = sparsemixer(logits, routing.sparsemixer, training, draw_dtype)
+            return logits, weights, chosen
         scores = SCORING_FUNCTIONS[routing.scoring](logits)
         if routing.choice_table is not None:
             if input_ids is None:
@@ -694,6 +716,54 @@ def route(
         if routing.expert_scale is not None:  # Gemma 4's per_expert_scale, at each chosen expert
             weights = weights * getattr(holder, routing.expert_scale).float()[chosen]
         return logits, weights, chosen
+
+
+def sparsemixer(
+    logits: torch.Tensor, tolerance: float, training: bool, draw_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMixer's routing (GRIN, arXiv 2409.12136), as Phi-3.5-MoE's router computes it: (weights, experts), each
+    (tokens, 2), from fp32 ``logits`` (tokens, experts).
+
+    Two rounds, each choosing one expert among those not chosen yet. The round's candidates are the experts whose logit
+    is within ``tolerance`` (router_jitter_noise) of the round's best b, relatively: (b - logit) / max(|logit|, b) is
+    at most 2 x tolerance (the others' logits -inf). The expert's weight is its share of the candidates' softmax. In
+    evaluation the expert is the round's best; in ``training`` it is drawn from that softmax by the Gumbel-max trick
+    (the best of the masked logits minus the logs of Exp(1) draws), and its weight in the forward is multiplied by 1
+    where it is the most probable candidate or a uniform draw exceeds 0.75, else by 0.3333, while its gradient stays
+    the unscaled weight's (the paper's midpoint rule for Heun's third-order method: transformers' PhimoeMultiplier
+    returns g x w x (onehot - p) for the logits, which is the autograd gradient of w = p[chosen] itself).
+
+    The random numbers are drawn in transformers' order, shapes and ``draw_dtype`` (its logits'), so a seeded run
+    draws what transformers' does: per round an (tokens, experts) Exp(1) tensor, then a (tokens, 1) uniform one, drawn
+    twice in the second round (transformers fills it with rand_like, then again with uniform_, and reads the second).
+    """
+    weights, chosen = [], []
+    remaining = logits  # the logits, the experts chosen in earlier rounds at -inf
+    for round_ in range(2):
+        with torch.no_grad():
+            best, best_expert = remaining.max(dim=-1, keepdim=True)
+            outside = (best - logits) / logits.abs().clamp(min=best) > 2 * tolerance
+        candidates = remaining.masked_fill(outside, float("-inf"))
+        if training:
+            exponential = torch.empty(candidates.shape, dtype=draw_dtype, device=logits.device).exponential_()
+            expert = (candidates - exponential.float().log()).max(dim=-1, keepdim=True).indices
+        else:
+            expert = best_expert
+        probabilities = candidates.softmax(dim=-1)
+        weight = probabilities.gather(1, expert)
+        if training:
+            uniform = torch.rand(weight.shape, dtype=draw_dtype, device=logits.device)
+            if round_ == 1:
+                uniform.uniform_()
+            with torch.no_grad():
+                likeliest = expert == probabilities.max(dim=-1, keepdim=True).indices
+                factor = torch.where(likeliest | (uniform > 0.75), 1.0, 0.3333)
+            # The value weight x factor (exactly: the second term is 0), the gradient the weight's alone.
+            weight = (weight * factor).detach() + (weight - weight.detach())
+        weights.append(weight)
+        chosen.append(expert)
+        remaining = remaining.scatter(1, expert, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(chosen, dim=-1)
 
 
 def _best_experts(

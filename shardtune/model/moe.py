@@ -78,7 +78,10 @@ class Routing:
     two differ). With an ``input_norm`` epsilon the router's input is first RMS-normalized (no weight of the norm's
     own), then multiplied by its (hidden,) parameter ``input_scale`` where named and by ``input_scaling`` (Gemma 4:
     ``scale`` and hidden_size**-0.5). Parameters are named as attributes of the block's router child
-    (``MoeBlock.router_child``).
+    (``MoeBlock.router_child``). With a ``sparsemixer`` tolerance (Phi-3.5-MoE's router_jitter_noise) the choice and the
+    weights are instead SparseMixer's, two experts a token (``fused_moe.sparsemixer``: in training drawn at random,
+    each weight that expert's softmax over the logits within the tolerance of the best); ``scoring`` is then the
+    softmax the routing statistics take.
     """
 
     scoring: str
@@ -100,6 +103,7 @@ class Routing:
     input_scaling: float = 1.0
     expert_scale: str | None = None
     norm_p: float = 1.0
+    sparsemixer: float | None = None
 
 
 def _softmax_rule(router: torch.nn.Module, normalize: bool | None = None) -> Routing:
@@ -198,6 +202,13 @@ def _dbrx_rule(block: torch.nn.Module) -> Routing:
     (FusedMoeBlock.jitter_noise)."""
     p = block.moe_normalize_expert_weights
     return Routing("softmax", block.top_k, normalize=p is not None, norm_p=1.0 if p is None else float(p))
+
+
+def _phimoe_rule(router: torch.nn.Module) -> Routing:
+    """Phi-3.5-MoE: SparseMixer (``Routing.sparsemixer``), whose tolerance is its router's router_jitter_noise (a
+    tolerance, not a noise: the input noise is input_jitter_noise, which its block applies, FusedMoeBlock.forward). It
+    picks two experts, whatever num_experts_per_tok says (transformers' sparsemixer ignores its top_k)."""
+    return Routing("softmax", 2, normalize=False, sparsemixer=float(router.router_jitter_noise))
 
 
 def _lfm2_rule(router: torch.nn.Module) -> Routing:
@@ -317,6 +328,10 @@ ROUTING_RULES = {
     # child routes, its experts run fused: fused_moe.FusedRouter); the router normalizes and scales its input, and
     # scales each chosen weight by its expert's per_expert_scale; GELU-tanh-gated experts.
     "Gemma4TextDecoderLayer": _gemma4_rule,
+    # Phi-3.5-MoE: SparseMixer's two experts a token, drawn at random in training, each weighted by its masked softmax;
+    # its block and its router each multiply the tokens by noise first in training (input_jitter_noise), the experts
+    # taking the twice-jittered tokens too (FusedMoeBlock.forward).
+    "PhimoeSparseMoeBlock": _phimoe_rule,
 }
 
 

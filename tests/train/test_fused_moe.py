@@ -130,8 +130,11 @@ def routes_by_token_id(model: torch.nn.Module) -> bool:
     return any(block.routing.choice_table is not None for block in find_moe_blocks(model, decoder_layers(model)))
 
 
-def run(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Logits, loss and the gradient of every trainable parameter and of the input embeddings."""
+def run(model: torch.nn.Module, inputs: dict, labels: torch.Tensor, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Logits, loss and the gradient of every trainable parameter and of the input embeddings, from one ``seed`` (the
+    models train: Phi-3.5-MoE's router draws its experts and its block its input noise, and a fused run draws what
+    transformers' does)."""
+    torch.manual_seed(seed)
     embedding_module = model.get_input_embeddings()
     embeddings = embedding_module(inputs["input_ids"]).detach().requires_grad_()
     if routes_by_token_id(model):
@@ -225,10 +228,12 @@ def sparse_block(model: torch.nn.Module):
 
 
 def block_output(block, x: torch.Tensor, **ids):
-    """The MoE block's forward on (batch, seq, hidden) ``x``. A block that is its decoder layer (Gemma 4's) runs as
+    """The MoE block's forward on (batch, seq, hidden) ``x``, from one seed (Phi-3.5-MoE's block draws input noise and
+    experts; it multiplies its input in place: it takes a copy). A block that is its decoder layer (Gemma 4's) runs as
     its layer, the attention's output zero (its residual is then ``x``, which the router and experts take)."""
+    torch.manual_seed(7)
     if block.path:
-        return block.block(x, **ids)
+        return block.block(x.clone(), **ids)
     zero = types.MethodType(lambda attention, hidden_states, **_: (torch.zeros_like(hidden_states), None), block.block)
     with mock.patch.object(block.block.self_attn, "forward", zero):
         return block.block(x, position_embeddings=None, attention_mask=None)
@@ -310,6 +315,66 @@ def test_cohere2_moe_block_routes_by_either_selection_function(moe_dirs, tmp_pat
         assert_same(got[name], expected[name], name)
 
 
+@pytest.mark.skipif("phimoe" not in ARCHS, reason="this transformers has no Phi-3.5-MoE")
+def test_phimoe_router_draws_weighs_and_backpropagates_as_transformers(moe_dirs):
+    """Phi-3.5-MoE's router (SparseMixer), given the same seed: in training the fused rule draws the experts
+    transformers' router draws (for many tokens not the best two: the draws decide), with its weights (some scaled by
+    0.3333, Heun's midpoint rule) and the router weight's gradient of its custom backward (the unscaled weights'); in
+    evaluation the best two. The router's own input noise is off here: the block applies it (the model tests)."""
+    reference = build(moe_dirs["phimoe"])
+    block = sparse_block(reference)
+    router = block.router_child
+    router.input_jitter_noise = 0.0
+    tokens = torch.randn(64, router.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(64, 2, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for training in (True, False):
+        router.train(training)
+        for name, compute in (
+            ("transformers", lambda: router(tokens)[1:]),
+            ("fused", lambda: route(router, tokens, block.routing, block.block, training=training)[1:]),  # noqa: B023
+        ):
+            torch.manual_seed(11)
+            weights, chosen = compute()
+            router.weight.grad = None
+            (weights * probe).sum().backward()
+            results[name, training] = (weights.detach(), chosen, router.weight.grad)
+    for training in (True, False):
+        (weights, chosen, grad), (expected_weights, expected_chosen, expected_grad) = (
+            results["fused", training], results["transformers", training]
+        )  # fmt: skip
+        assert torch.equal(chosen, expected_chosen)
+        assert_same(weights, expected_weights, "weights")
+        assert_same(grad, expected_grad, "router gradient")
+    drawn, best = results["fused", True][1], results["fused", False][1]
+    assert (drawn != best).any(dim=-1).float().mean() > 0.2
+    assert (best[:, 0] == (tokens @ router.weight.t()).argmax(dim=-1)).all()
+
+
+@pytest.mark.skipif("phimoe" not in ARCHS, reason="this transformers has no Phi-3.5-MoE")
+def test_phimoe_trains_as_transformers_from_one_seed_and_evaluates_as_it(moe_dirs):
+    """Phi-3.5-MoE in training draws input noise twice (its block's, then its router's, which the experts take too) and
+    its experts: from one seed, the fused model's loss and every gradient are transformers' eager experts' (as the
+    parametrized tests hold them, with LoRA on every group); from another seed, they differ (the draws matter). In
+    evaluation, nothing is drawn."""
+    reference = build(moe_dirs["phimoe"], ["attention", "routed_experts", "router"])
+    assert reference.config.input_jitter_noise > 0 and reference.config.router_jitter_noise > 0
+    fused = fused_copy(reference)
+    assert any("router.lora_A" in name for name, _ in fused.named_parameters())
+    inputs, labels = padded_batch()
+    expected, got = run(reference, inputs, labels), run(fused, inputs, labels)
+    for name in expected:
+        assert_same(got[name], expected[name], name, 3e-5)
+    reference.zero_grad()
+    other = run(reference, inputs, labels, seed=8)
+    assert (other["loss"] - expected["loss"]).abs() > 1e-4
+    reference.zero_grad()
+    fused.zero_grad()
+    expected, got = run(reference.eval(), inputs, labels), run(fused.eval(), inputs, labels)
+    for name in expected:
+        assert_same(got[name], expected[name], name, 3e-5)
+
+
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
 
@@ -318,6 +383,7 @@ def record_and_balance(model: torch.nn.Module, inputs: dict, labels: torch.Tenso
     """One recorded training forward and its backward, the LM loss (when ``labels``) plus ``weight`` x the
     load-balancing loss as training adds them; (records, LM loss, balance loss)."""
     recorder = RoutingRecorder(find_moe_blocks(model, decoder_layers(model)), trains_balance=True)
+    torch.manual_seed(7)  # a router that draws its experts (Phi-3.5-MoE's) draws the same in every run
     with recorder.recording(inputs.get("attention_mask")):
         output = model(**inputs, labels=labels)
     balance, term = recorder.balance_objective(weight)
@@ -358,13 +424,14 @@ def assert_same_records(mine: list, theirs: list) -> None:
 # alone; Llama 4's returns its scores before its logits. DeepSeek-V4's scores are the square roots of the logits'
 # softplus, and its first layer's router returns the experts of its table. Gemma 4's router returns its probabilities
 # where others return logits, and normalizes and scales its input first. JetMoE's returns its logits last, after the
-# pairs' expert order (no choice: the hooks take the logits' top-k).
+# pairs' expert order (no choice: the hooks take the logits' top-k). Phi-3.5-MoE's statistics take the softmax of
+# its logits, the experts those its router drew (seeded: the fused block draws the same).
 SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "minimax_m2": "sigmoid", "ernie4_5_moe": "softmax",
            "lfm2_moe": "sigmoid", "granitemoe": "softmax", "gpt_oss": "softmax", "hunyuan_v1_moe": "softmax",
            "afmoe": "sigmoid", "laguna": "sigmoid", "kolibri1": "sigmoid", "flint": "sigmoid",
            "cohere2_moe": "sigmoid", "jamba": "softmax", "llama4_text": "sigmoid", "nemotron_h": "sigmoid",
            "deepseek_v4": "sqrtsoftplus", "longcat_flash": "softmax", "gemma4_text": "softmax",
-           "jetmoe": "softmax", "dbrx": "softmax"}  # fmt: skip
+           "jetmoe": "softmax", "dbrx": "softmax", "phimoe": "softmax"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", [arch for arch in SCORING if arch in ARCHS])
@@ -467,8 +534,11 @@ def test_fixed_addresses_give_each_forward_its_own_mask_and_balance_gradient(moe
         assert len(recorder.records) == 2
 
 
-# LongCat-Flash: identity experts, whose rows the GEMMs skip by their bounds, in one graph too.
-@pytest.mark.parametrize("arch", ["glm4_moe", *[arch for arch in ("longcat_flash", "gemma4_text") if arch in ARCHS]])
+# LongCat-Flash: identity experts, whose rows the GEMMs skip by their bounds, in one graph too; Phi-3.5-MoE: random
+# draws, which the recomputation draws again (the checkpoint restores the generator) and the graph keeps in order.
+@pytest.mark.parametrize(
+    "arch", ["glm4_moe", *[arch for arch in ("longcat_flash", "gemma4_text", "phimoe") if arch in ARCHS]]
+)
 @pytest.mark.parametrize("compiled", ["outside", pytest.param("inside", marks=pytest.mark.variants)])
 def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, compiled, arch):
     """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
@@ -636,17 +706,15 @@ def test_implementation_choice(moe_dirs, tiny_model_dir, caplog):
     assert not any(isinstance(block.block, FusedMoeBlock) for block in blocks)
     dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert use_fused_experts(dense, decoder_layers(dense), "fused") == []
-    phimoe = AutoModelForCausalLM.from_config(  # Phi-3.5-MoE's sparsemixer router: not one of the fused rules
-        AutoConfig.for_model(
-            "phimoe", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8,
-        )
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match="model.experts_implementation: fused cannot run this model: PhimoeSparse"):
-        use_fused_experts(phimoe, decoder_layers(phimoe), "fused")
-    assert not isinstance(find_moe_blocks(phimoe, decoder_layers(phimoe))[0].block, FusedMoeBlock)
-    use_fused_experts(phimoe, decoder_layers(phimoe), "auto")  # transformers' default, said once
-    assert "moe experts: transformers' default (PhimoeSparseMoeBlock is not one of" in caplog.text
+    # A block of a class no routing rule names (a synthetic subclass of Mixtral's, which no architecture will add).
+    unknown = build(moe_dirs["mixtral"])
+    for block in find_moe_blocks(unknown, decoder_layers(unknown)):
+        block.block.__class__ = type("UnknownSparseMoeBlock", (type(block.block),), {})
+    with pytest.raises(ConfigError, match="model.experts_implementation: fused cannot run this model: UnknownSparse"):
+        use_fused_experts(unknown, decoder_layers(unknown), "fused")
+    assert not isinstance(find_moe_blocks(unknown, decoder_layers(unknown))[0].block, FusedMoeBlock)
+    use_fused_experts(unknown, decoder_layers(unknown), "auto")  # transformers' default, said once
+    assert "moe experts: transformers' default (UnknownSparseMoeBlock is not one of" in caplog.text
 
 
 @pytest.mark.skipif("llama4_text" not in ARCHS, reason="this transformers has no Llama 4")
@@ -700,7 +768,7 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
         # logits' Linear), Nemotron-H (ungated ReLU² experts in a latent space; Mamba-2 layers), DeepSeek-V4
         # (square-root-softplus scores; a hash layer, choosing by token id), LongCat-Flash (identity experts) and
         # Gemma 4 (the decoder layer as the block, its router normalizing and scaling its input and its weights by
-        # expert).
+        # expert) and Phi-3.5-MoE (SparseMixer: experts drawn at random in training).
         *(
             pytest.param(arch, targets, marks=pytest.mark.variants)
             for arch, targets in [
@@ -723,6 +791,8 @@ def test_transformers_experts_an_architecture_lacks_are_a_config_error(moe_dirs)
                 # Gemma 4: the decoder layer is the block, its dense MLP in dense_mlp; GELU-tanh-gated experts
                 ("gemma4_text", "[attention,dense_mlp,routed_experts,router]"),
                 ("dbrx", "[attention,router]"),  # 2-D expert slabs, frozen; the router's Linear child
+                # Phi-3.5-MoE: experts drawn at random and input noise in training, the same draws in both runs
+                ("phimoe", "[attention,routed_experts,router]"),
             ]
             if arch in ARCHS
         ),
@@ -1314,13 +1384,12 @@ def test_dbrx_jitter_draws_what_transformers_draws(moe_dirs, tmp_path):
     and gives transformers' logits, loss and every gradient; another seed gives other logits (the noise acts)."""
     reference = dbrx_variant(moe_dirs, tmp_path, moe_jitter_eps=0.2)
     fused = fused_copy(reference)
-    assert sparse_block(fused).block.jitter_noise == 0.2
+    assert sparse_block(fused).block.router_jitter_noise == 0.2
     inputs, labels = padded_batch()
     results = []
     for model, seed in ((reference, 5), (fused, 5), (fused, 6)):
         model.zero_grad()
-        torch.manual_seed(seed)
-        results.append(run(model, inputs, labels))
+        results.append(run(model, inputs, labels, seed))
     expected, got, other = results
     assert expected.keys() == got.keys()
     for name in expected:

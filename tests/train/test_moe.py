@@ -427,3 +427,37 @@ def test_gemma4_blocks_are_their_decoder_layers_and_fuse_in_place():
     assert all(isinstance(block.router_child, FusedRouter) and block.reporter is block.router_child for block in fused)
     assert all(block.experts.forward.__func__ is routed_experts for block in fused)
     assert all(block.router_child.experts is block.block.experts for block in fused)
+
+
+def test_phimoe_blocks_take_two_experts_and_their_router_linear_is_the_router_group():
+    """Phi-3.5-MoE's router is a Linear with a forward of its own (SparseMixer): the blocks are found with it as the
+    router, two experts a token whatever num_experts_per_tok says (its sparsemixer always picks two), softmax
+    statistics; LoRA's router group adapts its weight as a parameter (PEFT's LoRA layer could not add to what its
+    forward returns), in no other group, and the blocks fuse (tests/train/test_fused_moe.py holds them to
+    transformers' in training and evaluation)."""
+    from tiny_models import tiny_config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from shardtune.model.fused_moe import FusedMoeBlock, use_fused_experts
+    from shardtune.model.lora import moe_lora_targets
+
+    if "phimoe" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Phi-3.5-MoE")
+    config = tiny_config("phimoe")
+    config.num_experts_per_tok = 3
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    layers = decoder_layers(model)
+    blocks = find_moe_blocks(model, layers)
+    assert all(block.router is layers[block.layer].mlp.router for block in blocks)
+    assert {(block.router_name, block.num_experts, block.top_k, block.scoring) for block in blocks} == {
+        ("router", 8, 2, "softmax")
+    }
+    assert blocks[0].routing.sparsemixer == config.router_jitter_noise
+    _, chosen = model.model.layers[0].mlp.router(torch.randn(5, config.hidden_size))[1:]
+    assert chosen.shape == (5, 2)
+    modules, parameters, found, _ = moe_lora_targets(layers, blocks, ["router"])
+    assert modules == [] and parameters == ["mlp.router.weight"] and found["router"] == 2
+    modules, _, _, _ = moe_lora_targets(layers, blocks, ["attention", "dense_mlp", "shared_experts"])
+    assert modules == sorted(f"self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    use_fused_experts(model, layers, "fused")
+    assert all(isinstance(block.block, FusedMoeBlock) for block in find_moe_blocks(model, layers))
