@@ -107,8 +107,9 @@ def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:
 def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     """Keep only this rank's run of routed experts (weights and their LoRA adapters) in every fused MoE block
     and give each block its token exchange; returns the number of blocks. Every layout of ``EXPERT_PARALLEL_LAYOUTS`` is
-    taken; the block's other children (router, shared experts, Nemotron-H's latent projections) stay whole. The
-    tensors may be on the meta device (before their weights arrive, see ``parallelize``)."""
+    taken; the block's other children (router, shared experts, Nemotron-H's latent projections) stay whole, and so
+    does the rest of a decoder layer whose experts sit beside its router (Gemma 4's: ``FusedRouter``). The tensors
+    may be on the meta device (before their weights arrive, see ``parallelize``)."""
     blocks = fused_blocks(model)
     if not blocks:
         raise ConfigError(
@@ -188,7 +189,10 @@ def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
         if not isinstance(first, torch.Tensor):
             continue
         parent = model.get_submodule(module_name.rpartition(".")[0])
-        num_experts = getattr(parent, "num_routed_experts", None) or first.shape[0]
+        # The fused block's count (this rank holds a run of them): the parent's, or for experts beside their router in
+        # the decoder layer (Gemma 4's) the FusedRouter child's; an unfused model's experts are all there.
+        fused = (block for block in (parent, *parent.children()) if isinstance(block, FusedMoeBlock))
+        num_experts = next((block.num_routed_experts for block in fused if block.experts is module), first.shape[0])
         for name, _ in module.named_parameters():
             kind = tensor_kind(name)
             if kind is not None:

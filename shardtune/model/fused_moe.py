@@ -106,15 +106,16 @@ SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
 OUTPUT_BIAS = {"JetMoeMoE": "bias"}
 
 # The routed-expert layouts (``expert_activation``) that float8 experts and expert parallelism take: expert e at index
-# e of each weight's first dimension (of a bias's too), the activation one of the weighted ones below. Float8 experts
-# have no biases to add (GPT-OSS's clamped GLU).
-EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu")
-FLOAT8_LAYOUTS = ("silu", "transposed_silu", "relu2")
+# e of each weight's first dimension (of a bias's too), the activation one of the weighted ones below; ``identity``:
+# identity experts (IDENTITY_EXPERTS) beside the GEMM experts of any of them. Float8 experts add GPT-OSS's biases in
+# their own dtype after the float8 GEMMs. Expert parallelism does not take identity experts: LongCat-Flash's
+# gate_up_proj holds a row for each of them that its down_proj has not, so no run of experts is the same slice of
+# both tensors, which the expert-sharded checkpoints' views (one shard of the expert dimension each) need.
+EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu", "gelu_tanh")
+FLOAT8_LAYOUTS = (*EXPERT_PARALLEL_LAYOUTS, "identity")
 # What a layout, or identity experts, have that one of them does not take, for its refusal.
 LAYOUT_TRAITS = {
-    "clamped_glu": "transposed, biased expert weights",
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
-    "gelu_tanh": "GELU-tanh-gated experts",
     "pair": "experts held as two modules of their block, input_linear and output_linear",  # ExpertPair (JetMoE's)
     "split_silu": "2-D slabs of every expert's gate, up and down weights",
 }
@@ -319,13 +320,13 @@ def use_fused_experts(
 def unsupported_layout(experts: torch.nn.Module, layouts: tuple[str, ...]) -> str | None:
     """What routed ``experts`` (prepared by ``use_routed_experts``) have that a feature taking ``layouts``
     (``FLOAT8_LAYOUTS``, ``EXPERT_PARALLEL_LAYOUTS``) does not take (``LAYOUT_TRAITS``), or None: another layout, or
-    identity experts (both features send every row through the GEMMs), or a pair of expert modules (JetMoE's: neither
+    identity experts where ``layouts`` has no ``identity``, or a pair of expert modules (JetMoE's: neither feature
     shards nor quantizes weights outside an experts module)."""
     if experts.activation not in layouts:
         return LAYOUT_TRAITS.get(experts.activation, experts.activation)
     if isinstance(experts, ExpertPair):
         return LAYOUT_TRAITS["pair"]
-    return LAYOUT_TRAITS["identity"] if experts.identity_experts else None
+    return LAYOUT_TRAITS["identity"] if experts.identity_experts and "identity" not in layouts else None
 
 
 def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tuple[int, str]:
@@ -333,9 +334,11 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     float8 (``float8.py``) where they are now; returns the number of blocks and the grouped GEMM they compute
     with (``resolve_float8_grouped_gemm`` of ``model.grouped_gemm``, ``grouped_gemm``). Each weight's parameter
     keeps its name, shape and object and holds its e4m3 values scaled per row of each expert's matrix (the forward's
-    operand, or for Llama 4's transposed weights the input gradient's), with the scales and the transpose's copy as
-    buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Every layout in ``FLOAT8_LAYOUTS``
-    (gated, transposed, ungated, with a SwiGLU limit) is taken. Only the adapter is ever saved from such a model: the
+    operand, or for transposed weights (Llama 4's, GPT-OSS's) the input gradient's), with the scales and the
+    transpose's copy as buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Every layout in
+    ``FLOAT8_LAYOUTS`` (gated, transposed, ungated, with a SwiGLU limit, GELU-tanh-gated, GPT-OSS's, identity experts
+    beside them) is taken; GPT-OSS's biases stay in their dtype, LongCat-Flash's gate_up_proj rows of its identity
+    experts are quantized with the others and never read. Only the adapter is ever saved from such a model: the
     checkpoints and ``final/`` of LoRA hold trainable parameters only."""
     blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
     if not blocks:
@@ -374,13 +377,16 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     return len(blocks), backend
 
 
-def _float8_weight(experts: torch.nn.Module, name: str, transposed: bool = False) -> tuple[torch.Tensor, ...] | None:
+def _float8_weight(
+    experts: torch.nn.Module, name: str, transposed: bool = False, count: int | None = None
+) -> tuple[torch.Tensor, ...] | None:
     """The float8 forms of expert weight ``name`` that ``use_float8_experts`` made: (values, scales) of W_e (out, in)
-    and of W_e^T, as ``Float8Product`` takes them; None for a weight in its own dtype. A ``transposed`` parameter
-    holds W_e^T, its ``_t`` buffers W_e."""
+    and of W_e^T, as ``Float8Product`` takes them, of its first ``count`` experts (default: all; LongCat-Flash's
+    gate_up_proj: its GEMM experts'); None for a weight in its own dtype. A ``transposed`` parameter holds W_e^T, its
+    ``_t`` buffers W_e."""
     if not hasattr(experts, f"{name}_scale"):
         return None
-    forms = tuple(getattr(experts, name + suffix) for suffix in ("", "_scale", "_t", "_t_scale"))
+    forms = tuple(getattr(experts, name + suffix)[:count] for suffix in ("", "_scale", "_t", "_t_scale"))
     return (*forms[2:], *forms[:2]) if transposed else forms
 
 
@@ -868,7 +874,7 @@ def routed_experts(
         gate_up, down = getattr(experts, input_projection(activation)), experts.down_proj
     if identities:
         gate_up = gate_up[: down.shape[0]]  # LongCat-Flash's: the identity experts' rows are never read
-    transposed = activation == "transposed_silu"
+    transposed = activation in ("transposed_silu", "clamped_glu")
     if transposed:
         backend = "torch"
     down_transposed, down_backend = (True, "torch") if slabs is not None else (transposed, backend)
@@ -884,15 +890,23 @@ def routed_experts(
     if identities:  # the GEMM experts' bounds; the rows after them, (pairs, 1) True, are the identity experts'
         bounds = bounds[: gate_up.shape[0] + 1]
         identity_rows = (torch.arange(order.shape[0], device=order.device) >= bounds[-1]).unsqueeze(-1)
-    gate_up_float8 = _float8_weight(experts, input_projection(activation), transposed)
+    gate_up_float8 = _float8_weight(experts, input_projection(activation), transposed, gate_up.shape[0])
     down_float8 = _float8_weight(experts, "down_proj", transposed)
-    # LoRA on attention, the MoE default; not for experts that take weighted rows (Llama 4's): those are not the tokens.
-    if gate_up_float8 is not None and dispatch is None and not adapters and not weights_input:
+    # LoRA on attention, the MoE default; not for experts that take weighted rows (Llama 4's): those are not the tokens,
+    # nor for biased ones (GPT-OSS's, _clamped_glu_experts: float8 products, then the biases).
+    if (
+        gate_up_float8 is not None
+        and dispatch is None
+        and not adapters
+        and not weights_input
+        and activation != "clamped_glu"
+    ):
         token_of_row = (order // top_k).to(torch.int32)
-        return Float8Experts.apply(
+        output = Float8Experts.apply(
             tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, float8_backend, activation, limit,
-            *gate_up_float8, *down_float8,
+            identity_rows, *gate_up_float8, *down_float8,
         )  # fmt: skip
+        return output if identity_rows is None else _plus_identities(output, tokens, weights, chosen, gate_up.shape[0])
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     if identity_rows is not None:  # masked_fill's backward sets their input gradient, which the GEMMs leave unwritten
         rows = rows.masked_fill(identity_rows, 0)
@@ -912,7 +926,9 @@ def routed_experts(
         rows, row_weights, bounds, receive_back = dispatch.send(rows, row_weights, bounds)
     low_rank = regathered if dispatch is None and not weights_input else None
     if activation == "clamped_glu":
-        outputs = _clamped_glu_experts(experts, adapters, rows, bounds, row_weights, dtype, low_rank)
+        outputs = _clamped_glu_experts(
+            experts, adapters, rows, bounds, row_weights, dtype, low_rank, gate_up_float8, down_float8, float8_backend
+        )  # fmt: skip
         if dispatch is not None:
             outputs = receive_back(outputs)
         return SumRows.apply(outputs, order, inverse, top_k)
@@ -961,9 +977,16 @@ def routed_experts(
     if identity_rows is None:
         return SumRows.apply(outputs, order, inverse, top_k)
     output = SumRows.apply(outputs.masked_fill(identity_rows, 0), order, inverse, top_k)
-    # Each token's identity experts: their summed weight times the token (per token, not per row: nothing of the
-    # (pairs, H) rows is kept for the weights' gradient).
-    identity_weight = (weights * (chosen >= gate_up.shape[0])).sum(dim=-1, keepdim=True)
+    return _plus_identities(output, tokens, weights, chosen, gate_up.shape[0])
+
+
+def _plus_identities(
+    output: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gemm_experts: int
+) -> torch.Tensor:
+    """The GEMM experts' ``output`` plus each token's identity experts (ids from ``gemm_experts`` on): their summed
+    weight times the token (per token, not per row: nothing of the (pairs, H) rows is kept for the weights'
+    gradient)."""
+    identity_weight = (weights * (chosen >= gemm_experts)).sum(dim=-1, keepdim=True)
     return output + (identity_weight * tokens.float()).to(output.dtype)
 
 
@@ -975,18 +998,22 @@ def _clamped_glu_experts(
     row_weights: torch.Tensor,
     dtype: torch.dtype,
     low_rank: Callable[[torch.Tensor], torch.Tensor] | None,
+    gate_up_float8: tuple[torch.Tensor, ...] | None = None,
+    down_float8: tuple[torch.Tensor, ...] | None = None,
+    float8_backend: str = "torch",
 ) -> torch.Tensor:
     """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows`` (expert e: rows
     bounds[e]:bounds[e+1] of this rank's experts), as output rows in the same order: each projection adds its expert's
     bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) = (w h) W + w b).
     The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are torch's, which take
-    the (E, in, out) weights as they are. LoRA's A factors of gate/up build their rows again in backward where
+    the (E, in, out) weights as they are, or with float8 experts the weights' float8 forms (``Float8Product``), the
+    biases added after in their own dtype. LoRA's A factors of gate/up build their rows again in backward where
     ``low_rank`` does (``regathered``, as in ``routed_experts``); the down projection's adapters keep their rows."""
     positions = torch.arange(rows.shape[0], device=rows.device, dtype=bounds.dtype)
     expert_of_row = torch.searchsorted(bounds[1:], positions, right=True)
     projected = _projection(
         rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch", low_rank,
-        transposed=True,
+        gate_up_float8, float8_backend, transposed=True,
     )  # fmt: skip
     projected = projected + experts.gate_up_proj_bias.to(dtype).index_select(0, expert_of_row)
     weights = row_weights.unsqueeze(-1)
@@ -994,8 +1021,9 @@ def _clamped_glu_experts(
     gate, up = gate.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
     hidden = (gate * torch.sigmoid(gate * experts.alpha) * (up + 1) * weights).to(dtype)
     outputs = _projection(
-        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", transposed=True
-    )
+        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", None, down_float8,
+        float8_backend, transposed=True,
+    )  # fmt: skip
     return outputs + (weights * experts.down_proj_bias.index_select(0, expert_of_row).float()).to(outputs.dtype)
 
 
@@ -1189,52 +1217,75 @@ class Float8Experts(torch.autograd.Function):
 
     Elsewhere (CPU) the SiLU's kernels are the torch ops then ``rowwise_float8``: the same operands, up to the
     rounding of the SiLU's math. So are, everywhere, the activations the Triton kernels do not compute: ungated experts'
-    ``activation`` ``relu2`` (``WeightedReluSquared``'s) and a SwiGLU ``limit`` (``WeightedSiluMul``'s clamp). Gives
-    the tokens' and the routing weights' gradients."""
+    ``activation`` ``relu2`` (``WeightedReluSquared``'s), ``gelu_tanh`` and a SwiGLU ``limit`` (``WeightedSiluMul``'s
+    GELU and clamp). With ``identity_rows`` ((pairs, 1) True for identity experts' rows, which the GEMMs over the GEMM
+    experts' ``bounds`` leave unwritten) those rows are set to 0 in every GEMM's output, forward and backward, as
+    ``routed_experts`` does; their tokens' identity term is the caller's. Gives the tokens' and the routing weights'
+    gradients."""
 
     @staticmethod
     def forward(
         ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, backend: str, activation: str,
-        limit: float | None, *weights,
+        limit: float | None, identity_rows: torch.Tensor | None, *weights,
     ):  # fmt: skip
         gate_up_values, gate_up_scales, gate_up_values_t, gate_up_scales_t = weights[:4]
         down_values, down_scales, down_values_t, down_scales_t = weights[4:]
         rows = gathered_rowwise_float8(tokens, token_of_row)
-        projected = float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype, backend)
+        projected = _written(
+            float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype, backend), identity_rows
+        )  # fmt: skip
         hidden = _weighted_activation_float8(projected, row_weights, limit, activation)
-        output = float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype, backend)
+        output = _written(
+            float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype, backend), identity_rows
+        )
         ctx.save_for_backward(
-            projected, row_weights, token_of_row, inverse, bounds, gate_up_values_t, gate_up_scales_t, down_values_t,
-            down_scales_t,
+            projected, row_weights, token_of_row, inverse, bounds, identity_rows, gate_up_values_t, gate_up_scales_t,
+            down_values_t, down_scales_t,
         )  # fmt: skip
         ctx.top_k, ctx.backend, ctx.activation, ctx.limit = top_k, backend, activation, limit
         return _sum_rows(output, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        projected, row_weights, token_of_row, inverse, bounds, *weights = ctx.saved_tensors
+        projected, row_weights, token_of_row, inverse, bounds, identity_rows, *weights = ctx.saved_tensors
         gate_up_values_t, gate_up_scales_t, down_values_t, down_scales_t = weights
         rows = gathered_rowwise_float8(grad, token_of_row)
-        grad_hidden = float8_grouped_mm(*rows, down_values_t, down_scales_t, bounds, grad.dtype, ctx.backend)
+        grad_hidden = _written(
+            float8_grouped_mm(*rows, down_values_t, down_scales_t, bounds, grad.dtype, ctx.backend), identity_rows
+        )  # fmt: skip
         *grad_projected, grad_weights = _weighted_activation_backward_float8(
             projected, row_weights, grad_hidden, ctx.limit, ctx.activation
         )  # fmt: skip
         grad_rows = float8_grouped_mm(
             *grad_projected, gate_up_values_t, gate_up_scales_t, bounds, grad.dtype, ctx.backend
         )  # fmt: skip
-        return _sum_rows(grad_rows, inverse, ctx.top_k), grad_weights, *([None] * 15)
+        return _sum_rows(_written(grad_rows, identity_rows), inverse, ctx.top_k), grad_weights, *([None] * 16)
+
+
+def _written(rows: torch.Tensor, identity_rows: torch.Tensor | None) -> torch.Tensor:
+    """A grouped GEMM's output ``rows`` with the identity experts' rows, which it leaves unwritten, set to 0."""
+    return rows if identity_rows is None else rows.masked_fill(identity_rows, 0)
+
+
+# The layouts whose activation is a plain SiLU(gate) * up of a [gate | up] row: the Triton backward kernel's.
+SILU_KERNEL_LAYOUTS = ("silu", "transposed_silu", "split_silu")
+
+
+def _silu_kernel(activation: str, limit: float | None) -> bool:
+    """Whether the Triton kernels (``weighted_silu_kernel.py``) compute the experts' ``activation``: an unclamped
+    SiLU."""
+    return activation in SILU_KERNEL_LAYOUTS and limit is None
 
 
 def _weighted_activation_float8(
     gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None, activation: str = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rowwise_float8(_weighted_activation(gate_up, row_weights, ...))``: for an unclamped SiLU one Triton kernel on
-    CUDA, for rows it holds."""
+    """``rowwise_float8(_weighted_activation(gate_up, row_weights, ...))``: for an unclamped SiLU (``_silu_kernel``)
+    one Triton kernel on CUDA, for rows it holds."""
     width = gate_up.shape[1] // 2
     if (
         weighted_silu_mul_float8 is not None
-        and activation != "relu2"
-        and limit is None
+        and _silu_kernel(activation, limit)
         and runs_on(gate_up.device)
         and gate_up.shape[0] > 0
         and width <= FLOAT8_ROW_TILE
@@ -1255,12 +1306,12 @@ def _weighted_activation_backward_float8(
         return *rowwise_float8(grad_gate_up), grad_weights
     if (
         weighted_silu_mul_backward_float8 is not None
-        and limit is None
+        and _silu_kernel(activation, limit)
         and runs_on(gate_up.device)
         and gate_up.shape[0] > 0
     ):
         return weighted_silu_mul_backward_float8(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-    grad_gate_up, grad_weights = _weighted_silu_mul_backward(gate_up, row_weights, grad, limit)
+    grad_gate_up, grad_weights = _weighted_silu_mul_backward(gate_up, row_weights, grad, limit, activation)
     return *rowwise_float8(grad_gate_up), grad_weights
 
 
@@ -1402,10 +1453,6 @@ class WeightedSiluMul(torch.autograd.Function):
         return *_weighted_silu_mul_backward(*ctx.saved_tensors, grad, ctx.limit, ctx.activation), None, None
 
 
-# The layouts whose activation is a plain SiLU(gate) * up of a [gate | up] row: the Triton backward kernel's.
-SILU_KERNEL_LAYOUTS = ("silu", "transposed_silu", "split_silu")
-
-
 def _weighted_silu_mul_backward(
     gate_up: torch.Tensor,
     row_weights: torch.Tensor,
@@ -1414,7 +1461,7 @@ def _weighted_silu_mul_backward(
     activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (SiLU without a limit), torch ops elsewhere."""
-    kernel = weighted_silu_mul_backward is not None and limit is None and activation in SILU_KERNEL_LAYOUTS
+    kernel = weighted_silu_mul_backward is not None and _silu_kernel(activation, limit)
     if kernel and runs_on(gate_up.device) and gate_up.shape[0] > 0:
         return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
     return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _activation_precision(gate_up), limit, activation)

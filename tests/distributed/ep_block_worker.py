@@ -1,8 +1,9 @@
 """One rank of the expert-parallel MoE block test (``test_expert_parallel.py``), started by torch's launcher:
-a fused MoE block of the architecture ARCH (default Qwen3-MoE) whose router sends every token to experts 0 and 1
-(both on rank 0 of EP 2), fed tokens on rank 0 only (rank 1 routes nothing: a rank of padding, whose experts also
-receive nothing). Each rank compares the block's output and gradients with the same block unsharded, on its own
-tokens, and writes what it found to ``OUT/rank-<r>.json``. Usage: ``ep_block_worker.py OUT [ARCH]``."""
+a fused MoE block of the architecture ARCH (default Qwen3-MoE; Gemma 4's: its fused router and the experts beside
+it) whose router sends every token to experts 0 and 1 (both on rank 0 of EP 2), fed tokens on rank 0 only (rank 1
+routes nothing: a rank of padding, whose experts also receive nothing). Each rank compares the block's output and
+gradients with the same block unsharded, on its own tokens, and writes what it found to ``OUT/rank-<r>.json``.
+Usage: ``ep_block_worker.py OUT [ARCH]``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.expert_parallel import shard_experts
 from shardtune.distributed.parallelize import decoder_layers
-from shardtune.model.fused_moe import input_projection, parameter_adapters, use_fused_experts
+from shardtune.model.fused_moe import FusedRouter, input_projection, parameter_adapters, use_fused_experts
 
 TOKENS = 12
 
@@ -26,9 +27,10 @@ TOKENS = 12
 def block_and_tokens(rank: int, arch: str) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch))
-    blocks = use_fused_experts(model, decoder_layers(model), "fused")
-    block = blocks[0].block.train()
-    router = parameter_adapters(block.get_submodule(block.router_name))[0]
+    found = use_fused_experts(model, decoder_layers(model), "fused")[0]
+    # The fused block, or the fused router of a block that is its decoder layer (Gemma 4's), whose experts it names.
+    block = found.reporter.train()
+    router = parameter_adapters(found.router)[0]  # the Linear with a row per expert
     hidden = router.weight.shape[1]
     with torch.no_grad():  # positive inputs; experts 0 and 1 score high, the others negative
         router.weight.copy_(-torch.ones_like(router.weight))
@@ -39,6 +41,9 @@ def block_and_tokens(rank: int, arch: str) -> tuple[torch.nn.Module, torch.Tenso
 
 
 def output_of(block: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if isinstance(block, FusedRouter):  # as Gemma 4's decoder layer calls its router, then its experts
+        _, weights, chosen = block(tokens)
+        return block.experts(tokens, chosen, weights)
     output = block(tokens.unsqueeze(0))
     return output[0] if isinstance(output, tuple) else output  # Llama 4's block returns its router logits too
 

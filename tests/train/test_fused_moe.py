@@ -1239,26 +1239,21 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
     )
 
 
-# JetMoE's pair of expert modules (moe.ExpertPair) has neither: both work on an experts module's weights. Llama 4's
-# transposed, Nemotron-H's ungated and HY-V4's and DeepSeek-V4's clamped experts have both paths, GPT-OSS's
-# expert parallelism (tests/train/test_float8.py, tests/distributed/test_expert_parallel.py).
+# JetMoE's pair of expert modules (moe.ExpertPair) and DBRX's 2-D slabs have neither float8 experts nor expert
+# parallelism: both work on an experts module's (E, out, in) weights.
 @pytest.mark.parametrize(
-    ("arch", "experts", "layout", "block", "sharded"),
+    ("arch", "experts", "layout", "block"),
     [
-        ("gpt_oss", "GptOssExperts", "transposed, biased expert weights", "GptOssMLP", True),
-        ("longcat_flash", "LongcatFlashExperts", "zero-computation identity experts", "LongcatFlashMoE", False),
-        ("gemma4_text", "Gemma4TextExperts", "GELU-tanh-gated experts", "Gemma4TextDecoderLayer", False),
         (
             "jetmoe",
             "ExpertPair",
             "experts held as two modules of their block, input_linear and output_linear",
             "JetMoeMoE",
-            False,
         ),
-        ("dbrx", "DbrxExperts", "2-D slabs of every expert's gate, up and down weights", "DbrxFFN", False),
+        ("dbrx", "DbrxExperts", "2-D slabs of every expert's gate, up and down weights", "DbrxFFN"),
     ],
 )
-def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block, sharded):
+def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):
     from shardtune.distributed.expert_parallel import shard_experts
     from shardtune.distributed.mesh import ParallelDims
     from shardtune.model.fused_moe import use_float8_experts
@@ -1268,10 +1263,27 @@ def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch,
     fused = fused_copy(build(moe_dirs[arch]))
     with pytest.raises(ConfigError, match=rf"^model.float8_experts: {experts} \({layout}\) has no float8 path"):
         use_float8_experts(fused)
-    if sharded:  # its expert parallelism: tests/distributed/test_expert_parallel.py
-        return
     dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
     with pytest.raises(ConfigError, match=rf"^parallel.expert_parallel_size: 2 does not shard {block}'s experts"):
+        shard_experts(fused, dims)
+
+
+# Every fused layout has float8 experts and expert parallelism (tests/train/test_float8.py,
+# tests/distributed/test_expert_parallel.py) but LongCat-Flash's identity experts, which have float8 experts only:
+# its gate_up_proj holds a row for each identity expert that its down_proj has not (fused_moe.EXPERT_PARALLEL_LAYOUTS).
+def test_identity_experts_say_they_have_no_expert_parallel_path(moe_dirs):
+    from shardtune.distributed.expert_parallel import shard_experts
+    from shardtune.distributed.mesh import ParallelDims
+
+    if "longcat_flash" not in ARCHS:
+        pytest.skip("this transformers has no longcat_flash")
+    fused = fused_copy(build(moe_dirs["longcat_flash"]))
+    dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel.expert_parallel_size: 2 does not shard LongcatFlashMoE's experts \(zero-computation identity "
+        r"experts\) yet; set it to 1$",
+    ):
         shard_experts(fused, dims)
 
 
