@@ -679,7 +679,7 @@ def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs,
         model = copy.deepcopy(reference).to(device)
         use_float8(model, device, experts=True, linear=False)
         experts = find_moe_blocks(model, decoder_layers(model))[0].experts
-        x, w = tokens.to(device).requires_grad_(), weights.to(device).requires_grad_()
+        x, w = tokens.to(device).detach().requires_grad_(), weights.to(device).detach().requires_grad_()
         output = experts(x, chosen.to(device), w)
         output.backward(grad.to(device))
         results[device.type] = [tensor.detach().cpu().float() for tensor in (output, x.grad, w.grad)]
