@@ -107,6 +107,8 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       (qk-norm: their RMSNorm keeps its input; measured on Qwen3-30B-A3B's compiled layer,
       ``benchmarks/layer_recompute.py``: recomputing the attention frees 44.5 kB a token, 9.7 kB more than
       counted without this term);
+      with a mixture of attention experts (JetMoE's, on transformers' code) also 2k(h + w) for its k query
+      and output experts (w their width): each one's gathered input rows and its output rows;
     - dense MLP 2h + 3I: the residual, its normalized copy, gate, up and their product (SiLU recomputed);
     - MoE block 2h + km' + 3s: per chosen expert (k of them, m wide) its first projection's output, m' wide
       (gated experts' gate/up, 2m; ungated ones' up, m: Nemotron-H's) (the routing weight multiplies the
@@ -127,7 +129,7 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     """
     h, q, kv, e = shape.hidden, shape.attention_width, shape.kv_width, shape.compute_bytes
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
-    attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0)) * e
+    attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0) + layer.attention_expert_rows) * e
     if layer.num_experts:
         elements = 2 * h + layer.top_k * layer.expert_row_width + 3 * layer.shared_width
         if layer.expert_adapter_rank:

@@ -44,6 +44,9 @@ class LayerShape:
     expert_params: int  # its routed experts' parameters: an FSDP unit of their own
     sublayers: bool = True  # its attention and its MLP are modules of their own (``layer_sublayers``)
     qk_norm: bool = False  # its attention normalizes queries and keys (RMSNorm: Qwen3, GLM-4.5 with use_qk_norm)
+    # A mixture of attention experts (JetMoE's): per token, the elements its top_k query and output experts' rows keep
+    # (``moe.ATTENTION_EXPERTS``, transformers' code; 0: none)
+    attention_expert_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
     from shardtune.model.fused_moe import expert_activation, expert_row_width, input_projection, parameter_adapters
     from shardtune.model.lora import count_parameters
-    from shardtune.model.moe import find_moe_blocks
+    from shardtune.model.moe import ATTENTION_EXPERTS, find_moe_blocks
     from shardtune.train.loss import head_vocab
 
     params = list(model.parameters())
@@ -105,8 +108,17 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         block = blocks.get(index)
         sublayers = layer_sublayers(layer) is not None
         qk_norm = any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for name, _ in layer.named_modules())
+        attention_expert_rows = sum(
+            mixture.top_k * 2 * (hidden + parameter_adapters(mixture.input_linear)[0].weight.shape[1])
+            for mixture in layer.modules()
+            if type(mixture).__name__ in ATTENTION_EXPERTS
+        )
         if block is None:
-            shapes.append(LayerShape(mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm))
+            shapes.append(
+                LayerShape(
+                    mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm, attention_expert_rows
+                )
+            )
             continue
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
@@ -132,6 +144,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 expert_params=expert_params,
                 sublayers=sublayers,
                 qk_norm=qk_norm,
+                attention_expert_rows=attention_expert_rows,
             )
         )
     routed = routed_expert_trainable(list(blocks.values()), model)
