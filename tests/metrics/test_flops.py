@@ -57,6 +57,8 @@ def test_glm_shapes_by_hand():
         "llama4-scout-17b-16e",
         "gemma4-26b-a4b",
         "lfm2-8b-a1b",
+        "phi3.5-moe",
+        "dbrx",
     ],
 )
 def test_active_weights_match_the_built_model(name):
@@ -65,12 +67,18 @@ def test_active_weights_match_the_built_model(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config()
-    experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None) or text.num_local_experts
+    ffn = getattr(text, "ffn_config", None)  # DBRX keeps its MoE settings there
+    experts = (
+        getattr(text, "num_experts", None)
+        or getattr(text, "n_routed_experts", None)
+        or getattr(text, "num_local_experts", None)
+        or ffn.moe_num_experts
+    )
     active = 0.0
     for parameter_name, parameter in model.named_parameters():
-        if parameter.dim() < 2 or "embed_tokens" in parameter_name:
+        if parameter.dim() < 2 or parameter is model.get_input_embeddings().weight:
             continue  # norms, biases, correction biases; the input embedding is a lookup
-        top_k = getattr(text, "num_experts_per_tok", None) or text.top_k_experts  # the latter: Gemma 4's
+        top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None) or ffn.moe_top_k
         share = top_k / experts if ".experts." in parameter_name else 1.0
         active += parameter.numel() * share
     head = model.get_output_embeddings().weight
