@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from shardtune.config import Config, looks_local
 from shardtune.data.prepare import PreparedData
-from shardtune.errors import ConfigError, DataError, InputError, first_line
+from shardtune.errors import ConfigError, DataError, InputError, first_and_last_line, first_line
 from shardtune.metrics.sinks import check_logging_packages
 from shardtune.train.loss import logit_transforms
 
@@ -43,6 +43,8 @@ def check_model(config: Config) -> PretrainedConfig:
 
 def read_model_config(config: Config) -> PretrainedConfig:
     """The model's config, or a ``ConfigError`` saying why this machine cannot read it."""
+    from huggingface_hub.errors import StrictDataclassError
+
     from shardtune.hub import not_cached_line, say_the_cache_serves, use_the_cache_if_the_hub_is_out_of_reach
     from shardtune.model.load import load_model_config
 
@@ -50,6 +52,14 @@ def read_model_config(config: Config) -> PretrainedConfig:
     out_of_reach = use_the_cache_if_the_hub_is_out_of_reach(model.name_or_path)
     try:
         model_config = load_model_config(model)
+    except StrictDataclassError as error:
+        # transformers validates each config field's type: a config.json that breaks one (DBRX's published config
+        # gives moe_normalize_expert_weights as 1, which transformers 5.24 takes as a float only) is the user's to
+        # correct, and the field's name and the reason are on the message's two lines.
+        raise ConfigError(
+            f"model.name_or_path: {model.name_or_path}: transformers refuses its config.json "
+            f"({first_and_last_line(error)}); correct that value in the config.json"
+        ) from None
     except (OSError, ValueError, KeyError) as error:
         if out_of_reach is not None:
             raise ConfigError(

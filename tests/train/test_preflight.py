@@ -81,6 +81,26 @@ def test_model_checks(tmp_path):
         check_model(too_long)
 
 
+def test_a_config_field_transformers_refuses_is_one_line_naming_it(tmp_path):
+    """DBRX's published config.json gives moe_normalize_expert_weights as 1, which transformers' typed config takes
+    as a float only: one line naming the model, the field and what to do (before: huggingface_hub's traceback)."""
+    model = tmp_path / "dbrx"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 1000,
+        "attn_config": {"clip_qkv": 8.0, "kv_n_heads": 2, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 1},
+    }))  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        check_model(make_config(tmp_path, tmp_path / "data.jsonl", model={"name_or_path": str(model)}))
+    message = str(error.value)
+    assert message.startswith(
+        f"model.name_or_path: {model}: transformers refuses its config.json (Validation error for field "
+        "'moe_normalize_expert_weights': ... TypeError: Field 'moe_normalize_expert_weights' with value 1"
+    )
+    assert message.endswith("; correct that value in the config.json") and "\n" not in message
+
+
 def test_missing_model_and_resume_paths_that_are_not_checkpoints(tmp_path):
     """Checked when the config is read: in the launcher, before any worker starts."""
     data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": "i", "output": "o"}])
