@@ -280,15 +280,17 @@ def use_fused_experts(
         if blocks and implementation != "transformers":
             log.info("moe experts: transformers' %s", implementation)
         return blocks
-    mixtures = sorted(
-        {kind for kind in (type(module).__name__ for module in model.modules()) if kind in ATTENTION_EXPERTS}
-    )
+    backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
+    mixtures = [module for module in model.modules() if type(module).__name__ in ATTENTION_EXPERTS]
+    for mixture in mixtures:
+        use_grouped_attention_experts(mixture, backend)
     if mixtures:
         # Its query and output experts run apart, the attention between them (map, attention, reduce): no one block
         # to swap. Their adapters are LoRA's attention group; their routers are no MoE block's (not recorded).
         log.info(
-            "moe experts: the mixture of attention (%s) stays on transformers' code; its routers are not recorded",
-            ", ".join(mixtures),
+            "moe experts: the mixture of attention (%s) keeps transformers' code but for its gating's row counts (kept "
+            "on the device) and its experts' grouped GEMMs; its routers are not recorded",
+            ", ".join(sorted({type(mixture).__name__ for mixture in mixtures})),
         )
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
@@ -298,7 +300,6 @@ def use_fused_experts(
         log.info(
             "moe experts: the model's output_router_logits is off (training.moe_aux_loss_coef sets the balance loss)"
         )
-    backend = resolve_grouped_gemm(grouped_gemm, device or torch.device("cpu"))
     for block in blocks:
         if block.path:
             parent, replaced = _parent_of(model, block.block), block.block
@@ -315,6 +316,44 @@ def use_fused_experts(
         describe(backend),
     )
     return find_moe_blocks(model, layers)
+
+
+def use_grouped_attention_experts(mixture: torch.nn.Module, grouped_gemm: str) -> None:
+    """Make a mixture of attention experts (JetMoE's JetMoeMoA, ``moe.ATTENTION_EXPERTS``), whose map and reduce stay
+    transformers', compute its query and output experts as grouped GEMMs (``grouped_gemm``: ``model.grouped_gemm``)
+    on row counts its gating keeps on the device. transformers' gating reads the counts to the host
+    (``expert_size.tolist()``) and its experts loop over them: a host sync in every layer's forward, which also breaks
+    each compiled layer in two. The experts' outermost modules (PEFT's wrappers, where adapted) get the forward, which
+    reads their adapters as the routed experts' does, never building W + ΔW."""
+    mixture.router.forward = types.MethodType(_gating_with_counts_on_device, mixture.router)
+    for experts in (mixture.input_linear, mixture.output_linear):
+        experts.forward = types.MethodType(_grouped_attention_experts, experts)
+        experts.grouped_gemm = grouped_gemm
+
+
+def _gating_with_counts_on_device(
+    gating: torch.nn.Module, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """JetMoE's top-k gating, as transformers' computes it (the same ops, so the same order of the rows), but for its
+    per-expert row counts, returned as a tensor rather than read to the host: (rows' pairs in expert order, their
+    tokens, their gates, the counts, the fp32 logits)."""
+    logits = gating.layer(hidden_states).float()
+    top_k_logits, top_k_indices = logits.topk(gating.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    chosen = torch.zeros(top_k_gates.shape[0], gating.num_experts, dtype=top_k_gates.dtype, device=logits.device)
+    counts = chosen.scatter(1, top_k_indices, 1).long().sum(0)
+    _, index_sorted_experts = top_k_indices.flatten().sort(0)
+    batch_index = index_sorted_experts.div(gating.top_k, rounding_mode="trunc")
+    return index_sorted_experts, batch_index, top_k_gates.flatten()[index_sorted_experts], counts, logits
+
+
+def _grouped_attention_experts(experts: torch.nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """JetMoE's JetMoeParallelExperts on ``rows`` in expert order, ``counts`` (experts,) of them each
+    (``_gating_with_counts_on_device``): rows @ W_e^T (W (E, out, in)) and each LoRA adapter's low-rank product."""
+    base, adapters = parameter_adapters(experts)
+    bounds = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    dtype = _compute_dtype(base.weight, rows)
+    return _projection(rows.to(dtype), base.weight, adapters.get("weight", []), bounds, dtype, experts.grouped_gemm)
 
 
 def unsupported_layout(experts: torch.nn.Module, layouts: tuple[str, ...]) -> str | None:

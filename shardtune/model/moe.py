@@ -38,7 +38,8 @@ LOGITS_LAST = ("JetMoeTopKGating",)
 EXPERT_PAIR_NAMES = ("input_linear", "output_linear")
 # Mixtures of attention, whose query and output projections are routed experts (JetMoE's JetMoeMoA, the attention's
 # ``experts``: its input_linear (E, heads_per_expert x head_dim, H) and output_linear, split by the attention between
-# them). They stay on transformers' code, in no MoE block (their router is not recorded nor balanced by shardtune);
+# them). They keep transformers' map and reduce, in no MoE block (their router is not recorded nor balanced by
+# shardtune; the fused path keeps their row counts on the device: ``fused_moe.use_grouped_attention_experts``);
 # their expert weights are LoRA's attention group (``lora.moe_lora_targets``), and a token passes through top_k /
 # num_experts of them (``metrics.flops``).
 ATTENTION_EXPERTS = ("JetMoeMoA",)

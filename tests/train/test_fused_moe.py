@@ -1322,10 +1322,26 @@ def test_jetmoes_mixture_of_attention_stays_on_transformers_in_the_attention_gro
     with caplog.at_level("INFO", logger="shardtune"):
         fused = fused_copy(adapted)
     assert [record.getMessage() for record in caplog.records if "mixture of attention" in record.getMessage()] == [
-        "moe experts: the mixture of attention (JetMoeMoA) stays on transformers' code; its routers are not recorded"
+        "moe experts: the mixture of attention (JetMoeMoA) keeps transformers' code but for its gating's row counts "
+        "(kept on the device) and its experts' grouped GEMMs; its routers are not recorded"
     ]
     assert all(type(layer.self_attention.experts).__name__ == "JetMoeMoA" for layer in decoder_layers(fused))
     assert all(isinstance(layer.mlp, FusedMoeBlock) for layer in decoder_layers(fused))
+
+
+@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
+def test_jetmoes_attention_experts_keep_their_row_counts_on_the_device(moe_dirs):
+    """transformers' JetMoE gating reads its experts' row counts to the host in every layer (a sync, and a graph
+    break in each compiled layer); the fused model's attention experts take them as a tensor: its forward traces as
+    one graph, where transformers' breaks (their results are held to transformers' in the parametrized tests)."""
+    model = build(moe_dirs["jetmoe"])
+    ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    breaks = {}
+    for name, candidate in (("transformers", model), ("fused", fused_copy(model))):
+        torch._dynamo.reset()
+        breaks[name] = torch._dynamo.explain(candidate)(input_ids=ids).graph_break_count
+    torch._dynamo.reset()
+    assert breaks["transformers"] >= len(decoder_layers(model)) and breaks["fused"] == 0, breaks
 
 
 @pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
