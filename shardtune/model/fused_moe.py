@@ -335,23 +335,24 @@ def _gating_with_counts_on_device(
     gating: torch.nn.Module, hidden_states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """JetMoE's top-k gating, as transformers' computes it (the same ops, so the same order of the rows), but for its
-    per-expert row counts, returned as a tensor rather than read to the host: (rows' pairs in expert order, their
-    tokens, their gates, the counts, the fp32 logits)."""
+    per-expert row counts, which stay on the device as the grouped GEMMs' bounds (expert e's rows bounds[e]:bounds[e +
+    1]) where transformers reads them to the host: (rows' pairs in expert order, their tokens, their gates, the
+    bounds, the fp32 logits). Both the query and the output experts take the bounds."""
     logits = gating.layer(hidden_states).float()
     top_k_logits, top_k_indices = logits.topk(gating.top_k, dim=1)
     top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
     chosen = torch.zeros(top_k_gates.shape[0], gating.num_experts, dtype=top_k_gates.dtype, device=logits.device)
     counts = chosen.scatter(1, top_k_indices, 1).long().sum(0)
+    bounds = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     _, index_sorted_experts = top_k_indices.flatten().sort(0)
     batch_index = index_sorted_experts.div(gating.top_k, rounding_mode="trunc")
-    return index_sorted_experts, batch_index, top_k_gates.flatten()[index_sorted_experts], counts, logits
+    return index_sorted_experts, batch_index, top_k_gates.flatten()[index_sorted_experts], bounds, logits
 
 
-def _grouped_attention_experts(experts: torch.nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """JetMoE's JetMoeParallelExperts on ``rows`` in expert order, ``counts`` (experts,) of them each
+def _grouped_attention_experts(experts: torch.nn.Module, rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """JetMoE's JetMoeParallelExperts on ``rows`` in expert order, expert e's rows bounds[e]:bounds[e + 1]
     (``_gating_with_counts_on_device``): rows @ W_e^T (W (E, out, in)) and each LoRA adapter's low-rank product."""
     base, adapters = parameter_adapters(experts)
-    bounds = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     dtype = _compute_dtype(base.weight, rows)
     return _projection(rows.to(dtype), base.weight, adapters.get("weight", []), bounds, dtype, experts.grouped_gemm)
 
@@ -718,11 +719,13 @@ def route(
     if linear_name := logits_linear_name(router):
         router, adapters = parameter_adapters(getattr(router, linear_name))
     device = tokens.device.type
-    # The dtype of the logits of transformers' router, in which SparseMixer draws its random numbers.
-    if torch.is_autocast_enabled(device):
-        draw_dtype = torch.get_autocast_dtype(device)
-    else:
-        draw_dtype = torch.promote_types(tokens.dtype, router.weight.dtype)
+    if routing.sparsemixer is not None:
+        # The dtype of the logits of transformers' router, in which SparseMixer draws its random numbers (read before
+        # autocast is switched off below).
+        if torch.is_autocast_enabled(device):
+            draw_dtype = torch.get_autocast_dtype(device)
+        else:
+            draw_dtype = torch.promote_types(tokens.dtype, router.weight.dtype)
     with torch.autocast(device, enabled=False):
         if routing.input_norm is not None:  # Gemma 4: the router's input RMS-normalized and scaled, in fp32
             tokens = tokens.float()

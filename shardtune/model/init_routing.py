@@ -43,6 +43,7 @@ import torch
 
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import parameter_adapters
 from shardtune.model.lora import mixes_tokens
 from shardtune.model.moe import MoeBlock
 
@@ -103,8 +104,6 @@ def set_init_routing(
     name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
     if not blocks:
         raise ConfigError(f"model.init_routing: {routing} needs MoE layers; {name} has none")
-    from shardtune.model.fused_moe import parameter_adapters
-
     projections = [
         parameter_adapters(module)[0]  # under PEFT's parameter wrappers where adapted (JetMoE's output experts)
         for layer in decoder_layers(model)

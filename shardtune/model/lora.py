@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from shardtune.config import DEFAULT_MOE_TARGETS, LoraConfig
 from shardtune.errors import ConfigError
+from shardtune.model.fused_moe import SLAB_EXPERTS
 from shardtune.model.moe import ATTENTION_EXPERTS, EXPERT_PAIR_NAMES, MoeBlock, find_moe_blocks
 
 log = logging.getLogger("shardtune")
@@ -33,7 +34,8 @@ def moe_lora_targets(
 ) -> tuple[list[str], list[str], Counter[str], dict[str, str]]:
     """PEFT's (target_modules, target_parameters) for the chosen groups of an MoE model, how many
     modules or parameters each group has, and by group the class of a module that reads a Linear's weight of
-    that group itself (``unadaptable_linears``: no adapter reaches it, so it is in no group).
+    that group itself (``unadaptable_linears``: no adapter reaches it, so it is in no group), or of routed experts
+    that slice 2-D slabs themselves (DBRX's, ``fused_moe.SLAB_EXPERTS``: PEFT's parameter adapters break them).
 
     Both are paths relative to a decoder layer (``self_attn.q_proj``, ``mlp.experts.gate_up_proj``):
     PEFT matches them as suffixes of the full names, so ``mlp.gate_proj`` (a dense layer's MLP) never
@@ -64,6 +66,8 @@ def moe_lora_targets(
                         chosen_parameters.add(_joined(path, name, "weight"))
         if block is None:
             continue
+        if type(block.experts).__name__ in SLAB_EXPERTS:
+            unreachable.setdefault("routed_experts", type(block.experts).__name__)
         for name, param in block.expert_weights.items():
             if param.dim() == 3:
                 found["routed_experts"] += 1
@@ -74,6 +78,23 @@ def moe_lora_targets(
             if "router" in groups:
                 chosen_parameters.add(_joined(block.path, block.router_name, "weight"))
     return sorted(chosen_modules), sorted(chosen_parameters), found, unreachable
+
+
+def _unreachable_because(kind: str) -> str:
+    """Why no LoRA adapter reaches a group that only ``kind`` holds (``moe_lora_targets``' unreachable groups)."""
+    if (slabs := SLAB_EXPERTS.get(kind)) is not None:
+        # DBRX's experts slice 2-D slabs of every expert, held by a child (mlp.w1, v1, w2), themselves: PEFT's
+        # ParamWrapper around that child hides the other slabs from their forward (an AttributeError in transformers
+        # and PEFT alike), where it would also be one adapter for the whole slab, not one per expert.
+        holder, *names = slabs
+        return (
+            f"{kind} slices its 2-D expert slabs ({', '.join(f'{holder}.{name}' for name in names)}) itself, which "
+            "PEFT's parameter adapters break (its forward fails under them in transformers and PEFT)"
+        )
+    return (
+        f"{kind} multiplies by its Linear's weight itself, which no LoRA adapter reaches (transformers and PEFT would "
+        "leave it out)"
+    )
 
 
 def _joined(*names: str) -> str:
@@ -190,15 +211,12 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
         if target_modules == "all-linear":  # every nn.Linear of this model, found by PEFT on its modules
             as_given = targets_as_given()
     else:
-        if "routed_experts" in config.moe_targets:
-            _check_expert_parameters_adaptable(blocks)
         modules, target_parameters, found, unreachable = moe_lora_targets(layers, blocks, config.moe_targets)
         missing = [group for group in config.moe_targets if not found[group]]
         for group in missing:
             if group in unreachable:
                 raise ConfigError(
-                    f"lora.moe_targets: {group}: {unreachable[group]} multiplies by its Linear's weight itself, which "
-                    f"no LoRA adapter reaches (transformers and PEFT would leave it out); drop {group}"
+                    f"lora.moe_targets: {group}: {_unreachable_because(unreachable[group])}; drop {group}"
                 )
         if missing:
             present = ", ".join(sorted(found)) or "none"
@@ -243,24 +261,6 @@ def apply_lora(model: PreTrainedModel, config: LoraConfig) -> peft.PeftModel:
     if config.shared_expert_adapter:
         share_expert_adapters(peft_model)
     return peft_model
-
-
-def _check_expert_parameters_adaptable(blocks: list[MoeBlock]) -> None:
-    """``lora.moe_targets: routed_experts`` on experts whose weights PEFT's target_parameters cannot adapt: DBRX's
-    (fused_moe.SLAB_EXPERTS) slice 2-D slabs of every expert held by a child (mlp.w1, v1, w2) themselves, and PEFT's
-    ParamWrapper around that child hides the other slabs from the experts' forward (an AttributeError in
-    transformers and PEFT alike), where it would also be one adapter for the whole slab, not one per expert."""
-    from shardtune.model.fused_moe import SLAB_EXPERTS
-
-    for block in blocks:
-        names = SLAB_EXPERTS.get(type(block.experts).__name__)
-        if names is not None:
-            holder, *slabs = names
-            raise ConfigError(
-                f"lora.moe_targets: routed_experts: {type(block.experts).__name__} slices its 2-D expert slabs "
-                f"({', '.join(f'{holder}.{name}' for name in slabs)}) itself, which PEFT's parameter adapters break "
-                "(its forward fails under them in transformers and PEFT); drop routed_experts"
-            )
 
 
 def share_expert_adapters(model: torch.nn.Module) -> None:
