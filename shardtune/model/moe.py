@@ -200,7 +200,7 @@ def _dbrx_rule(block: torch.nn.Module) -> Routing:
     """DBRX: the top-k softmax probabilities divided by their p-norm, p the block's moe_normalize_expert_weights (1:
     their sum; None: not renormalized). Its router child holds no settings (the rule gets the block); in training it
     multiplies the block's input by uniform jitter (moe_jitter_eps), which the experts take too
-    (FusedMoeBlock.jitter_noise)."""
+    (FusedMoeBlock.router_jitter_noise)."""
     p = block.moe_normalize_expert_weights
     return Routing("softmax", block.top_k, normalize=p is not None, norm_p=1.0 if p is None else float(p))
 
