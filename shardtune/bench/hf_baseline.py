@@ -69,6 +69,30 @@ class RoutingStatistics:
         self.rows.append(self.usage.reduce(_TrainerRanks(), step))
 
 
+# transformers' MoE experts that fail under HF Trainer's bf16 autocast, by class name: DBRX's experts add each expert's
+# rows, scaled by the routing weights, into a tensor of the hidden states' dtype with index_add_. Under CUDA autocast
+# the router's softmax and p-norm run in fp32, so the scaled rows are fp32 and index_add_ refuses them ("self
+# (BFloat16) and source (Float) must have the same scalar type"; transformers 5.17 and 5.24). Every other MoE of
+# transformers casts its routing weights to the hidden states' dtype first; the baseline does that for these.
+ROUTING_WEIGHTS_CAST = ("DbrxExperts",)
+
+
+def cast_routing_weights(model: torch.nn.Module) -> list[str]:
+    """Give every experts module of ``ROUTING_WEIGHTS_CAST`` in ``model`` its routing weights (its third argument) in
+    the hidden states' dtype, so that the baseline trains under autocast; returns the classes it did this for."""
+
+    def cast(module, args):
+        hidden_states, top_k_index, top_k_weights = args
+        return hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype)
+
+    patched = set()
+    for module in model.modules():
+        if type(module).__name__ in ROUTING_WEIGHTS_CAST:
+            module.register_forward_pre_hook(cast)
+            patched.add(type(module).__name__)
+    return sorted(patched)
+
+
 class _TrainerRanks:
     """What ``ExpertUsage.reduce`` needs of a ``DistributedEnv``: a sum over the Trainer's ranks, if several."""
 
@@ -109,6 +133,8 @@ def main(argv: list[str]) -> int:
     # The same routers as the shardtune run: model.init_routing's weights depend only on the seed.
     set_init_routing(model, moe_blocks, config.model.init_routing, config.training.seed)
     routers = router_weights_digest(moe_blocks) if moe_blocks else None  # as set up, before any training
+    if workarounds := cast_routing_weights(model):
+        print(f"baseline: routing weights cast to the hidden states' dtype in {', '.join(workarounds)}", flush=True)
     if config.lora.enabled:
         # The same PEFT adapters as the shardtune run (plain get_peft_model; the same target modules).
         model = apply_lora(model, config.lora)
@@ -205,6 +231,7 @@ def main(argv: list[str]) -> int:
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "peak_tflops": config.logging.peak_tflops,
             "router_weights_sha256": routers,
+            "routing_weights_cast": workarounds,
             "versions": {
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

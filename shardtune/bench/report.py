@@ -127,7 +127,8 @@ def summarize_hf(out_dir: Path, warmup: int, model_config, seq: int) -> dict[str
         seq=seq,
     )
     return {**summary, "versions": record["versions"], "expert_load": expert_load(out_dir / USAGE_FILE, warmup),
-            "router_weights_sha256": record["router_weights_sha256"]}  # fmt: skip
+            "router_weights_sha256": record["router_weights_sha256"],
+            "routing_weights_cast": record.get("routing_weights_cast", [])}  # fmt: skip
 
 
 def format_report(results: dict[str, Any]) -> str:

@@ -282,6 +282,8 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
     # Here, not at the top: the command line's parser lists SHAPES, and transformers takes a second to import.
     from transformers import AutoConfig
 
+    from shardtune.model.load import read_pretrained_config
+
     if name in HUB_SHAPES:
         shape, differences = HUB_SHAPES[name]
         return shape_config(shape, layers, **{**differences, **overrides})
@@ -295,7 +297,7 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
         return AutoConfig.for_model(model_type, **values)
     path = Path(name)
     if path.is_file() or (path / "config.json").is_file():
-        config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+        config = read_pretrained_config(path.parent if path.is_file() else path)
         for key, value in overrides.items():
             setattr(config, key, value)
         if layers is not None:

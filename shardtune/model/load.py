@@ -6,8 +6,10 @@ and evaluation all build it the same way, with the same dtypes, attention and Lo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+import re
 from dataclasses import dataclass
 
 import peft
@@ -156,9 +158,62 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
 
 def load_model_config(config: ModelConfig) -> PretrainedConfig:
     use_the_cache_if_the_hub_is_out_of_reach(config.name_or_path)
-    return AutoConfig.from_pretrained(
+    return read_pretrained_config(
         config.name_or_path, revision=config.revision, trust_remote_code=config.trust_remote_code
     )
+
+
+_WHOLE_NUMBERS_SAID: set[str] = set()
+
+
+def read_pretrained_config(name_or_path, **options) -> PretrainedConfig:
+    """``AutoConfig.from_pretrained(name_or_path, **options)``, where a whole number stands in config.json for a
+    field transformers' typed config takes as a float only (DBRX's published config gives
+    ``moe_normalize_expert_weights`` as 1, which transformers refuses: huggingface_hub's StrictDataclassError) is read
+    as that float, with one log line a model. Any other refusal is raised as it was."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, **options)
+    except StrictDataclassError:
+        reading = {key: options[key] for key in ("revision", "local_files_only") if key in options}
+        values, _ = PretrainedConfig.get_config_dict(name_or_path, **reading)
+        model_type = values.get("model_type")
+        if model_type not in CONFIG_MAPPING or "auto_map" in values:
+            raise
+        config_class = CONFIG_MAPPING[model_type]  # a lazy mapping: its get() answers None
+        if not (read := _floats_for_whole_numbers(config_class, values)):
+            raise
+    config = config_class.from_dict(values)
+    if str(name_or_path) not in _WHOLE_NUMBERS_SAID:
+        _WHOLE_NUMBERS_SAID.add(str(name_or_path))
+        log.warning(
+            "%s: config.json gives %s as whole numbers, which transformers takes as floats only: read as floats",
+            name_or_path,
+            ", ".join(read),
+        )
+    return config
+
+
+def _floats_for_whole_numbers(config_class: type, values: dict) -> list[str]:
+    """Turn each int of ``values`` (a config.json's dict, changed in place) whose field ``config_class`` types as a
+    float and not an int into that float, in its sub-configs' dicts too; returns the keys it turned (dotted)."""
+    if not dataclasses.is_dataclass(config_class):
+        return []
+    types = {field.name: str(field.type) for field in dataclasses.fields(config_class)}
+    turned = []
+    for key, value in values.items():
+        sub_config = getattr(config_class, "sub_configs", {}).get(key)
+        if isinstance(value, dict) and dataclasses.is_dataclass(sub_config):
+            turned += [f"{key}.{name}" for name in _floats_for_whole_numbers(sub_config, value)]
+        elif type(value) is int and key in types:
+            # An annotation as written ("float | None") or as a type ("<class 'float'>").
+            named = set(re.findall(r"\b(float|int)\b", types[key]))
+            if named == {"float"}:
+                values[key] = float(value)
+                turned.append(key)
+    return turned
 
 
 def load_model(

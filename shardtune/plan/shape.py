@@ -192,9 +192,8 @@ def gpu_precision(config: Config) -> Precision:
 def planned_model_config(config: Config) -> tuple[PretrainedConfig, str]:
     """The model's architecture without its weights, and where it came from: the ``config.json`` of a local
     model directory, the hub's copy in this machine's Hugging Face cache, or bench's shape of a hub model."""
-    from transformers import AutoConfig
-
     from shardtune.bench.shapes import HUB_SHAPES, shape_config
+    from shardtune.model.load import read_pretrained_config
     from shardtune.train.preflight import read_model_config
 
     model = config.model
@@ -204,7 +203,7 @@ def planned_model_config(config: Config) -> tuple[PretrainedConfig, str]:
     if looks_local(model.name_or_path):
         return read_model_config(config), f"{model.name_or_path}/config.json"
     try:
-        cached = AutoConfig.from_pretrained(
+        cached = read_pretrained_config(
             model.name_or_path,
             revision=model.revision,
             trust_remote_code=model.trust_remote_code,

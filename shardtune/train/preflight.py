@@ -53,9 +53,9 @@ def read_model_config(config: Config) -> PretrainedConfig:
     try:
         model_config = load_model_config(model)
     except StrictDataclassError as error:
-        # transformers validates each config field's type: a config.json that breaks one (DBRX's published config
-        # gives moe_normalize_expert_weights as 1, which transformers 5.24 takes as a float only) is the user's to
-        # correct, and the field's name and the reason are on the message's two lines.
+        # transformers validates each config field's type: a config.json that breaks one (beyond a whole number for a
+        # float, which load.read_pretrained_config reads as that float) is the user's to correct, and the field's
+        # name and the reason are on the message's two lines.
         raise ConfigError(
             f"model.name_or_path: {model.name_or_path}: transformers refuses its config.json "
             f"({first_and_last_line(error)}); correct that value in the config.json"

@@ -213,3 +213,27 @@ def test_bench_of_an_architecture_without_sdpa_takes_what_it_runs(tmp_path, caps
     assert results["ratio"] > 0
     log = (out / "shardtune.log").read_text()
     assert "attention: eager" in log and "moe experts: fused" in log
+
+
+def test_the_hf_baseline_casts_the_routing_weights_autocast_leaves_dbrx_in_fp32():
+    """Under HF Trainer's bf16 autocast on a GPU, DBRX's router takes its softmax and p-norm in fp32, and
+    transformers' DBRX experts then refuse to index_add_ the fp32-weighted rows into bf16 hidden states: the
+    baseline's first DBRX run on an H200 stopped there. The baseline casts the weights to the hidden states' dtype,
+    as every other transformers MoE does itself, and the experts' output is the one bf16 weights give."""
+    from tiny_models import MORE_FUSED_MOE_ARCHITECTURES, tiny_config
+
+    from shardtune.bench.hf_baseline import cast_routing_weights
+
+    if "dbrx" not in MORE_FUSED_MOE_ARCHITECTURES:
+        pytest.skip("this transformers has no DBRX")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("dbrx"), dtype=torch.bfloat16)
+    experts = model.transformer.blocks[0].ffn.experts
+    hidden = torch.randn(6, model.config.d_model, dtype=torch.bfloat16)
+    index = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2).softmax(-1)  # fp32, as autocast's softmax leaves them
+    with pytest.raises(RuntimeError, match="must have the same scalar type"):
+        experts(hidden, index, weights)
+    expected = experts(hidden, index, weights.bfloat16())
+    assert cast_routing_weights(model) == ["DbrxExperts"]
+    torch.testing.assert_close(experts(hidden, index, weights), expected, rtol=0, atol=0)

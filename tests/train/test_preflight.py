@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL, make_config, write_jsonl
 from faulty_runs import run
+from transformers import AutoConfig
 
 from shardtune.config import load_config
 from shardtune.errors import ConfigError
@@ -81,22 +82,44 @@ def test_model_checks(tmp_path):
         check_model(too_long)
 
 
-def test_a_config_field_transformers_refuses_is_one_line_naming_it(tmp_path):
-    """DBRX's published config.json gives moe_normalize_expert_weights as 1, which transformers' typed config takes
-    as a float only: one line naming the model, the field and what to do (before: huggingface_hub's traceback)."""
-    model = tmp_path / "dbrx"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
+def _dbrx_config(directory, **ffn) -> Path:
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
         "model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 1000,
         "attn_config": {"clip_qkv": 8.0, "kv_n_heads": 2, "rope_theta": 10000.0},
-        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 1},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, **ffn},
     }))  # fmt: skip
+    return directory
+
+
+def test_a_whole_number_for_a_float_field_is_read_as_that_float(tmp_path, caplog):
+    """DBRX's published config.json gives moe_normalize_expert_weights as 1, which transformers' typed config takes
+    as a float only (huggingface_hub's StrictDataclassError: the model could not load as published). It is read as
+    1.0, with one line naming the field, and the config equals the one of a config.json that says 1.0."""
+    model = _dbrx_config(tmp_path / "dbrx", moe_normalize_expert_weights=1)
+    config = make_config(tmp_path, tmp_path / "data.jsonl", model={"name_or_path": str(model)})
+    with caplog.at_level("WARNING", logger="shardtune.model.load"):
+        read = check_model(config)
+        check_model(config)
+    assert read.ffn_config.moe_normalize_expert_weights == 1.0
+    written = AutoConfig.from_pretrained(_dbrx_config(tmp_path / "float", moe_normalize_expert_weights=1.0))
+    assert read.to_diff_dict() == written.to_diff_dict()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"{model}: config.json gives ffn_config.moe_normalize_expert_weights as whole numbers, which transformers "
+        "takes as floats only: read as floats"
+    ]
+
+
+def test_a_config_field_transformers_refuses_is_one_line_naming_it(tmp_path):
+    """A config.json value of the wrong kind (not a whole number for a float): one line naming the model, the field
+    and what to do (before: huggingface_hub's traceback)."""
+    model = _dbrx_config(tmp_path / "dbrx", moe_normalize_expert_weights="one")
     with pytest.raises(ConfigError) as error:
         check_model(make_config(tmp_path, tmp_path / "data.jsonl", model={"name_or_path": str(model)}))
     message = str(error.value)
     assert message.startswith(
         f"model.name_or_path: {model}: transformers refuses its config.json (Validation error for field "
-        "'moe_normalize_expert_weights': ... TypeError: Field 'moe_normalize_expert_weights' with value 1"
+        "'moe_normalize_expert_weights': ... TypeError: Field 'moe_normalize_expert_weights' with value 'one'"
     )
     assert message.endswith("; correct that value in the config.json") and "\n" not in message
 
