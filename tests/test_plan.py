@@ -576,3 +576,63 @@ def test_routed_rows_and_expert_adapters_are_read_from_each_expert_layout(tmp_pa
     moe_layers = shape.moe_layers
     assert moe_layers and all(layer.expert_row_width == (2 if gated else 1) * width for layer in moe_layers)
     assert all(layer.expert_adapter_rank == 8 for layer in moe_layers)
+
+
+def tiny_shape(tmp_path, arch: str, *overrides: str, **model_config):
+    """The planned shape of a tiny ``arch`` (``model_config`` changed in its config.json), bf16 as on a GPU."""
+    from tiny_models import COMMON, FUSED_MOE_ARCHITECTURES, write_tiny_model
+    from transformers import AutoConfig
+
+    from shardtune.config import load_config
+    from shardtune.plan.shape import planned_model_shape
+
+    directory = write_tiny_model(tmp_path / arch, arch)
+    AutoConfig.for_model(arch, **{**COMMON, **FUSED_MOE_ARCHITECTURES[arch], **model_config}).save_pretrained(directory)
+    config = load_config(QUICKSTART, [f"model.name_or_path={directory}", "lora.r=8", "lora.target_modules=null",
+                                      "lora.lora_dropout=0", *overrides], check_paths=False)  # fmt: skip
+    return config, planned_model_shape(config)[0]
+
+
+def test_jittered_tokens_keep_their_noise(tmp_path):
+    # Phi-3.5-MoE's block and its router each multiply the tokens by uniform noise in training: each noise tensor, h
+    # a token, is kept for the tokens' gradient (2h more in every MoE layer than with input_jitter_noise 0).
+    from dataclasses import replace
+
+    from shardtune.plan.memory import layer_token_bytes
+
+    config, shape = tiny_shape(tmp_path, "phimoe")
+    _, still = tiny_shape(tmp_path, "phimoe", input_jitter_noise=0.0)
+    assert shape.moe_layers and all(layer.jitter_noises == 2 for layer in shape.moe_layers)
+    assert all(layer.jitter_noises == 0 for layer in still.layers)
+    for layer in shape.moe_layers:
+        jittered = layer_token_bytes(shape, layer, config, compiled=True)
+        plain = layer_token_bytes(shape, replace(layer, jitter_noises=0), config, compiled=True)
+        assert jittered.mlp - plain.mlp == 2 * shape.hidden * shape.compute_bytes == 2 * 64 * 2
+        assert jittered.attention == plain.attention
+
+
+def test_sdpa_keeps_repeated_key_values_and_a_sliding_windows_mask(tmp_path):
+    # Gemma 4's sliding-window layer (window 16, 4 query heads on 2 key/value heads of 16) at 64 tokens a sequence
+    # takes a materialized mask: transformers repeats its key/value heads to the query heads (2 x (64 - 32) elements
+    # a token more) and sdpa keeps the additive mask it makes of it (64 elements a token, bf16). Its full-attention
+    # layer (heads of 32, one key/value head) gets no mask and takes GQA in sdpa: nothing more. Heads wider than 256
+    # are repeated even without a mask (use_gqa_in_sdpa).
+    from dataclasses import replace
+
+    from shardtune.plan.memory import layer_token_bytes
+
+    config, shape = tiny_shape(tmp_path, "gemma4_text", "data.max_length=64", "model.attn_implementation=sdpa")
+    sliding, full = shape.layers
+    assert (sliding.repeated_kv, sliding.sliding_mask) == (2 * (4 * 16 - 2 * 16), True)
+    assert (full.repeated_kv, full.sliding_mask) == (0, False)
+    plain = layer_token_bytes(shape, replace(sliding, repeated_kv=0, sliding_mask=False), config, compiled=True)
+    assert layer_token_bytes(shape, sliding, config, compiled=True).attention - plain.attention == (64 + 64) * 2
+    _, wide = tiny_shape(tmp_path, "gemma4_text", "data.max_length=64", "model.attn_implementation=sdpa",
+                         global_head_dim=512)  # fmt: skip
+    assert (wide.layers[1].repeated_kv, wide.layers[1].sliding_mask) == (2 * (4 * 512 - 512), False)
+    # No window shorter than the sequence: no mask, the heads go to sdpa as they are.
+    _, short = tiny_shape(tmp_path, "gemma4_text", "data.max_length=16", "model.attn_implementation=sdpa")
+    assert (short.layers[0].repeated_kv, short.layers[0].sliding_mask) == (0, False)
+    # Other attention implementations take no mask of this kind and repeat nothing.
+    _, eager = tiny_shape(tmp_path, "gemma4_text", "data.max_length=64", "model.attn_implementation=eager")
+    assert all((layer.repeated_kv, layer.sliding_mask) == (0, False) for layer in eager.layers)

@@ -107,10 +107,15 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       (qk-norm: their RMSNorm keeps its input; measured on Qwen3-30B-A3B's compiled layer,
       ``benchmarks/layer_recompute.py``: recomputing the attention frees 44.5 kB a token, 9.7 kB more than
       counted without this term);
+      under sdpa (``shape.sdpa_key_values``) also the key and value heads repeated to the query heads where
+      transformers repeats them (2(q - kv) more: a mask, or heads wider than 256) and, in a layer whose sliding window
+      is shorter than the sequence, the additive mask sdpa makes of its materialized mask (batch x S x S: S a token,
+      S the sequence length ``data.max_length``); measured on a tiny Gemma 4 layer compiled on CPU, each kept per
+      layer; Gemma 4 26B-A4B at 2 x 4,096 tokens: 4.2 GiB over its 30 layers;
       with a mixture of attention experts (JetMoE's, on transformers' code) also 2k(h + w) for its k query
       and output experts (w their width): each one's gathered input rows and its output rows;
     - dense MLP 2h + 3I: the residual, its normalized copy, gate, up and their product (SiLU recomputed);
-    - MoE block 2h + km' + 3s: per chosen expert (k of them, m wide) its first projection's output, m' wide
+    - MoE block 2h + km' + 3s (+ jh): per chosen expert (k of them, m wide) its first projection's output, m' wide
       (gated experts' gate/up, 2m; ungated ones' up, m: Nemotron-H's) (the routing weight multiplies the
       hidden activation, so the down projection's output rows are not kept, and frozen experts need no GEMM
       input), the shared experts (s wide) as a dense MLP; and the router's fp32 logits over the
@@ -121,6 +126,12 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       to +1.1% for Qwen3-30B-A3B (LoRA on attention, and on the routed experts too), GLM-4.5-Air (20 layers)
       and Mixtral-8x7B; the low end is the routed-expert run without checkpointing, where dropping the
       rows saved 10.5 GiB measured against 12.0 counted;
+      with jittered tokens also jh for its j multiplicative noise tensors (``shape.jitter_noises``: Phi-3.5-MoE's
+      block and router each draw one, Mixtral's block with router_jitter_noise, DBRX's router with moe_jitter_eps):
+      uniform noise shaped as the tokens, which the product's backward needs for the tokens' gradient and which
+      cannot be drawn again (measured on a tiny Phi-3.5-MoE layer, compiled on CPU: 2h more kept than with its
+      input_jitter_noise 0, with and without LoRA on the routed experts; Phi-3.5-MoE's 16 layers at 8,192 tokens:
+      2.0 GiB);
     - eager (uncompiled) layers also keep each RMSNorm's fp32 copy of its input and the SiLU output.
 
     Measured against Mistral-7B with LoRA on every projection, compiled, 512 to 16,384 tokens a micro-batch:
@@ -130,8 +141,9 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     h, q, kv, e = shape.hidden, shape.attention_width, shape.kv_width, shape.compute_bytes
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
     attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0) + layer.attention_expert_rows) * e
+    attention += (layer.repeated_kv + (config.data.max_length if layer.sliding_mask else 0)) * e
     if layer.num_experts:
-        elements = 2 * h + layer.top_k * layer.expert_row_width + 3 * layer.shared_width
+        elements = 2 * h + layer.top_k * layer.expert_row_width + 3 * layer.shared_width + layer.jitter_noises * h
         if layer.expert_adapter_rank:
             padded_rank = layer.expert_adapter_rank + -layer.expert_adapter_rank % 8
             elements += layer.top_k * 2 * padded_rank

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from shardtune.metrics.flops import TokenFlops
     from shardtune.model.load import Precision
+    from shardtune.model.moe import MoeBlock
 
 # Where configs of different families keep the MLP width (Llama, GPT-2, OPT, Falcon); 4 x hidden otherwise.
 MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
@@ -47,6 +48,14 @@ class LayerShape:
     # A mixture of attention experts (JetMoE's): per token, the elements its top_k query and output experts' rows keep
     # (``moe.ATTENTION_EXPERTS``, transformers' code; 0: none)
     attention_expert_rows: int = 0
+    # MoE: the multiplicative noise tensors its block draws over the tokens in training (``jitter_noises``), each kept
+    # for backward
+    jitter_noises: int = 0
+    # sdpa as transformers calls it (``sdpa_key_values``): the elements per token its key and value heads, repeated to
+    # the query heads, keep beyond the 2kv counted, and whether it takes a materialized mask (a sliding window shorter
+    # than the sequence)
+    repeated_kv: int = 0
+    sliding_mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         adapter_inputs = sum(module.in_features for module in layer.modules() if isinstance(module, LoraLinear))
         layer_params = sum(p.numel() for p in layer.parameters())
         block = blocks.get(index)
+        repeated_kv, sliding_mask = sdpa_key_values(layer, model.config, config.data.max_length)
         sublayers = layer_sublayers(layer) is not None
         qk_norm = any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for name, _ in layer.named_modules())
         attention_expert_rows = sum(
@@ -116,9 +126,10 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         if block is None:
             shapes.append(
                 LayerShape(
-                    mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm, attention_expert_rows
+                    mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm,
+                    attention_expert_rows, 0, repeated_kv, sliding_mask,
                 )
-            )
+            )  # fmt: skip
             continue
         expert_params = sum(p.numel() for p in block.experts.parameters())
         shared = block.block.get_submodule(block.shared_name) if block.shared_name else None
@@ -145,6 +156,9 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 sublayers=sublayers,
                 qk_norm=qk_norm,
                 attention_expert_rows=attention_expert_rows,
+                jitter_noises=jitter_noises(block),
+                repeated_kv=repeated_kv,
+                sliding_mask=sliding_mask,
             )
         )
     routed = routed_expert_trainable(list(blocks.values()), model)
@@ -163,6 +177,54 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         routed_trainable=routed,
         loss_head_vocab=head_vocab(model),
     )
+
+
+def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, bool]:
+    """What transformers' sdpa attention (``integrations.sdpa_attention``) keeps in ``layer`` beyond the key and value
+    heads themselves: (elements per token, whether it takes a materialized mask).
+
+    A layer whose window (``sliding_window``) is shorter than the sequence gets a materialized mask: sdpa turns it
+    into an additive one in the compute dtype (batch x 1 x S x S, kept for backward by each layer's attention: S
+    elements a token). Key and value heads fewer than the query heads go to sdpa as they are (``enable_gqa``) only
+    with no mask and heads of at most 256 (``use_gqa_in_sdpa``); otherwise ``repeat_kv`` copies them to the query
+    heads, and those copies are what attention keeps: 2(q - kv) elements a token more than 2kv (Gemma 4's
+    sliding-window layers, 16 query heads on 8 key/value ones of 256, and its full-attention layers, 512 wide)."""
+    attention = next(
+        (
+            module
+            for module in layer.modules()
+            if all(hasattr(module, name) for name in ("num_key_value_groups", "head_dim"))
+        ),
+        None,
+    )
+    if attention is None or model_config._attn_implementation != "sdpa":
+        return 0, False
+    window = getattr(attention, "sliding_window", None)
+    masked = bool(window) and window < max_length
+    groups = attention.num_key_value_groups
+    if groups <= 1 or (not masked and attention.head_dim <= 256):
+        return 0, masked
+    width = model_config.get_text_config().num_attention_heads * attention.head_dim
+    return 2 * (width - width // groups), masked
+
+
+def jitter_noises(block: MoeBlock) -> int:
+    """How many multiplicative noise tensors ``block`` draws over its tokens in training, as the fused block draws them
+    (``FusedMoeBlock``: the block's, Mixtral's jitter_noise and Phi-3.5-MoE's input_jitter_noise, and its router's,
+    Phi-3.5-MoE's input_jitter_noise again and DBRX's moe_jitter_eps), or transformers' block under the same names.
+    Each is a token-shaped tensor that multiplies the tokens, so autograd keeps it for their gradient."""
+    from shardtune.model.fused_moe import FusedMoeBlock, parameter_adapters
+
+    module = block.block
+    if isinstance(module, FusedMoeBlock):
+        noises = (module.jitter_noise, module.router_jitter_noise)
+    else:
+        router = parameter_adapters(block.router_child)[0]
+        noises = (
+            getattr(module, "jitter_noise", None) or getattr(module, "input_jitter_noise", None),
+            getattr(router, "input_jitter_noise", None) or getattr(router, "moe_jitter_eps", None),
+        )
+    return sum(1 for noise in noises if noise and noise > 0)
 
 
 def model_shape_on(config: Config, device: torch.device) -> ModelShape:
