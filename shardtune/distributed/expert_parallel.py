@@ -29,9 +29,11 @@ from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import (
     EXPERT_PARALLEL_LAYOUTS,
+    SLAB_EXPERTS,
     FusedMoeBlock,
     Permute,
     expert_activation,
+    expert_slabs,
     input_projection,
     unsupported_layout,
 )
@@ -107,9 +109,10 @@ def fused_blocks(model: torch.nn.Module) -> list[FusedMoeBlock]:
 def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     """Keep only this rank's run of routed experts (weights and their LoRA adapters) in every fused MoE block
     and give each block its token exchange; returns the number of blocks. Every layout of ``EXPERT_PARALLEL_LAYOUTS`` is
-    taken; the block's other children (router, shared experts, Nemotron-H's latent projections) stay whole, and so
-    does the rest of a decoder layer whose experts sit beside its router (Gemma 4's: ``FusedRouter``). The tensors
-    may be on the meta device (before their weights arrive, see ``parallelize``)."""
+    taken (DBRX's 2-D slabs keep the rows of the rank's experts); the block's other children (router, shared experts,
+    Nemotron-H's latent projections) stay whole, and so does the rest of a decoder layer whose experts sit beside its
+    router (Gemma 4's: ``FusedRouter``). The tensors may be on the meta device (before their weights arrive, see
+    ``parallelize``)."""
     blocks = fused_blocks(model)
     if not blocks:
         raise ConfigError(
@@ -144,15 +147,18 @@ def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
 # holds expert e at index e of its first dimension, whether (E, out, in) or transposed (E, in, out) (Llama 4's), or
 # (E, out) for a bias: a run of experts is a run of that dimension.
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# Slab experts' weights (fused_moe.SLAB_EXPERTS: DBRX's mlp.w1, mlp.v1, mlp.w2), by their last two names: 2-D
+# (E*I, H) slabs, expert e's rows e*I..(e+1)*I, so a run of experts is a run of rows (the same kind, ``experts``).
+SLAB_WEIGHTS = {(holder, name) for holder, *names in SLAB_EXPERTS.values() for name in names}
 
 
 def tensor_kind(name: str) -> str | None:
     """The kind of a routed-expert tensor, by its parameter name under the experts module: ``experts``
-    (E, ..., one of ``EXPERT_WEIGHTS``), ``lora_A`` (r*E, in: expert e's rows e*r..(e+1)*r), ``lora_B`` (out, r*E:
-    expert e's columns e, e+E, ...), as PEFT lays out the factors of any of them (of a transposed weight too, whose
-    in and out it swaps); None for others."""
+    (E, ..., one of ``EXPERT_WEIGHTS``; or E*I rows, a slab of ``SLAB_WEIGHTS``), ``lora_A`` (r*E, in: expert e's rows
+    e*r..(e+1)*r), ``lora_B`` (out, r*E: expert e's columns e, e+E, ...), as PEFT lays out the factors of any of them
+    (of a transposed weight too, whose in and out it swaps); None for others."""
     last = without_wrappers(name).split(".")
-    if last[-1] in EXPERT_WEIGHTS:
+    if last[-1] in EXPERT_WEIGHTS or tuple(last[-2:]) in SLAB_WEIGHTS:
         return "experts"
     if len(last) >= 3 and last[-3] in ("lora_A", "lora_B") and last[-1] == "weight":
         return last[-3]
@@ -166,8 +172,9 @@ def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: range) -> torch.Tensor:
     first, count = experts.start, len(experts)
-    if kind == "experts":
-        return tensor[first : first + count].clone()
+    if kind == "experts":  # a row of the first dimension per expert, or a slab's rows of each (I)
+        rows = tensor.shape[0] // num_experts
+        return tensor[first * rows : (first + count) * rows].clone()
     if kind == "lora_A":
         rank = tensor.shape[0] // num_experts
         return tensor[first * rank : (first + count) * rank].clone()
@@ -179,13 +186,15 @@ def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: ran
 
 def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
     """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor: those of
-    each ``experts`` module holding 3-D ``gate_up_proj`` weights (ungated experts: ``up_proj``), fused or not (an
-    export's model is not)."""
+    each ``experts`` module holding 3-D ``gate_up_proj`` weights (ungated experts: ``up_proj``; DBRX's: 2-D slabs),
+    fused or not (an export's model is not)."""
     names: dict[str, tuple[str, int]] = {}
     for module_name, module in model.named_modules():
         if module_name.rpartition(".")[2] != "experts":
             continue
-        first = getattr(_base_experts(module), input_projection(expert_activation(_base_experts(module))), None)
+        base = _base_experts(module)
+        slabs = expert_slabs(base)
+        first = slabs[0] if slabs is not None else getattr(base, input_projection(expert_activation(base)), None)
         if not isinstance(first, torch.Tensor):
             continue
         parent = model.get_submodule(module_name.rpartition(".")[0])

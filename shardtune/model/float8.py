@@ -66,6 +66,23 @@ def quantize_expert_weight(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return values, scales, values_t, scales_t
 
 
+def quantize_gate_and_up(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gate and up expert weights held apart, (E, I, H) each (DBRX's slabs), quantized as ``quantize_expert_weight``
+    quantizes their (E, 2I, H) concatenation [gate | up], which is never built: the forward's (values, scales) of gate
+    and of up apart (rows of the concatenation's, each scaled per row), then (values, scales) of [gate | up]^T
+    (E, H, 2I), whose columns' scales span both, for the input gradient's one GEMM; one expert at a time."""
+    experts, width, fan_in = gate.shape
+    gate_values, up_values = (torch.empty(experts, width, fan_in, dtype=FLOAT8, device=gate.device) for _ in range(2))
+    gate_scales, up_scales = (torch.empty(experts, width, dtype=torch.float32, device=gate.device) for _ in range(2))
+    values_t = torch.empty(experts, fan_in, 2 * width, dtype=FLOAT8, device=gate.device)
+    scales_t = torch.empty(experts, fan_in, dtype=torch.float32, device=gate.device)
+    for expert in range(experts):
+        gate_values[expert], gate_scales[expert] = rowwise_float8(gate[expert])
+        up_values[expert], up_scales[expert] = rowwise_float8(up[expert])
+        values_t[expert], scales_t[expert] = rowwise_float8(torch.cat([gate[expert], up[expert]]).t())
+    return gate_values, gate_scales, up_values, up_scales, values_t, scales_t
+
+
 def resolve_float8_grouped_gemm(requested: str, device: torch.device) -> str:
     """The float8 experts' grouped GEMM for ``model.grouped_gemm`` ``requested`` on ``device``: ``triton``
     (shardtune's kernel, ``float8_grouped_kernel.py``: the same output as torch's, faster where it was measured)

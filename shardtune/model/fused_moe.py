@@ -48,6 +48,7 @@ from shardtune.model.float8 import (
     float8_grouped_mm,
     gathered_rowwise_float8,
     quantize_expert_weight,
+    quantize_gate_and_up,
     resolve_float8_grouped_gemm,
     rowwise_float8,
 )
@@ -106,18 +107,18 @@ SECOND_OUTPUT = {"GptOssMLP": "weights", "Llama4TextMoe": "logits"}
 OUTPUT_BIAS = {"JetMoeMoE": "bias"}
 
 # The routed-expert layouts (``expert_activation``) that float8 experts and expert parallelism take: expert e at index
-# e of each weight's first dimension (of a bias's too), the activation one of the weighted ones below; ``identity``:
+# e of each weight's first dimension (of a bias's too; a 2-D slab's rows e*I..(e+1)*I, ``split_silu``), the activation
+# one of the weighted ones below; ``identity``:
 # identity experts (IDENTITY_EXPERTS) beside the GEMM experts of any of them. Float8 experts add GPT-OSS's biases in
 # their own dtype after the float8 GEMMs. Expert parallelism does not take identity experts: LongCat-Flash's
 # gate_up_proj holds a row for each of them that its down_proj has not, so no run of experts is the same slice of
 # both tensors, which the expert-sharded checkpoints' views (one shard of the expert dimension each) need.
-EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu", "gelu_tanh")
+EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu", "gelu_tanh", "split_silu")
 FLOAT8_LAYOUTS = (*EXPERT_PARALLEL_LAYOUTS, "identity")
 # What a layout, or identity experts, have that one of them does not take, for its refusal.
 LAYOUT_TRAITS = {
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
     "pair": "experts held as two modules of their block, input_linear and output_linear",  # ExpertPair (JetMoE's)
-    "split_silu": "2-D slabs of every expert's gate, up and down weights",
 }
 
 # Experts whose last ids are "zero-computation" identities, by class name: the attribute that holds how many. An
@@ -128,9 +129,18 @@ IDENTITY_EXPERTS = {"LongcatFlashExperts": "zero_expert_num"}
 
 # Experts that hold each projection as one 2-D (experts x width, hidden) slab of every expert, by class name: the child
 # holding them and the names of gate, up and down (DBRX's DbrxExperts: mlp.w1, mlp.v1, mlp.w2). Expert e's rows are
-# e*I..(e+1)*I of each, so (E, I, H) views of them are the weights, with no copy: gate and up (E, out, in), down
-# (E, in, out) (h @ w2_e) (``expert_slabs``; ``expert_activation``: ``split_silu``).
+# e*I..(e+1)*I of each (I the experts' ffn_hidden_size), so (E, I, H) views of them are the weights, with no copy: gate
+# and up (E, out, in), down (E, in, out) (h @ w2_e) (``expert_slabs``; ``expert_activation``: ``split_silu``). Under
+# expert parallelism a rank's slabs hold the rows of its run of experts; with float8 experts the slabs hold e4m3 values
+# (``use_float8_experts``).
 SLAB_EXPERTS = {"DbrxExperts": ("mlp", "w1", "v1", "w2")}
+
+
+def slab_names(experts: torch.nn.Module) -> tuple[str, ...] | None:
+    """``SLAB_EXPERTS``' names of slab ``experts`` (under no PEFT wrapper), or None: looked up by their class or the
+    class FSDP made of it (FSDPDbrxExperts, whose bases hold DbrxExperts), as ``routed_experts`` finds them in every
+    forward."""
+    return next((SLAB_EXPERTS[cls.__name__] for cls in type(experts).__mro__ if cls.__name__ in SLAB_EXPERTS), None)
 
 
 # SiLU-gated experts that clamp the gate from above and up on both sides at a limit first (a SwiGLU limit), by class
@@ -153,7 +163,7 @@ def expert_activation(experts: torch.nn.Module) -> str | None:
     ``SLAB_EXPERTS``)."""
     if type(experts).__name__ == "GptOssExperts":
         return "clamped_glu"
-    if (slabs := SLAB_EXPERTS.get(type(experts).__name__)) is not None:
+    if (slabs := slab_names(experts)) is not None:
         act_fn = getattr(getattr(experts, slabs[0]), "activation_fn", None)
         return "split_silu" if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else None
     if getattr(experts, "has_bias", False):
@@ -201,13 +211,14 @@ def expert_row_width(experts: torch.nn.Module) -> int | None:
 
 def expert_slabs(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Slab experts' (``SLAB_EXPERTS``: DBRX's; transformers' module, under no wrapper) gate, up and down weights as
-    (E, I, H) views of their 2-D slabs, no copy: gate and up (E, out, in), down (E, in, out); None for other experts."""
-    names = SLAB_EXPERTS.get(type(experts).__name__)
+    (E, I, H) views of their 2-D slabs, no copy: gate and up (E, out, in), down (E, in, out); None for other experts.
+    E is the experts the slabs hold: under expert parallelism this rank's run of them."""
+    names = slab_names(experts)
     if names is None:
         return None
     holder = getattr(experts, names[0])
     return tuple(
-        getattr(holder, name).view(experts.num_experts, -1, getattr(holder, name).shape[-1]) for name in names[1:]
+        getattr(holder, name).view(-1, experts.ffn_hidden_size, getattr(holder, name).shape[-1]) for name in names[1:]
     )
 
 
@@ -377,9 +388,9 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
     operand, or for transposed weights (Llama 4's, GPT-OSS's) the input gradient's), with the scales and the
     transpose's copy as buffers beside it (``_float8_weight``), so the bf16 weight's memory is freed. Every layout in
     ``FLOAT8_LAYOUTS`` (gated, transposed, ungated, with a SwiGLU limit, GELU-tanh-gated, GPT-OSS's, identity experts
-    beside them) is taken; GPT-OSS's biases stay in their dtype, LongCat-Flash's gate_up_proj rows of its identity
-    experts are quantized with the others and never read. Only the adapter is ever saved from such a model: the
-    checkpoints and ``final/`` of LoRA hold trainable parameters only."""
+    beside them, DBRX's 2-D slabs: ``_quantize_slabs``) is taken; GPT-OSS's biases stay in their dtype, LongCat-Flash's
+    gate_up_proj rows of its identity experts are quantized with the others and never read. Only the adapter is ever
+    saved from such a model: the checkpoints and ``final/`` of LoRA hold trainable parameters only."""
     blocks = [module for module in model.modules() if isinstance(module, FusedMoeBlock)]
     if not blocks:
         raise ConfigError(
@@ -394,15 +405,20 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
                 f"model.float8_experts: {type(experts).__name__} ({layout}) has no float8 path; set it to false"
             )
         names = (input_projection(activation), "down_proj")
-        backend = resolve_float8_grouped_gemm(grouped_gemm, getattr(experts, names[0]).device)
+        slabs = expert_slabs(experts)
+        weights = slabs if slabs is not None else tuple(getattr(experts, name) for name in names)
+        backend = resolve_float8_grouped_gemm(grouped_gemm, weights[0].device)
         block.experts.float8_grouped_gemm = backend  # read by routed_experts, as grouped_gemm is
+        if any(weight.requires_grad for weight in weights):
+            raise ConfigError(
+                "model.float8_experts: the routed experts train in this run; float8 is for frozen ones "
+                "(lora.enabled: true, the experts' weights frozen); set it to false"
+            )
+        if slabs is not None:
+            _quantize_slabs(experts)
+            continue
         for name in names:
             weight = getattr(experts, name)
-            if weight.requires_grad:
-                raise ConfigError(
-                    "model.float8_experts: the routed experts train in this run; float8 is for frozen ones "
-                    "(lora.enabled: true, the experts' weights frozen); set it to false"
-                )
             # Quantized as the parameter is laid out: (E, out, in) weights hold the forward's operand, transposed
             # (E, in, out) ones (Llama 4's) the input gradient's, and the *_t buffers the other (_float8_weight).
             values, scales, values_t, scales_t = quantize_expert_weight(weight.detach())
@@ -415,6 +431,58 @@ def use_float8_experts(model: torch.nn.Module, grouped_gemm: str = "auto") -> tu
             experts.register_buffer(f"{name}_t", values_t, persistent=False)
             experts.register_buffer(f"{name}_t_scale", scales_t, persistent=False)
     return len(blocks), backend
+
+
+def _quantize_slabs(experts: torch.nn.Module) -> None:
+    """``use_float8_experts`` for slab experts (``SLAB_EXPERTS``: DBRX's), each slab keeping its parameter object,
+    name and (E*I, H) shape, the buffers beside it in its module: gate and up (w1, v1) hold the forward's e4m3 values,
+    each expert's rows scaled per row (``w1_scale``, ``v1_scale``, (E, I)), as the [gate | up] rows of a gate_up_proj
+    are; ``w1_v1_t`` (E, H, 2I) holds each expert's [gate | up]^T scaled per row (``w1_v1_t_scale``, (E, H)), the input
+    gradient's one GEMM, as a gate_up_proj's ``_t`` buffer does (``quantize_gate_and_up``); down (w2), whose rows are
+    each expert's W_e^T (in, out), holds them scaled per row, the input gradient's operand, and ``w2_t`` (E, H, I) W_e's
+    (the forward's), as transposed weights (Llama 4's) do. The forward's values are the rows of the weights that
+    ``quantize_expert_weight`` would give the (E, 2I, H) concatenation of gate and up and the (E, H, I) down, so the
+    experts compute what the ``silu`` layout's float8 experts compute of those weights."""
+    holder_name, gate_name, up_name, down_name = slab_names(experts)
+    holder = getattr(experts, holder_name)
+    gate, up, down = (slab.detach() for slab in expert_slabs(experts))
+    gate_values, gate_scales, up_values, up_scales, values_t, scales_t = quantize_gate_and_up(gate, up)
+    down_values, down_scales, down_values_t, down_scales_t = quantize_expert_weight(down)
+    del gate, up, down  # the bf16 slabs go with the parameters' old data
+    for name, values, scales in (
+        (gate_name, gate_values, gate_scales), (up_name, up_values, up_scales), (down_name, down_values, down_scales)
+    ):  # fmt: skip
+        slab = getattr(holder, name)
+        slab.data = values.view(slab.shape)  # the same parameter object (use_float8_experts says why)
+        holder.register_buffer(f"{name}_scale", scales, persistent=False)
+    holder.register_buffer(f"{gate_name}_{up_name}_t", values_t, persistent=False)
+    holder.register_buffer(f"{gate_name}_{up_name}_t_scale", scales_t, persistent=False)
+    holder.register_buffer(f"{down_name}_t", down_values_t, persistent=False)
+    holder.register_buffer(f"{down_name}_t_scale", down_scales_t, persistent=False)
+
+
+def _float8_slabs(
+    experts: torch.nn.Module, slabs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+    """The float8 forms of slab experts' gate/up and down that ``_quantize_slabs`` made, as ``Float8Experts`` takes
+    them: gate's and up's forward (values, scales) apart, then [gate | up]^T's (values, scales); down's as a
+    transposed weight's (``_float8_weight``); (None, None) for slabs in their own dtype. ``slabs``: their
+    ``expert_slabs`` views, the forward's e4m3 values of gate and up and down's transposed ones."""
+    holder_name, gate_name, up_name, down_name = slab_names(experts)
+    holder = getattr(experts, holder_name)
+    if not hasattr(holder, f"{gate_name}_scale"):
+        return None, None
+    gate, up, down = slabs
+    gate_up_t = f"{gate_name}_{up_name}_t"
+    gate_up = (
+        gate, getattr(holder, f"{gate_name}_scale"), up, getattr(holder, f"{up_name}_scale"),
+        getattr(holder, gate_up_t), getattr(holder, f"{gate_up_t}_scale"),
+    )  # fmt: skip
+    down_forms = (
+        getattr(holder, f"{down_name}_t"), getattr(holder, f"{down_name}_t_scale"), down,
+        getattr(holder, f"{down_name}_scale"),
+    )  # fmt: skip
+    return gate_up, down_forms
 
 
 def _float8_weight(
@@ -932,8 +1000,11 @@ def routed_experts(
     if identities:  # the GEMM experts' bounds; the rows after them, (pairs, 1) True, are the identity experts'
         bounds = bounds[: gate_up.shape[0] + 1]
         identity_rows = (torch.arange(order.shape[0], device=order.device) >= bounds[-1]).unsqueeze(-1)
-    gate_up_float8 = _float8_weight(experts, input_projection(activation), transposed, gate_up.shape[0])
-    down_float8 = _float8_weight(experts, "down_proj", transposed)
+    if slabs is not None:  # gate's and up's forms apart (Float8Experts takes them so), down's as a transposed weight's
+        gate_up_float8, down_float8 = _float8_slabs(experts, slabs)
+    else:
+        gate_up_float8 = _float8_weight(experts, input_projection(activation), transposed, gate_up.shape[0])
+        down_float8 = _float8_weight(experts, "down_proj", transposed)
     # LoRA on attention, the MoE default; not for experts that take weighted rows (Llama 4's): those are not the tokens,
     # nor for biased ones (GPT-OSS's, _clamped_glu_experts: float8 products, then the biases).
     if (
@@ -975,7 +1046,9 @@ def routed_experts(
             outputs = receive_back(outputs)
         return SumRows.apply(outputs, order, inverse, top_k)
     gate_up_adapters = adapters.get(input_projection(activation), [])
-    if slabs is not None:  # no adapters (lora.moe_targets refuses routed_experts), no float8 (refused)
+    if slabs is not None:
+        # No adapters (lora.moe_targets refuses routed_experts); float8 slabs took Float8Experts above (they have no
+        # adapters, and float8 experts no dispatch: expert parallelism shards them under FSDP, which float8 refuses).
         projected = torch.cat([_projection(rows, weight, [], bounds, dtype, backend) for weight in (gate_up, up)], -1)
     else:
         projected = _projection(
@@ -1262,7 +1335,10 @@ class Float8Experts(torch.autograd.Function):
     ``activation`` ``relu2`` (``WeightedReluSquared``'s), ``gelu_tanh`` and a SwiGLU ``limit`` (``WeightedSiluMul``'s
     GELU and clamp). With ``identity_rows`` ((pairs, 1) True for identity experts' rows, which the GEMMs over the GEMM
     experts' ``bounds`` leave unwritten) those rows are set to 0 in every GEMM's output, forward and backward, as
-    ``routed_experts`` does; their tokens' identity term is the caller's. Gives the tokens' and the routing weights'
+    ``routed_experts`` does; their tokens' identity term is the caller's. ``weights``: gate/up's (values, scales,
+    values_t, scales_t) (``Float8Product``'s forms), or for gate and up held apart (DBRX's slabs, ``_float8_slabs``)
+    gate's (values, scales), up's and then their concatenation's (values_t, scales_t): two forward GEMMs whose outputs
+    are the [gate | up] halves, one backward GEMM; then down's four forms. Gives the tokens' and the routing weights'
     gradients."""
 
     @staticmethod
@@ -1270,12 +1346,14 @@ class Float8Experts(torch.autograd.Function):
         ctx, tokens, row_weights, token_of_row, inverse, top_k: int, bounds, backend: str, activation: str,
         limit: float | None, identity_rows: torch.Tensor | None, *weights,
     ):  # fmt: skip
-        gate_up_values, gate_up_scales, gate_up_values_t, gate_up_scales_t = weights[:4]
-        down_values, down_scales, down_values_t, down_scales_t = weights[4:]
+        gate_up_forward, (gate_up_values_t, gate_up_scales_t) = weights[:-6], weights[-6:-4]
+        down_values, down_scales, down_values_t, down_scales_t = weights[-4:]
         rows = gathered_rowwise_float8(tokens, token_of_row)
-        projected = _written(
-            float8_grouped_mm(*rows, gate_up_values, gate_up_scales, bounds, tokens.dtype, backend), identity_rows
-        )  # fmt: skip
+        projected = [
+            float8_grouped_mm(*rows, values, scales, bounds, tokens.dtype, backend)
+            for values, scales in zip(gate_up_forward[::2], gate_up_forward[1::2], strict=True)
+        ]
+        projected = _written(projected[0] if len(projected) == 1 else torch.cat(projected, dim=-1), identity_rows)
         hidden = _weighted_activation_float8(projected, row_weights, limit, activation)
         output = _written(
             float8_grouped_mm(*hidden, down_values, down_scales, bounds, tokens.dtype, backend), identity_rows
@@ -1285,6 +1363,7 @@ class Float8Experts(torch.autograd.Function):
             down_values_t, down_scales_t,
         )  # fmt: skip
         ctx.top_k, ctx.backend, ctx.activation, ctx.limit = top_k, backend, activation, limit
+        ctx.weights = len(weights)
         return _sum_rows(output, inverse, top_k)
 
     @staticmethod
@@ -1301,7 +1380,8 @@ class Float8Experts(torch.autograd.Function):
         grad_rows = float8_grouped_mm(
             *grad_projected, gate_up_values_t, gate_up_scales_t, bounds, grad.dtype, ctx.backend
         )  # fmt: skip
-        return _sum_rows(_written(grad_rows, identity_rows), inverse, ctx.top_k), grad_weights, *([None] * 16)
+        grad_tokens = _sum_rows(_written(grad_rows, identity_rows), inverse, ctx.top_k)
+        return grad_tokens, grad_weights, *[None] * (8 + ctx.weights)
 
 
 def _written(rows: torch.Tensor, identity_rows: torch.Tensor | None) -> torch.Tensor:

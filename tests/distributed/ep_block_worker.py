@@ -19,7 +19,13 @@ from transformers import AutoModelForCausalLM
 from shardtune.distributed.env import DistributedEnv
 from shardtune.distributed.expert_parallel import shard_experts
 from shardtune.distributed.parallelize import decoder_layers
-from shardtune.model.fused_moe import FusedRouter, input_projection, parameter_adapters, use_fused_experts
+from shardtune.model.fused_moe import (
+    SLAB_EXPERTS,
+    FusedRouter,
+    input_projection,
+    parameter_adapters,
+    use_fused_experts,
+)
 
 TOKENS = 12
 
@@ -48,9 +54,17 @@ def output_of(block: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output  # Llama 4's block returns its router logits too
 
 
-def expert_weights(block: torch.nn.Module) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
-    """The routed experts' two weights (gate_up_proj or, ungated, up_proj; down_proj)."""
+def expert_weights(block: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
+    """The routed experts' weights (gate_up_proj or, ungated, up_proj; down_proj; DBRX's three 2-D slabs)."""
+    if (slabs := SLAB_EXPERTS.get(type(block.experts).__name__)) is not None:
+        holder, *names = slabs
+        return tuple(getattr(getattr(block.experts, holder), name) for name in names)
     return getattr(block.experts, input_projection(block.experts.activation)), block.experts.down_proj
+
+
+def per_expert(tensor: torch.Tensor, experts: int) -> torch.Tensor:
+    """``tensor`` with a first dimension per expert: a 3-D weight as it is, a 2-D slab's rows (E*I, H) as (E, I, H)."""
+    return tensor.reshape(experts, -1, tensor.shape[-1])
 
 
 def _grad(param: torch.nn.Parameter) -> torch.Tensor:
@@ -78,7 +92,12 @@ def run(out: Path, arch: str) -> None:
         "output_matches": bool(torch.allclose(output, expected, rtol=1e-5, atol=1e-6)),
         "input_grad_matches": bool(torch.allclose(same_tokens.grad, tokens.grad, rtol=1e-5, atol=1e-6)),
         "expert_grads_match": all(
-            torch.allclose(local, whole[mine.start : mine.stop], rtol=1e-5, atol=1e-6)
+            torch.allclose(
+                per_expert(local, len(mine)),
+                per_expert(whole, block.num_routed_experts)[mine.start : mine.stop],
+                rtol=1e-5,
+                atol=1e-6,
+            )
             for local, whole in zip(local_grads, whole_grads, strict=True)
         ),
         "expert_grad_abs_sum": float(sum(grad.abs().sum() for grad in local_grads)),

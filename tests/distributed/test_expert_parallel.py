@@ -5,8 +5,9 @@ rank with no token (whose experts also receive none) neither hangs nor errs; bad
 
 By default (CI) Qwen3-MoE runs; ``python -m pytest -m expert_parallel`` adds Mixtral, GLM-4.5 (Glm4Moe) and the other
 expert layouts: Llama 4 (transposed), Nemotron-H (ungated, latent projections), HY-V4 (a SwiGLU limit), GPT-OSS
-(biased) and Gemma 4 (GELU-tanh-gated, beside the dense MLP); CI also runs the 2-rank block test of Nemotron-H,
-GPT-OSS and Gemma 4.
+(biased), Gemma 4 (GELU-tanh-gated, beside the dense MLP) and DBRX (2-D slabs, which take no LoRA: LoRA on its
+attention and router, and full fine-tuning); CI also runs the 2-rank block test of Nemotron-H, GPT-OSS, Gemma 4 and
+DBRX.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ STEPS = 4
 SAVE_AT = 2
 # LoRA on attention and the routed experts, the balance loss on: every piece EP touches.
 EXPERTS = ["lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01"]
+# Architectures whose routed experts take no LoRA (DBRX's 2-D slabs, lora.moe_targets refuses them): their runs adapt
+# the router beside the attention, the part of the block their adapters then hold.
+MOE_TARGETS = {"dbrx": "router"}
 EP2 = ["parallel.expert_parallel_size=2"]
 SAVES = [f"training.save_steps={SAVE_AT}", "training.checkpoint_mode=full"]
 # Adapters after a few Adam steps, across reduction orders: Adam's normalized update amplifies the last-bit
@@ -55,16 +59,22 @@ class Runs:
     def model(self, arch: str) -> Path:
         return write_tiny_model(self.root / "models" / arch, arch)
 
+    def common(self, arch: str) -> list[str]:
+        targets = [f"lora.moe_targets=[attention,{MOE_TARGETS[arch]}]"] if arch in MOE_TARGETS else []
+        model = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
+        return [*model, *EXPERTS, *targets]
+
     def get(self, arch: str, name: str, nproc: int, *overrides: str, steps: int = STEPS) -> dict:
         key = (arch, name)
         if key not in self.done:
-            common = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
-            self.done[key] = train(self.root, f"{arch}-{name}", nproc, *common, *EXPERTS, *overrides, steps=steps)
+            self.done[key] = train(self.root, f"{arch}-{name}", nproc, *self.common(arch), *overrides, steps=steps)
         return self.done[key]
 
     def single(self, arch: str) -> dict:
-        """One worker, two micro-batches of 2 a step: the global batch of 2 workers with 2 each."""
-        return self.get(arch, "single", 1, "training.gradient_accumulation_steps=2", *SAVES)
+        """One worker, two micro-batches of 2 a step: the global batch of 2 workers with 2 each; merged at the end for
+        an architecture whose experts take no LoRA (its frozen experts' weights whole, for the EP run's to match)."""
+        merged = ["training.merge_final=true"] if arch in MOE_TARGETS else []
+        return self.get(arch, "single", 1, "training.gradient_accumulation_steps=2", *SAVES, *merged)
 
     def ep2(self, arch: str) -> dict:
         return self.get(arch, "ep2", 2, *EP2, *SAVES, "training.merge_final=true")
@@ -80,9 +90,8 @@ class Runs:
                     shutil.rmtree(path)
             for finished in ("final", "final-merged"):
                 shutil.rmtree(out / finished, ignore_errors=True)
-            common = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
             self.done[key] = train(
-                self.root, out.name, nproc, *common, *EXPERTS, *overrides, *SAVES,
+                self.root, out.name, nproc, *self.common(arch), *overrides, *SAVES,
                 "training.resume_from_checkpoint=auto", steps=STEPS,
             )  # fmt: skip
         return self.done[key]
@@ -120,9 +129,10 @@ def adapter(directory: Path) -> dict:
     return load_file(directory / "adapter_model.safetensors")
 
 
-def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS) -> None:
+def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS, part: str = "experts") -> None:
+    """The same tensors, adapters of the MoE block's ``part`` among them (the routed experts, or MOE_TARGETS')."""
     assert sorted(mine) == sorted(theirs)
-    assert any("experts" in name for name in mine)
+    assert any(part in name for name in mine)
     for name, tensor in mine.items():
         assert tensor.shape == theirs[name].shape, name
         assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=rel, abs=abs), name
@@ -135,14 +145,15 @@ def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS) 
 # Nemotron-H's ungated ReLU² ones (between latent projections, replicated like the rest of the layer), HY-V4's with
 # a SwiGLU limit, GPT-OSS's transposed ones with a bias per expert and projection (sharded with their experts), Gemma
 # 4's GELU-tanh-gated ones (the decoder layer's experts beside its dense MLP; the run's whole adapter gathered by the
-# fused router's count of experts).
+# fused router's count of experts), DBRX's 2-D slabs (frozen, LoRA on its router: its experts' slabs merged whole).
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix),
                                   pytest.param("glm4_moe", marks=ep_matrix),
                                   pytest.param("llama4_text", marks=ep_matrix),
                                   pytest.param("nemotron_h", marks=ep_matrix),
                                   pytest.param("hy_v4", marks=ep_matrix),
                                   pytest.param("gpt_oss", marks=ep_matrix),
-                                  pytest.param("gemma4_text", marks=ep_matrix)])  # fmt: skip
+                                  pytest.param("gemma4_text", marks=ep_matrix),
+                                  pytest.param("dbrx", marks=ep_matrix)])  # fmt: skip
 def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     run = runs.ep2(arch)
     assert_trains_like(run, runs.single(arch))
@@ -152,8 +163,39 @@ def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     # (FSDP shards them too), but the whole adapter comes back in final/, as one worker writes it.
     assert_same_adapter(
         adapter(run["out"] / "final"), adapter(runs.single(arch)["out"] / "final"), rel=1e-4,
-        abs=ADAPTER_ABS.get(arch, ABS),
+        abs=ADAPTER_ABS.get(arch, ABS), part=MOE_TARGETS.get(arch, "experts"),
     )  # fmt: skip
+    if arch == "dbrx":  # the merged model's slabs, each gathered whole from the two ranks' rows: the frozen init's
+        merged = weights(run["out"] / "final-merged")
+        slabs = [name for name in merged if name.endswith(("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"))]
+        assert len(slabs) == 3 * 2 and all(merged[name].shape == (8 * 32, 64) for name in slabs)
+        init = weights(runs.single(arch)["out"] / "final-merged")  # one worker's: the same init, whole
+        for name in slabs:
+            assert merged[name].equal(init[name]), name
+
+
+# Full fine-tuning of DBRX under EP 2: its 2-D slabs train on the ranks that hold their rows (their gradients in the
+# gradient norm), a checkpoint holds them as views of the whole slabs (DCP reassembles them for another EP size), and
+# final/ holds them whole.
+@ep_matrix
+def test_ep2_full_finetuning_of_slabs_trains_saves_and_resumes_like_one_worker(runs):
+    full = ["lora.enabled=false", *SAVES]
+    single = runs.get("dbrx", "full-single", 1, *full, "training.gradient_accumulation_steps=2")
+    run = runs.get("dbrx", "full-ep2", 2, *full, *EP2)
+    assert_trains_like(run, single)
+    mine, theirs = weights(run["out"] / "final"), weights(single["out"] / "final")
+    assert sorted(mine) == sorted(theirs)
+    slabs = [name for name in mine if ".experts.mlp." in name]
+    assert len(slabs) == 3 * 2 and all(mine[name].shape == (8 * 32, 64) for name in slabs)
+    for name, tensor in mine.items():
+        assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=1e-4, abs=ABS), name
+    init = weights(runs.single("dbrx")["out"] / "final-merged")  # the LoRA run's frozen slabs: the init
+    assert all((mine[name] - init[name]).abs().max() > 1e-3 for name in slabs)  # trained
+    resumed = runs.resumed("dbrx", run, "full-ep2-to-1", 1, *full, "training.gradient_accumulation_steps=2")
+    assert "saved by 2 rank(s)" in resumed["log"]
+    assert resumed["losses"][SAVE_AT:] == pytest.approx(single["losses"][SAVE_AT:], rel=1e-5)
+    for name, tensor in weights(resumed["out"] / "final").items():
+        assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=1e-4, abs=ABS), name
 
 
 # Both in the matrix only (four workers on CI's two cores take a minute): test_ep2_on_two_workers_trains_like_one_worker
@@ -237,12 +279,13 @@ def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
 # Each expert layout's block: Qwen3-MoE's SiLU-gated experts, Nemotron-H's ungated ones (up_proj, inside latent
 # projections that stay whole on every rank), Llama 4's transposed ones (weighted inputs; its block also returns its
 # router logits), HY-V4's with a SwiGLU limit, GPT-OSS's biased ones, Gemma 4's GELU-tanh-gated ones (beside their
-# fused router in the decoder layer, which keeps transformers' forward).
+# fused router in the decoder layer, which keeps transformers' forward), DBRX's 2-D slabs (each rank's rows of them).
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("nemotron_h", marks=ci),
                                   pytest.param("llama4_text", marks=ep_matrix),
                                   pytest.param("hy_v4", marks=ep_matrix),
                                   pytest.param("gpt_oss", marks=ci),
-                                  pytest.param("gemma4_text", marks=ci)])  # fmt: skip
+                                  pytest.param("gemma4_text", marks=ci),
+                                  pytest.param("dbrx", marks=ci)])  # fmt: skip
 def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path, arch):
     # Rank 0 routes every token to experts 0 and 1 (both its own); rank 1 has no token at all: its experts
     # get no row, and it takes part in every exchange with empty splits, forward and backward.

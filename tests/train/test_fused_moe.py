@@ -1239,8 +1239,8 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
     )
 
 
-# JetMoE's pair of expert modules (moe.ExpertPair) and DBRX's 2-D slabs have neither float8 experts nor expert
-# parallelism: both work on an experts module's (E, out, in) weights.
+# JetMoE's pair of expert modules (moe.ExpertPair) has neither float8 experts nor expert parallelism: both work on an
+# experts module's weights. (DBRX's 2-D slabs have both: tests/train/test_float8.py, test_expert_parallel.py.)
 @pytest.mark.parametrize(
     ("arch", "experts", "layout", "block"),
     [
@@ -1250,7 +1250,6 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
             "experts held as two modules of their block, input_linear and output_linear",
             "JetMoeMoE",
         ),
-        ("dbrx", "DbrxExperts", "2-D slabs of every expert's gate, up and down weights", "DbrxFFN"),
     ],
 )
 def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):
@@ -1344,21 +1343,18 @@ def test_jetmoes_attention_experts_keep_their_row_counts_on_the_device(moe_dirs)
     assert breaks["transformers"] >= len(decoder_layers(model)) and breaks["fused"] == 0, breaks
 
 
-@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
-def test_fsdp_makes_jetmoes_block_the_unit_of_its_pair_of_expert_modules(moe_dirs, world, tmp_path):
-    """JetMoE's experts are two modules of its block (moe.ExpertPair, not in the module tree): under FSDP2 the fused
-    block is their unit (its router and bias with them), gathered for its forward; the model's logits are those of the
-    same model unsharded."""
+def _fsdp_logits(moe_dirs, world, tmp_path, arch: str, targets: str):
+    """The logits of ``arch``'s tiny model built as a run builds it, unsharded and then under FSDP2 (one worker: every
+    unit gathered for its forward), and its MoE blocks."""
     from conftest import REPO
-    from torch.distributed.fsdp import FSDPModule
 
     from shardtune.config import load_config
     from shardtune.distributed.parallelize import parallelize
     from shardtune.distributed.strategy import ParallelPlan
     from shardtune.train.loop import build_run_model
 
-    overrides = [f"model.name_or_path={moe_dirs['jetmoe']}", "model.init=random", "model.dtype=float32",
-                 "lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "parallel.strategy=fsdp",
+    overrides = [f"model.name_or_path={moe_dirs[arch]}", "model.init=random", "model.dtype=float32",
+                 "lora.target_modules=null", f"lora.moe_targets={targets}", "parallel.strategy=fsdp",
                  f"training.output_dir={tmp_path}"]  # fmt: skip
     config = load_config(REPO / "examples/quickstart.yaml", overrides)
     model, blocks = build_run_model(config, world)
@@ -1366,10 +1362,34 @@ def test_fsdp_makes_jetmoes_block_the_unit_of_its_pair_of_expert_modules(moe_dir
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32, materialized=True)
-    assert blocks and all(isinstance(block.block, FusedMoeBlock) and isinstance(block.block, FSDPModule)
-                          for block in blocks)  # fmt: skip
     with torch.no_grad():
         got = model(input_ids=ids).logits
+    return got, expected, blocks
+
+
+@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
+def test_fsdp_makes_jetmoes_block_the_unit_of_its_pair_of_expert_modules(moe_dirs, world, tmp_path):
+    """JetMoE's experts are two modules of its block (moe.ExpertPair, not in the module tree): under FSDP2 the fused
+    block is their unit (its router and bias with them), gathered for its forward; the model's logits are those of the
+    same model unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    got, expected, blocks = _fsdp_logits(moe_dirs, world, tmp_path, "jetmoe", "[attention,routed_experts]")
+    assert blocks and all(isinstance(block.block, FusedMoeBlock) and isinstance(block.block, FSDPModule)
+                          for block in blocks)  # fmt: skip
+    assert_same(got, expected, "logits")
+
+
+@pytest.mark.skipif("dbrx" not in ARCHS, reason="this transformers has no DBRX")
+def test_fsdp_keeps_dbrxs_slab_experts_found_under_the_class_it_makes_of_them(moe_dirs, world, tmp_path):
+    """FSDP2 makes DBRX's experts module its unit and gives it a class of its own (FSDPDbrxExperts); the fused block
+    still reads its 2-D slabs (found by the class's bases: before, by the class's name, every forward raised an
+    AttributeError), and the logits are those of the same model unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    got, expected, blocks = _fsdp_logits(moe_dirs, world, tmp_path, "dbrx", "[attention,router]")
+    assert blocks and all(type(block.experts).__name__ == "FSDPDbrxExperts" for block in blocks)
+    assert all(isinstance(block.experts, FSDPModule) for block in blocks)
     assert_same(got, expected, "logits")
 
 
