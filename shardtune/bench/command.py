@@ -195,9 +195,14 @@ def write_data(args: argparse.Namespace, out: Path, sequences: int) -> tuple[Pat
 
 
 def is_moe(model_config) -> bool:
-    """Whether a shape has routed experts (transformers' names for their count)."""
-    text = model_config.get_text_config()
-    return any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+    """Whether a shape has routed experts: MoE blocks in the model it describes, built on the meta device and found
+    as training finds them (``moe.find_moe_blocks``; a config key would miss DBRX's ``ffn_config.moe_num_experts``)."""
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.metrics.flops import as_model
+    from shardtune.model.moe import find_moe_blocks
+
+    model = as_model(model_config)
+    return bool(find_moe_blocks(model, decoder_layers(model)))
 
 
 def bench_config(

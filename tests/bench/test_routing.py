@@ -269,3 +269,15 @@ def test_jetmoes_attention_output_experts_are_its_attention_output_projection(tm
             assert torch.equal(param, before[name]), name
     rows = blocks[0].router.weight
     torch.testing.assert_close(rows @ rows.T, torch.eye(rows.shape[0]), rtol=0, atol=1e-6)  # orthonormal rows
+
+
+def test_bench_takes_every_shape_with_routed_experts_for_moe():
+    """``--routing`` (and the routing record) apply to every shape whose model has routed experts, found as training
+    finds them: DBRX's count is its ffn_config's moe_num_experts, a key the config test missed, so its first H200
+    benchmark ran random routers and reported no routing. GLM-4.7's first three layers are dense."""
+    from shardtune.bench.command import is_moe
+    from shardtune.bench.shapes import shape_config
+
+    assert is_moe(shape_config("dbrx", layers=2)) and is_moe(shape_config("qwen3-30b-a3b", layers=2))
+    assert not is_moe(shape_config("mistral-7b", layers=2))
+    assert not is_moe(shape_config("glm-4.7", layers=3)) and is_moe(shape_config("glm-4.7", layers=4))
