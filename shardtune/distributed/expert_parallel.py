@@ -37,6 +37,7 @@ from shardtune.model.fused_moe import (
     input_projection,
     unsupported_layout,
 )
+from shardtune.model.moe import EXPERT_PAIR_NAMES, ExpertPair, expert_pair
 
 
 class AllToAll(torch.autograd.Function):
@@ -111,8 +112,9 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     and give each block its token exchange; returns the number of blocks. Every layout of ``EXPERT_PARALLEL_LAYOUTS`` is
     taken (DBRX's 2-D slabs keep the rows of the rank's experts); the block's other children (router, shared experts,
     Nemotron-H's latent projections) stay whole, and so does the rest of a decoder layer whose experts sit beside its
-    router (Gemma 4's: ``FusedRouter``). The tensors may be on the meta device (before their weights arrive, see
-    ``parallelize``)."""
+    router (Gemma 4's: ``FusedRouter``), and of a block holding its experts as two modules of its own (JetMoE's
+    ``ExpertPair``: its input_linear's and output_linear's weights and adapters are sharded, its router and output bias
+    stay whole). The tensors may be on the meta device (before their weights arrive, see ``parallelize``)."""
     blocks = fused_blocks(model)
     if not blocks:
         raise ConfigError(
@@ -128,18 +130,29 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
         num_experts = block.num_routed_experts
         dims.check_experts(num_experts, type(model).__name__)
         experts = dims.local_experts(num_experts)
+        pair = isinstance(block.experts, ExpertPair)
         for name, tensor in expert_tensors(block).items():
-            owner, attribute = _owner(block.experts, name)
-            local = _local_slice(tensor_kind(name), tensor, num_experts, experts)
+            owner, attribute = _owner(_experts_root(block), name)
+            local = _local_slice(tensor_kind(name, pair), tensor, num_experts, experts)
             setattr(owner, attribute, torch.nn.Parameter(local, requires_grad=tensor.requires_grad))
         block.experts.expert_dispatch = ExpertDispatch(dims.ep_group, dims.ep_size, len(experts))
     return len(blocks)
 
 
 def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
-    """The block's routed-expert parameters by name under its ``experts`` module: the weights and the
-    per-expert LoRA factors."""
-    return {name: param for name, param in block.experts.named_parameters() if tensor_kind(name) is not None}
+    """The block's routed-expert parameters by name under its ``experts`` module (a pair of expert modules': under
+    the block, ``_experts_root``): the weights and the per-expert LoRA factors."""
+    pair = isinstance(block.experts, ExpertPair)
+    return {
+        name: param for name, param in _experts_root(block).named_parameters() if tensor_kind(name, pair) is not None
+    }
+
+
+def _experts_root(block: FusedMoeBlock) -> torch.nn.Module:
+    """The module whose parameters hold ``block``'s routed experts: its experts module (under PEFT's wrappers), or
+    the block itself where it holds them as two modules of its own (JetMoE's ``ExpertPair``, which is not in the
+    module tree: its weights keep their names under the block, their adapters are on the block's modules)."""
+    return block if isinstance(block.experts, ExpertPair) else block.experts
 
 
 # The routed experts' weights of every layout in EXPERT_PARALLEL_LAYOUTS, by name under the experts module: gated
@@ -152,17 +165,21 @@ EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "
 SLAB_WEIGHTS = {(holder, name) for holder, *names in SLAB_EXPERTS.values() for name in names}
 
 
-def tensor_kind(name: str) -> str | None:
+def tensor_kind(name: str, pair: bool = False) -> str | None:
     """The kind of a routed-expert tensor, by its parameter name under the experts module: ``experts``
     (E, ..., one of ``EXPERT_WEIGHTS``; or E*I rows, a slab of ``SLAB_WEIGHTS``), ``lora_A`` (r*E, in: expert e's rows
     e*r..(e+1)*r), ``lora_B`` (out, r*E: expert e's columns e, e+E, ...), as PEFT lays out the factors of any of them
-    (of a transposed weight too, whose in and out it swaps); None for others."""
+    (of a transposed weight too, whose in and out it swaps); None for others. With ``pair``, ``name`` is under a block
+    holding its experts as two modules (JetMoE's ``ExpertPair``, ``EXPERT_PAIR_NAMES``): their ``weight`` (E, out, in)
+    is ``experts``, the block's other tensors (router, bias) None."""
     last = without_wrappers(name).split(".")
+    if pair and last[0] not in EXPERT_PAIR_NAMES:
+        return None
     if last[-1] in EXPERT_WEIGHTS or tuple(last[-2:]) in SLAB_WEIGHTS:
         return "experts"
     if len(last) >= 3 and last[-3] in ("lora_A", "lora_B") and last[-1] == "weight":
         return last[-3]
-    return None
+    return "experts" if pair and last[-1] == "weight" else None
 
 
 def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -187,9 +204,18 @@ def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: ran
 def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
     """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor: those of
     each ``experts`` module holding 3-D ``gate_up_proj`` weights (ungated experts: ``up_proj``; DBRX's: 2-D slabs),
-    fused or not (an export's model is not)."""
+    and of each block holding its experts as two modules of its own (JetMoE's ``moe.expert_pair``), fused or not (an
+    export's model is not)."""
     names: dict[str, tuple[str, int]] = {}
     for module_name, module in model.named_modules():
+        if all(hasattr(module, name) for name in EXPERT_PAIR_NAMES) and (pair := expert_pair(module)) is not None:
+            # The fused block's count (this rank holds a run of them); an unfused block's experts are all there.
+            num_experts = getattr(module, "num_routed_experts", None) or pair.gate_up_proj.shape[0]
+            for name, _ in module.named_parameters():
+                kind = tensor_kind(name, pair=True)
+                if kind is not None:
+                    names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts)
+            continue
         if module_name.rpartition(".")[2] != "experts":
             continue
         base = _base_experts(module)

@@ -22,7 +22,13 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -286,11 +292,12 @@ def _shard(
         # a unit holds this rank's experts, sharded over the ranks that hold the same ones; their
         # gradients sum over those ranks and are divided by the world size, as the dense weights' are
         # averaged over it: each rank's loss is scaled for an average over all ranks (see the loop).
-        # A block whose experts are two modules of its own (JetMoE's ExpertPair, not in the module tree): the block
-        # is their unit, its router and bias with them.
-        experts = block.block if isinstance(block.experts, ExpertPair) else block.block.get_submodule("experts")
         mesh = dims.expert_mesh if dims.ep_enabled else dims.dense_mesh
-        fully_shard(experts, mesh=mesh, **{**options, "mp_policy": experts_policy})
+        if isinstance(block.experts, ExpertPair):
+            experts = _shard_expert_pair(block.experts, mesh, {**options, "mp_policy": experts_policy})
+        else:
+            experts = block.block.get_submodule("experts")
+            fully_shard(experts, mesh=mesh, **{**options, "mp_policy": experts_policy})
         if dims.ep_enabled:
             experts.set_gradient_divide_factor(float(dims.world_size))
             if env.device.type == "cpu" and dims.expert_dp_size > 1:
@@ -310,6 +317,21 @@ def _shard(
         distribute_expert_weights(model, {without_wrappers(name): value for name, value in full_state.items()}, dims)
     _broadcast_buffers(model, buffers, env)
     return model
+
+
+def _shard_expert_pair(pair: ExpertPair, mesh, options: dict) -> FSDPModule:
+    """A block's pair of expert modules (JetMoE's ``ExpertPair``: its input_linear and output_linear as it holds
+    them, PEFT's wrappers and their adapters included) as one FSDP unit on ``mesh``, gathered around the pair's
+    computation; returns the unit. The pair is not in the module tree and runs no forward of those modules (it reads
+    their weights and adapters), so the unit's forward hooks would never fire: FSDP runs them around the pair's own
+    forward instead (``register_fsdp_forward_method``). The block's router and output bias stay in their decoder
+    layer's unit, on the dense mesh: under expert parallelism every rank routes its own tokens with them."""
+    units = list(pair.adapted().values())
+    fully_shard(units, mesh=mesh, **options)
+    units[0].expert_pair_forward = pair.forward  # routed_experts of the pair (use_routed_experts)
+    register_fsdp_forward_method(units[0], "expert_pair_forward")
+    pair.forward = units[0].expert_pair_forward
+    return units[0]
 
 
 def graph_layers(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:

@@ -1,8 +1,9 @@
 """One rank of the expert-parallel MoE block test (``test_expert_parallel.py``), started by torch's launcher:
 a fused MoE block of the architecture ARCH (default Qwen3-MoE; Gemma 4's: its fused router and the experts beside
-it) whose router sends every token to experts 0 and 1 (both on rank 0 of EP 2), fed tokens on rank 0 only (rank 1
-routes nothing: a rank of padding, whose experts also receive nothing). Each rank compares the block's output and
-gradients with the same block unsharded, on its own tokens, and writes what it found to ``OUT/rank-<r>.json``.
+it; JetMoE's: its pair of expert modules) whose router sends every token to experts 0 and 1 (both on rank 0 of EP 2),
+fed tokens on rank 0 only (rank 1 routes nothing: a rank of padding, whose experts also receive nothing). Each rank
+compares the block's output and gradients with the same block unsharded, on its own tokens, and writes what it found
+to ``OUT/rank-<r>.json``.
 Usage: ``ep_block_worker.py OUT [ARCH]``."""
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def run(out: Path, arch: str) -> None:
         "rank": env.rank,
         "tokens": tokens.shape[0],
         "local_experts": [mine.start, mine.stop],
+        "experts": block.num_routed_experts,
         "output_matches": bool(torch.allclose(output, expected, rtol=1e-5, atol=1e-6)),
         "input_grad_matches": bool(torch.allclose(same_tokens.grad, tokens.grad, rtol=1e-5, atol=1e-6)),
         "expert_grads_match": all(

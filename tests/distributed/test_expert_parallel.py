@@ -5,9 +5,10 @@ rank with no token (whose experts also receive none) neither hangs nor errs; bad
 
 By default (CI) Qwen3-MoE runs; ``python -m pytest -m expert_parallel`` adds Mixtral, GLM-4.5 (Glm4Moe) and the other
 expert layouts: Llama 4 (transposed), Nemotron-H (ungated, latent projections), HY-V4 (a SwiGLU limit), GPT-OSS
-(biased), Gemma 4 (GELU-tanh-gated, beside the dense MLP) and DBRX (2-D slabs, which take no LoRA: LoRA on its
-attention and router, and full fine-tuning); CI also runs the 2-rank block test of Nemotron-H, GPT-OSS, Gemma 4 and
-DBRX.
+(biased), Gemma 4 (GELU-tanh-gated, beside the dense MLP), DBRX (2-D slabs, which take no LoRA: LoRA on its attention
+and router, and full fine-tuning) and JetMoE (its MLP's experts a pair of modules of its block, beside a mixture of
+attention experts that EP leaves to FSDP); CI also runs the 2-rank block test of Nemotron-H, GPT-OSS, Gemma 4, DBRX and
+JetMoE.
 """
 
 from __future__ import annotations
@@ -33,9 +34,18 @@ STEPS = 4
 SAVE_AT = 2
 # LoRA on attention and the routed experts, the balance loss on: every piece EP touches.
 EXPERTS = ["lora.moe_targets=[attention,routed_experts]", "training.moe_aux_loss_coef=0.01"]
-# Architectures whose routed experts take no LoRA (DBRX's 2-D slabs, lora.moe_targets refuses them): their runs adapt
-# the router beside the attention, the part of the block their adapters then hold.
-MOE_TARGETS = {"dbrx": "router"}
+# The settings that replace EXPERTS, by architecture: DBRX's routed experts take no LoRA (its 2-D slabs:
+# lora.moe_targets refuses them), so its runs adapt the router beside the attention; JetMoE's MLP router takes LoRA
+# too: under EP it stays whole on every rank, outside the experts' FSDP unit (its pair of expert modules), and its
+# adapters' gradients average over every rank as the attention's do.
+ARCH_EXPERTS = {
+    "dbrx": ["lora.moe_targets=[attention,router]", "training.moe_aux_loss_coef=0.01"],
+    "jetmoe": ["lora.moe_targets=[attention,routed_experts,router]", "training.moe_aux_loss_coef=0.01"],
+}
+# Where the MoE block's adapters are, by architecture, where not under an ``experts`` module: DBRX's router's (its
+# experts take none); JetMoE's MLP experts are its block's input_linear and output_linear (its attention's ``experts``
+# are a mixture of attention).
+BLOCK_ADAPTERS = {"dbrx": "router", "jetmoe": ".mlp.input_linear.lora_"}
 EP2 = ["parallel.expert_parallel_size=2"]
 SAVES = [f"training.save_steps={SAVE_AT}", "training.checkpoint_mode=full"]
 # Adapters after a few Adam steps, across reduction orders: Adam's normalized update amplifies the last-bit
@@ -60,9 +70,8 @@ class Runs:
         return write_tiny_model(self.root / "models" / arch, arch)
 
     def common(self, arch: str) -> list[str]:
-        targets = [f"lora.moe_targets=[attention,{MOE_TARGETS[arch]}]"] if arch in MOE_TARGETS else []
         model = [f"model.name_or_path={self.model(arch)}", "model.init=random", "lora.target_modules=null"]
-        return [*model, *EXPERTS, *targets]
+        return [*model, *ARCH_EXPERTS.get(arch, EXPERTS)]
 
     def get(self, arch: str, name: str, nproc: int, *overrides: str, steps: int = STEPS) -> dict:
         key = (arch, name)
@@ -73,7 +82,8 @@ class Runs:
     def single(self, arch: str) -> dict:
         """One worker, two micro-batches of 2 a step: the global batch of 2 workers with 2 each; merged at the end for
         an architecture whose experts take no LoRA (its frozen experts' weights whole, for the EP run's to match)."""
-        merged = ["training.merge_final=true"] if arch in MOE_TARGETS else []
+        frozen = not any("routed_experts" in setting for setting in ARCH_EXPERTS.get(arch, EXPERTS))
+        merged = ["training.merge_final=true"] if frozen else []
         return self.get(arch, "single", 1, "training.gradient_accumulation_steps=2", *SAVES, *merged)
 
     def ep2(self, arch: str) -> dict:
@@ -129,10 +139,10 @@ def adapter(directory: Path) -> dict:
     return load_file(directory / "adapter_model.safetensors")
 
 
-def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS, part: str = "experts") -> None:
-    """The same tensors, adapters of the MoE block's ``part`` among them (the routed experts, or MOE_TARGETS')."""
+def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS, arch: str = "") -> None:
+    """The same tensors, adapters of ``arch``'s MoE block among them (its routed experts', or BLOCK_ADAPTERS')."""
     assert sorted(mine) == sorted(theirs)
-    assert any(part in name for name in mine)
+    assert any(BLOCK_ADAPTERS.get(arch, "experts") in name for name in mine)
     for name, tensor in mine.items():
         assert tensor.shape == theirs[name].shape, name
         assert tensor.numpy() == pytest.approx(theirs[name].numpy(), rel=rel, abs=abs), name
@@ -145,7 +155,10 @@ def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS, 
 # Nemotron-H's ungated ReLU² ones (between latent projections, replicated like the rest of the layer), HY-V4's with
 # a SwiGLU limit, GPT-OSS's transposed ones with a bias per expert and projection (sharded with their experts), Gemma
 # 4's GELU-tanh-gated ones (the decoder layer's experts beside its dense MLP; the run's whole adapter gathered by the
-# fused router's count of experts), DBRX's 2-D slabs (frozen, LoRA on its router: its experts' slabs merged whole).
+# fused router's count of experts), DBRX's 2-D slabs (frozen, LoRA on its router: its experts' slabs merged whole),
+# JetMoE's pair of expert modules of its block (their weights and adapters sharded under the block's names, its router
+# and output bias whole on every rank; its attention's mixture of experts, with their routers and LoRA adapters,
+# ordinary weights FSDP shards over every rank).
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("mixtral", marks=ep_matrix),
                                   pytest.param("glm4_moe", marks=ep_matrix),
                                   pytest.param("llama4_text", marks=ep_matrix),
@@ -153,7 +166,8 @@ def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS, 
                                   pytest.param("hy_v4", marks=ep_matrix),
                                   pytest.param("gpt_oss", marks=ep_matrix),
                                   pytest.param("gemma4_text", marks=ep_matrix),
-                                  pytest.param("dbrx", marks=ep_matrix)])  # fmt: skip
+                                  pytest.param("dbrx", marks=ep_matrix),
+                                  pytest.param("jetmoe", marks=ep_matrix)])  # fmt: skip
 def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     run = runs.ep2(arch)
     assert_trains_like(run, runs.single(arch))
@@ -163,7 +177,7 @@ def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     # (FSDP shards them too), but the whole adapter comes back in final/, as one worker writes it.
     assert_same_adapter(
         adapter(run["out"] / "final"), adapter(runs.single(arch)["out"] / "final"), rel=1e-4,
-        abs=ADAPTER_ABS.get(arch, ABS), part=MOE_TARGETS.get(arch, "experts"),
+        abs=ADAPTER_ABS.get(arch, ABS), arch=arch,
     )  # fmt: skip
     if arch == "dbrx":  # the merged model's slabs, each gathered whole from the two ranks' rows: the frozen init's
         merged = weights(run["out"] / "final-merged")
@@ -212,7 +226,9 @@ def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
 
 
 @ep_matrix
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h", "gpt_oss", "gemma4_text"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h", "gpt_oss", "gemma4_text", "jetmoe"]
+)
 def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
     single, ep2 = runs.single(arch), runs.ep2(arch)
     from_ep2 = runs.resumed(arch, ep2, "ep2-to-1", 1, "training.gradient_accumulation_steps=2")
@@ -222,7 +238,7 @@ def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
         # The steps after the checkpoint continue the run (weights and Adam state) exactly as it went on.
         assert resumed["losses"][SAVE_AT:] == pytest.approx(single["losses"][SAVE_AT:], rel=1e-5)
     # The resumed runs end with the adapter of the uninterrupted run, whatever EP size saved or loaded it.
-    tolerance = {"rel": 1e-4, "abs": ADAPTER_ABS.get(arch, ABS)}
+    tolerance = {"rel": 1e-4, "abs": ADAPTER_ABS.get(arch, ABS), "arch": arch}
     assert_same_adapter(adapter(from_ep2["out"] / "final"), adapter(single["out"] / "final"), **tolerance)
     assert_same_adapter(adapter(from_single["out"] / "final"), adapter(single["out"] / "final"), **tolerance)
 
@@ -279,13 +295,15 @@ def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
 # Each expert layout's block: Qwen3-MoE's SiLU-gated experts, Nemotron-H's ungated ones (up_proj, inside latent
 # projections that stay whole on every rank), Llama 4's transposed ones (weighted inputs; its block also returns its
 # router logits), HY-V4's with a SwiGLU limit, GPT-OSS's biased ones, Gemma 4's GELU-tanh-gated ones (beside their
-# fused router in the decoder layer, which keeps transformers' forward), DBRX's 2-D slabs (each rank's rows of them).
+# fused router in the decoder layer, which keeps transformers' forward), DBRX's 2-D slabs (each rank's rows of them),
+# JetMoE's pair of expert modules (4 experts, each rank 2; its output bias whole on every rank).
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("nemotron_h", marks=ci),
                                   pytest.param("llama4_text", marks=ep_matrix),
                                   pytest.param("hy_v4", marks=ep_matrix),
                                   pytest.param("gpt_oss", marks=ci),
                                   pytest.param("gemma4_text", marks=ci),
-                                  pytest.param("dbrx", marks=ci)])  # fmt: skip
+                                  pytest.param("dbrx", marks=ci),
+                                  pytest.param("jetmoe", marks=ci)])  # fmt: skip
 def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path, arch):
     # Rank 0 routes every token to experts 0 and 1 (both its own); rank 1 has no token at all: its experts
     # get no row, and it takes part in every exchange with empty splits, forward and backward.
@@ -298,7 +316,8 @@ def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
     assert [report["tokens"] for report in reports] == [12, 0]
-    assert [report["local_experts"] for report in reports] == [[0, 4], [4, 8]]
+    half = reports[0]["experts"] // 2
+    assert [report["local_experts"] for report in reports] == [[0, half], [half, 2 * half]]
     for report in reports:  # each rank's output and gradients are those of the whole block on its tokens
         assert report["output_matches"] and report["input_grad_matches"] and report["expert_grads_match"]
     assert reports[0]["expert_grad_abs_sum"] > 0 and reports[1]["expert_grad_abs_sum"] == 0

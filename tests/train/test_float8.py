@@ -317,8 +317,16 @@ def test_quantized_experts_keep_their_parameters_and_compute_within_float8s_prec
 # ones (the biases added in their own dtype after the float8 products), Gemma 4's GELU-tanh-gated ones (beside its
 # dense MLP, the decoder layer's forward kept) and LongCat-Flash's with identity experts (rows no GEMM writes; its
 # gate_up_proj's rows of the identity experts quantized too, never read), DBRX's 2-D slabs (gate w1, up v1 and down w2,
-# each expert's rows (in, out) for down; no LoRA reaches its experts, so its second case adapts the router instead).
-LAYOUTS = ["llama4_text", "nemotron_h", "hy_v4", "deepseek_v4", "gpt_oss", "gemma4_text", "longcat_flash", "dbrx"]
+# each expert's rows (in, out) for down; no LoRA reaches its experts, so its second case adapts the router instead),
+# JetMoE's pair of expert modules of its MLP block (moe.ExpertPair: input_linear's and output_linear's ``weight``,
+# SiLU-gated (E, 2I, H) and (E, H, I); the query and output experts of its mixture of attention,
+# self_attention.experts, stay fp32: attention, as everywhere).
+LAYOUTS = [
+    "llama4_text", "nemotron_h", "hy_v4", "deepseek_v4", "gpt_oss", "gemma4_text", "longcat_flash", "dbrx", "jetmoe",
+]  # fmt: skip
+# The routed experts' weights by architecture, where they are not an ``experts`` module's gate_up_proj, up_proj and
+# down_proj or slabs (under PEFT's ``base_layer`` where LoRA adapts them).
+EXPERT_WEIGHTS = {"jetmoe": ("mlp.input_linear.weight", "mlp.output_linear.weight")}
 # The gradients' bounds (LoRA on the attention; on the routed experts too) where Qwen3-MoE's (1e-3; 0.5) do not hold.
 # DeepSeek-V4's tiny model carries float8's error further into its gradients (its attention's: 1.1e-2 at most,
 # measured). Its tiny SwiGLU limit (0.05) clamps the random gate/up values near their own magnitude, and a clamped value
@@ -355,13 +363,20 @@ def test_float8_experts_of_every_layout_compute_within_float8s_precision(layout_
     if arch in EXPERTS_OUT_OF_LORA_REACH:  # DBRX's: LoRA on the router beside the attention instead
         targets = [target.replace("routed_experts", "router") for target in targets]
     reference = fused_copy(build(layout_dirs[arch], targets))
-    originals = {name: param.detach().clone() for name, param in reference.named_parameters() if ".experts." in name}
+    weights = EXPERT_WEIGHTS.get(arch, ("gate_up_proj", "up_proj", "down_proj", *SLABS))
+    originals = {
+        name: param.detach().clone()
+        for name, param in reference.named_parameters()
+        if (name.replace(".base_layer", "").endswith(weights) if arch in EXPERT_WEIGHTS else ".experts." in name)
+    }
     model = float8_copy(reference)
     quantized = {name: param for name, param in model.named_parameters() if param.dtype == FLOAT8}
     assert set(quantized) == {name for name in originals if "lora_" not in name and not name.endswith("_bias")}
-    assert all(name.endswith(("gate_up_proj", "up_proj", "down_proj", *SLABS)) for name in quantized) and quantized
+    assert all(name.replace(".base_layer", "").endswith(weights) for name in quantized) and quantized
     for name, param in quantized.items():
         assert param.shape == originals[name].shape and not param.requires_grad, name
+        # The parameter holds the float8 values alone: the weight's own storage is gone.
+        assert param.untyped_storage().nbytes() == param.numel(), name
         for values, scale, original in float8_forms(model, name, param, originals[name]):
             error = (dequantized(values, scale) - original).abs()  # e4m3's rounding, normal or subnormal
             assert (error <= torch.maximum(NORMAL * original.abs(), SUBNORMAL * scale.unsqueeze(-1))).all(), name
@@ -369,7 +384,8 @@ def test_float8_experts_of_every_layout_compute_within_float8s_precision(layout_
     inputs, labels = padded_batch()
     expected, got = run(reference, inputs, labels), run(model, inputs, labels)
     assert got.keys() == expected.keys()
-    assert any("experts" in name for name in got) == ("routed_experts" in targets)
+    routed = ".mlp.input_linear." if arch == "jetmoe" else "experts"  # JetMoE's attention experts: its attention's
+    assert any(routed in name for name in got) == ("routed_experts" in targets)
     loss_error = abs(got["loss"].item() - expected["loss"].item()) / expected["loss"].item()
     assert loss_error < 1e-3, loss_error
     assert 1e-6 < relative_error(got["logits"], expected["logits"]) < LOGIT_TOLERANCE.get(arch, 5e-2)
@@ -768,13 +784,14 @@ def test_float8_grouped_mm_on_a_gpu_equals_the_emulation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma4_text", "longcat_flash", "dbrx"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma4_text", "longcat_flash", "dbrx", "jetmoe"])
 def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs, arch):
     """On a GPU, bf16 float8 experts of GPT-OSS (biases added after the float8 products), Gemma 4 (GELU-tanh: not the
     SiLU's Triton kernels), LongCat-Flash (identity rows, which torch's grouped GEMM leaves unwritten, set to 0;
-    only the GEMM experts' forms reach it) and DBRX (gate's and up's GEMMs apart, from (E, I, H) views of its slabs)
-    compute the output, the tokens' and the routing weights' gradients that
-    the CPU's emulation does, to bf16's rounding, on the same routing (every expert chosen, identities among them)."""
+    only the GEMM experts' forms reach it), DBRX (gate's and up's GEMMs apart, from (E, I, H) views of its slabs) and
+    JetMoE (its pair of expert modules, their float8 forms on each) compute the output, the tokens' and the routing
+    weights' gradients that the CPU's emulation does, to bf16's rounding, on the same routing (every expert chosen,
+    identities among them)."""
     cuda = torch.device("cuda")
     if float8_unavailable(cuda) is not None:
         pytest.skip(float8_unavailable(cuda))

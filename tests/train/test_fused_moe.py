@@ -1239,34 +1239,6 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
     )
 
 
-# JetMoE's pair of expert modules (moe.ExpertPair) has neither float8 experts nor expert parallelism: both work on an
-# experts module's weights. (DBRX's 2-D slabs have both: tests/train/test_float8.py, test_expert_parallel.py.)
-@pytest.mark.parametrize(
-    ("arch", "experts", "layout", "block"),
-    [
-        (
-            "jetmoe",
-            "ExpertPair",
-            "experts held as two modules of their block, input_linear and output_linear",
-            "JetMoeMoE",
-        ),
-    ],
-)
-def test_experts_without_a_float8_or_expert_parallel_path_say_so(moe_dirs, arch, experts, layout, block):
-    from shardtune.distributed.expert_parallel import shard_experts
-    from shardtune.distributed.mesh import ParallelDims
-    from shardtune.model.fused_moe import use_float8_experts
-
-    if arch not in ARCHS:
-        pytest.skip(f"this transformers has no {arch}")
-    fused = fused_copy(build(moe_dirs[arch]))
-    with pytest.raises(ConfigError, match=rf"^model.float8_experts: {experts} \({layout}\) has no float8 path"):
-        use_float8_experts(fused)
-    dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
-    with pytest.raises(ConfigError, match=rf"^parallel.expert_parallel_size: 2 does not shard {block}'s experts"):
-        shard_experts(fused, dims)
-
-
 # Every fused layout has float8 experts and expert parallelism (tests/train/test_float8.py,
 # tests/distributed/test_expert_parallel.py) but LongCat-Flash's identity experts, which have float8 experts only:
 # its gate_up_proj holds a row for each identity expert that its down_proj has not (fused_moe.EXPERT_PARALLEL_LAYOUTS).
@@ -1343,41 +1315,58 @@ def test_jetmoes_attention_experts_keep_their_row_counts_on_the_device(moe_dirs)
     assert breaks["transformers"] >= len(decoder_layers(model)) and breaks["fused"] == 0, breaks
 
 
-def _fsdp_logits(moe_dirs, world, tmp_path, arch: str, targets: str):
-    """The logits of ``arch``'s tiny model built as a run builds it, unsharded and then under FSDP2 (one worker: every
-    unit gathered for its forward), and its MoE blocks."""
+@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
+def test_fsdp_makes_jetmoes_pair_of_expert_modules_one_unit(moe_dirs, world, tmp_path):
+    """JetMoE's experts are two modules of its block (moe.ExpertPair, not in the module tree, which runs neither
+    module's forward): under FSDP2 the two (with their adapters) are one unit, gathered around the pair's own forward
+    (register_fsdp_forward_method) and reduced after its backward; the block, its router and bias are the decoder
+    layer's (the dense mesh: under expert parallelism the experts' unit is on another). The model's logits, loss and
+    adapter gradients are those of the same model unsharded."""
     from conftest import REPO
+    from torch.distributed.fsdp import FSDPModule
 
     from shardtune.config import load_config
     from shardtune.distributed.parallelize import parallelize
     from shardtune.distributed.strategy import ParallelPlan
     from shardtune.train.loop import build_run_model
 
-    overrides = [f"model.name_or_path={moe_dirs[arch]}", "model.init=random", "model.dtype=float32",
-                 "lora.target_modules=null", f"lora.moe_targets={targets}", "parallel.strategy=fsdp",
+    overrides = [f"model.name_or_path={moe_dirs['jetmoe']}", "model.init=random", "model.dtype=float32",
+                 "lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "parallel.strategy=fsdp",
                  f"training.output_dir={tmp_path}"]  # fmt: skip
     config = load_config(REPO / "examples/quickstart.yaml", overrides)
     model, blocks = build_run_model(config, world)
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
+
+    def logits_loss_and_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        output = model(input_ids=ids, labels=ids)
+        output.loss.backward()
+        grads = {
+            name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad.clone()
+            for name, param in model.named_parameters()
+            if param.grad is not None
+        }
+        return {"logits": output.logits.detach(), "loss": output.loss.detach(), **grads}
+
+    for module in model.modules():  # build's random adapters: LoRA's B starts at zero, which no A gradient passes
+        if hasattr(module, "lora_B"):
+            for linear in module.lora_B.values():
+                torch.nn.init.normal_(linear.weight, std=0.1, generator=torch.Generator().manual_seed(6))
+    expected = logits_loss_and_gradients(model)
     model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32, materialized=True)
-    with torch.no_grad():
-        got = model(input_ids=ids).logits
-    return got, expected, blocks
-
-
-@pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
-def test_fsdp_makes_jetmoes_block_the_unit_of_its_pair_of_expert_modules(moe_dirs, world, tmp_path):
-    """JetMoE's experts are two modules of its block (moe.ExpertPair, not in the module tree): under FSDP2 the fused
-    block is their unit (its router and bias with them), gathered for its forward; the model's logits are those of the
-    same model unsharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    got, expected, blocks = _fsdp_logits(moe_dirs, world, tmp_path, "jetmoe", "[attention,routed_experts]")
-    assert blocks and all(isinstance(block.block, FusedMoeBlock) and isinstance(block.block, FSDPModule)
+    assert blocks and all(isinstance(block.block, FusedMoeBlock) and not isinstance(block.block, FSDPModule)
                           for block in blocks)  # fmt: skip
-    assert_same(got, expected, "logits")
+    for block in blocks:
+        units = list(block.experts.adapted().values())
+        assert all(isinstance(unit, FSDPModule) for unit in units)
+        assert units[0]._get_fsdp_state() is units[1]._get_fsdp_state()  # one unit
+    got = logits_loss_and_gradients(model)
+    assert got.keys() == expected.keys()
+    assert any(".mlp.input_linear.lora_A" in name for name in got)
+    assert any(".mlp.output_linear.lora_B" in name for name in got)
+    for name, tensor in got.items():
+        assert tensor.abs().sum() > 0, name
+        assert_same(tensor, expected[name], name)
 
 
 @pytest.mark.skipif("dbrx" not in ARCHS, reason="this transformers has no DBRX")
@@ -1385,11 +1374,27 @@ def test_fsdp_keeps_dbrxs_slab_experts_found_under_the_class_it_makes_of_them(mo
     """FSDP2 makes DBRX's experts module its unit and gives it a class of its own (FSDPDbrxExperts); the fused block
     still reads its 2-D slabs (found by the class's bases: before, by the class's name, every forward raised an
     AttributeError), and the logits are those of the same model unsharded."""
+    from conftest import REPO
     from torch.distributed.fsdp import FSDPModule
 
-    got, expected, blocks = _fsdp_logits(moe_dirs, world, tmp_path, "dbrx", "[attention,router]")
+    from shardtune.config import load_config
+    from shardtune.distributed.parallelize import parallelize
+    from shardtune.distributed.strategy import ParallelPlan
+    from shardtune.train.loop import build_run_model
+
+    overrides = [f"model.name_or_path={moe_dirs['dbrx']}", "model.init=random", "model.dtype=float32",
+                 "lora.target_modules=null", "lora.moe_targets=[attention,router]", "parallel.strategy=fsdp",
+                 f"training.output_dir={tmp_path}"]  # fmt: skip
+    config = load_config(REPO / "examples/quickstart.yaml", overrides)
+    model, blocks = build_run_model(config, world)
+    ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32, materialized=True)
     assert blocks and all(type(block.experts).__name__ == "FSDPDbrxExperts" for block in blocks)
     assert all(isinstance(block.experts, FSDPModule) for block in blocks)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
     assert_same(got, expected, "logits")
 
 
