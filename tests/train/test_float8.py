@@ -785,18 +785,25 @@ def test_float8_grouped_mm_on_a_gpu_equals_the_emulation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma4_text", "longcat_flash", "dbrx", "jetmoe"])
-def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs, arch):
+def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs, arch, monkeypatch):
     """On a GPU, bf16 float8 experts of GPT-OSS (biases added after the float8 products), Gemma 4 (GELU-tanh: not the
     SiLU's Triton kernels), LongCat-Flash (identity rows, which torch's grouped GEMM leaves unwritten, set to 0;
     only the GEMM experts' forms reach it), DBRX (gate's and up's GEMMs apart, from (E, I, H) views of its slabs) and
     JetMoE (its pair of expert modules, their float8 forms on each) compute the output, the tokens' and the routing
     weights' gradients that the CPU's emulation does, to bf16's rounding, on the same routing (every expert chosen,
-    identities among them)."""
+    identities among them). The weighted SiLU's float8 Triton kernels are off: they round the activation in their
+    own order, which moves a hidden value across an e4m3 step now and then (DBRX's and JetMoE's outputs then lay 1.4e-2
+    and 1.7e-2 from the emulation's on an H200), and test_compiled_float8_blocks_train_through_the_kernels_like_through_
+    rowwise_float8 holds them to the torch ops; here the layouts' GEMMs are what is compared."""
+    from shardtune.model import fused_moe
+
     cuda = torch.device("cuda")
     if float8_unavailable(cuda) is not None:
         pytest.skip(float8_unavailable(cuda))
     if arch not in layout_dirs:
         pytest.skip(f"this transformers has no {arch}")
+    monkeypatch.setattr(fused_moe, "weighted_silu_mul_float8", None)
+    monkeypatch.setattr(fused_moe, "weighted_silu_mul_backward_float8", None)
     reference = fused_copy(build(layout_dirs[arch], ["attention"])).to(torch.bfloat16)
     experts_count = find_moe_blocks(reference, decoder_layers(reference))[0].num_experts
     generator = torch.Generator().manual_seed(7)
