@@ -782,29 +782,38 @@ def test_float8_grouped_mm_on_a_gpu_equals_the_emulation():
         assert relative_error(got, emulated) < 3e-3, name
 
 
+# The SiLU-gated layouts' tokens' gradient on a GPU against the emulation: the SiLU's backward rounds its bf16 in
+# another order on a CPU and a GPU, and quantizing the gate/up gradient to e4m3 turns a last-bit difference into a whole
+# e4m3 step (2**-3) now and then. Measured on an H200: Qwen3-MoE's (the plain SiLU layout) 1.7e-2, DBRX's 1.8e-2,
+# JetMoE's 1.8e-2; LongCat-Flash's, half of whose experts are identities, 4.6e-4.
+SILU_TOKEN_GRADIENT = {(arch, "tokens' gradient"): 3e-2 for arch in ("qwen3_moe", "dbrx", "jetmoe")}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
-@pytest.mark.parametrize("arch", ["gpt_oss", "gemma4_text", "longcat_flash", "dbrx", "jetmoe"])
-def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs, arch, monkeypatch):
-    """On a GPU, bf16 float8 experts of GPT-OSS (biases added after the float8 products), Gemma 4 (GELU-tanh: not the
-    SiLU's Triton kernels), LongCat-Flash (identity rows, which torch's grouped GEMM leaves unwritten, set to 0;
-    only the GEMM experts' forms reach it), DBRX (gate's and up's GEMMs apart, from (E, I, H) views of its slabs) and
-    JetMoE (its pair of expert modules, their float8 forms on each) compute the output, the tokens' and the routing
-    weights' gradients that the CPU's emulation does, to bf16's rounding, on the same routing (every expert chosen,
-    identities among them). The weighted SiLU's float8 Triton kernels are off: they round the activation in their
-    own order, which moves a hidden value across an e4m3 step now and then (DBRX's and JetMoE's outputs then lay 1.4e-2
-    and 1.7e-2 from the emulation's on an H200), and test_compiled_float8_blocks_train_through_the_kernels_like_through_
-    rowwise_float8 holds them to the torch ops; here the layouts' GEMMs are what is compared."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "gemma4_text", "longcat_flash", "dbrx", "jetmoe"])
+def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs, arch, monkeypatch, tmp_path):
+    """On a GPU, bf16 float8 experts of Qwen3-MoE (the plain SiLU layout), GPT-OSS (biases added after the float8
+    products), Gemma 4 (GELU-tanh: not the SiLU's Triton kernels), LongCat-Flash (identity rows, which torch's grouped
+    GEMM leaves unwritten, set to 0; only the GEMM experts' forms reach it), DBRX (gate's and up's GEMMs apart, from
+    (E, I, H) views of its slabs) and JetMoE (its pair of expert modules, their float8 forms on each) compute the
+    output, the tokens' and the routing weights' gradients that the CPU's emulation does, to float8's rounding
+    (SILU_TOKEN_GRADIENT), on the same routing (every expert chosen, identities among them). The weighted SiLU's
+    float8 Triton kernels are off: they round the activation in their own order, which moves a hidden value across an
+    e4m3 step now and then (DBRX's and JetMoE's outputs then lay 1.4e-2 and 1.7e-2 from the emulation's on an H200),
+    and test_compiled_float8_blocks_train_through_the_kernels_like_through_rowwise_float8 holds them to the torch ops;
+    here the layouts' GEMMs are what is compared."""
     from shardtune.model import fused_moe
 
     cuda = torch.device("cuda")
     if float8_unavailable(cuda) is not None:
         pytest.skip(float8_unavailable(cuda))
-    if arch not in layout_dirs:
+    if arch not in layout_dirs and arch != "qwen3_moe":
         pytest.skip(f"this transformers has no {arch}")
     monkeypatch.setattr(fused_moe, "weighted_silu_mul_float8", None)
     monkeypatch.setattr(fused_moe, "weighted_silu_mul_backward_float8", None)
-    reference = fused_copy(build(layout_dirs[arch], ["attention"])).to(torch.bfloat16)
+    directory = write_tiny_model(tmp_path / arch, arch) if arch == "qwen3_moe" else layout_dirs[arch]
+    reference = fused_copy(build(directory, ["attention"])).to(torch.bfloat16)
     experts_count = find_moe_blocks(reference, decoder_layers(reference))[0].num_experts
     generator = torch.Generator().manual_seed(7)
     tokens_count, top_k, hidden = 50, 2, reference.config.hidden_size
@@ -824,7 +833,7 @@ def test_float8_experts_of_each_layout_on_a_gpu_equal_the_emulation(layout_dirs,
     names = ["output", "tokens' gradient", "weights' gradient"]
     for name, got, emulated in zip(names, results["cuda"], results["cpu"], strict=True):
         assert torch.isfinite(got).all(), name
-        assert relative_error(got, emulated) < 1e-2, name
+        assert relative_error(got, emulated) < SILU_TOKEN_GRADIENT.get((arch, name), 1e-2), name
 
 
 @pytest.mark.gpu
