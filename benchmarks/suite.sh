@@ -47,7 +47,8 @@
 # ERNIE-4.5-21B-A3B and gpt-oss-20b against HF, LoRA on attention, then on the routed experts too), llama4 (Llama 4
 # Scout's first 12 layers against HF, the same two runs), gemma4 (Gemma 4 26B-A4B's text model against HF, the same two
 # runs, and a profiled run, gemma4-26b-a4b-profile), last-moe (LFM2-8B-A1B, Phi-3.5-MoE's first 16 layers, JetMoE-8B and
-# DBRX's first 8 layers against HF, the same two runs, DBRX's LoRA-attention one only; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# DBRX's first 8 layers against HF, the same two runs, DBRX's LoRA-attention one only, and JetMoE's and DBRX's
+# LoRA-attention runs with both float8 options, -float8; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -714,6 +715,11 @@ last-moe)
         shape=${run%%:*} layers=${run##*:}
         bench "last-$shape" --shape "$shape" --layers "$layers" --seq 4096 --batch 2 --steps 8 --warmup 3 --baseline hf \
             "${extra[@]}"
+        # JetMoE's and DBRX's frozen weights in float8 (both options), LoRA on attention.
+        if [[ $shape == jetmoe-8b || $shape == dbrx ]]; then
+            bench "last-$shape-float8" --shape "$shape" --layers "$layers" --seq 4096 --batch 2 --steps 8 --warmup 3 \
+                --baseline hf model.float8_experts=true model.float8_linear=true "${extra[@]}"
+        fi
         # DBRX's routed experts take no LoRA (PEFT's parameter adapters break their forward): lora.moe_targets refuses.
         [[ $shape == dbrx ]] && continue
         bench "last-$shape-experts" --shape "$shape" --layers "$layers" --seq 4096 --batch 2 --steps 6 --warmup 3 \
