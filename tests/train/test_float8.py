@@ -536,16 +536,22 @@ def adapter_tensors(out) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         }
 
 
-def test_a_float8_run_trains_within_float8s_precision_and_saves_the_same_adapter(runs):
-    plain, float8 = runs["plain"], runs["float8"]
+def assert_float8_run_like_plain(plain: dict, float8: dict) -> dict:
+    """The float8 run logged its line, trained STEPS steps with falling losses within float8's precision of the plain
+    run's (about 4e-5 apart by step 4; fp32's summation orders alone would be 1e-7 apart), yet not equal to them, and
+    saved the adapter the plain run saves (names, dtypes, shapes); returns that adapter's."""
     assert LOG_LINE in float8["log"] and "float8: the frozen" not in plain["log"]
     assert len(float8["losses"]) == len(plain["losses"]) == STEPS
-    # about 4e-5 apart by step 4; fp32's summation orders alone would be 1e-7 apart
     assert float8["losses"] == pytest.approx(plain["losses"], rel=5e-4)
     assert max(abs(a / b - 1) for a, b in zip(float8["losses"], plain["losses"], strict=True)) > 5e-6
     assert float8["losses"][-1] < float8["losses"][0]
     saved, reference = adapter_tensors(float8["out"]), adapter_tensors(plain["out"])
     assert saved == reference
+    return saved
+
+
+def test_a_float8_run_trains_within_float8s_precision_and_saves_the_same_adapter(runs):
+    saved = assert_float8_run_like_plain(runs["plain"], runs["float8"])
     assert saved and all("lora_" in name for name in saved)
     assert {dtype for dtype, _ in saved.values()} == {torch.float32}
 
@@ -570,14 +576,7 @@ def dbrx_runs(tmp_path_factory):
 def test_a_dbrx_float8_run_trains_within_float8s_precision_and_saves_the_same_adapter(dbrx_runs):
     """DBRX's slabs quantized in a run: its losses within float8's precision of the unquantized run's (1.4e-4 apart at
     most, measured), yet not equal to them, and the adapter (attention and router) saved as that run saves it."""
-    plain, float8 = dbrx_runs["plain"], dbrx_runs["float8"]
-    assert LOG_LINE in float8["log"] and "float8: the frozen" not in plain["log"]
-    assert len(float8["losses"]) == len(plain["losses"]) == STEPS
-    assert float8["losses"] == pytest.approx(plain["losses"], rel=5e-4)
-    assert max(abs(a / b - 1) for a, b in zip(float8["losses"], plain["losses"], strict=True)) > 5e-6
-    assert float8["losses"][-1] < float8["losses"][0]
-    saved, reference = adapter_tensors(float8["out"]), adapter_tensors(plain["out"])
-    assert saved == reference
+    saved = assert_float8_run_like_plain(dbrx_runs["plain"], dbrx_runs["float8"])
     assert any(".ffn.router." in name for name in saved) and not any(".experts." in name for name in saved)
 
 

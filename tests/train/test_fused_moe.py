@@ -1315,6 +1315,29 @@ def test_jetmoes_attention_experts_keep_their_row_counts_on_the_device(moe_dirs)
     assert breaks["transformers"] >= len(decoder_layers(model)) and breaks["fused"] == 0, breaks
 
 
+def fsdp_run_model(moe_dirs, world, tmp_path, arch: str, targets: str):
+    """``arch``'s tiny model built as a run with LoRA on ``targets`` (lora.moe_targets) and parallel.strategy fsdp
+    builds it, in fp32, with its MoE blocks, and a function that shards it as that run does (FSDP2, one worker)."""
+    from conftest import REPO
+
+    from shardtune.config import load_config
+    from shardtune.distributed.parallelize import parallelize
+    from shardtune.distributed.strategy import ParallelPlan
+    from shardtune.train.loop import build_run_model
+
+    overrides = [f"model.name_or_path={moe_dirs[arch]}", "model.init=random", "model.dtype=float32",
+                 "lora.target_modules=null", f"lora.moe_targets={targets}", "parallel.strategy=fsdp",
+                 f"training.output_dir={tmp_path}"]  # fmt: skip
+    config = load_config(REPO / "examples/quickstart.yaml", overrides)
+    model, blocks = build_run_model(config, world)
+
+    def sharded(model: torch.nn.Module) -> torch.nn.Module:
+        return parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32,
+                           materialized=True)  # fmt: skip
+
+    return model, blocks, sharded
+
+
 @pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
 def test_fsdp_makes_jetmoes_pair_of_expert_modules_one_unit(moe_dirs, world, tmp_path):
     """JetMoE's experts are two modules of its block (moe.ExpertPair, not in the module tree, which runs neither
@@ -1322,19 +1345,9 @@ def test_fsdp_makes_jetmoes_pair_of_expert_modules_one_unit(moe_dirs, world, tmp
     (register_fsdp_forward_method) and reduced after its backward; the block, its router and bias are the decoder
     layer's (the dense mesh: under expert parallelism the experts' unit is on another). The model's logits, loss and
     adapter gradients are those of the same model unsharded."""
-    from conftest import REPO
     from torch.distributed.fsdp import FSDPModule
 
-    from shardtune.config import load_config
-    from shardtune.distributed.parallelize import parallelize
-    from shardtune.distributed.strategy import ParallelPlan
-    from shardtune.train.loop import build_run_model
-
-    overrides = [f"model.name_or_path={moe_dirs['jetmoe']}", "model.init=random", "model.dtype=float32",
-                 "lora.target_modules=null", "lora.moe_targets=[attention,routed_experts]", "parallel.strategy=fsdp",
-                 f"training.output_dir={tmp_path}"]  # fmt: skip
-    config = load_config(REPO / "examples/quickstart.yaml", overrides)
-    model, blocks = build_run_model(config, world)
+    model, blocks, sharded = fsdp_run_model(moe_dirs, world, tmp_path, "jetmoe", "[attention,routed_experts]")
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(5))
 
     def logits_loss_and_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -1353,7 +1366,7 @@ def test_fsdp_makes_jetmoes_pair_of_expert_modules_one_unit(moe_dirs, world, tmp
             for linear in module.lora_B.values():
                 torch.nn.init.normal_(linear.weight, std=0.1, generator=torch.Generator().manual_seed(6))
     expected = logits_loss_and_gradients(model)
-    model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32, materialized=True)
+    model = sharded(model)
     assert blocks and all(isinstance(block.block, FusedMoeBlock) and not isinstance(block.block, FSDPModule)
                           for block in blocks)  # fmt: skip
     for block in blocks:
@@ -1374,23 +1387,13 @@ def test_fsdp_keeps_dbrxs_slab_experts_found_under_the_class_it_makes_of_them(mo
     """FSDP2 makes DBRX's experts module its unit and gives it a class of its own (FSDPDbrxExperts); the fused block
     still reads its 2-D slabs (found by the class's bases: before, by the class's name, every forward raised an
     AttributeError), and the logits are those of the same model unsharded."""
-    from conftest import REPO
     from torch.distributed.fsdp import FSDPModule
 
-    from shardtune.config import load_config
-    from shardtune.distributed.parallelize import parallelize
-    from shardtune.distributed.strategy import ParallelPlan
-    from shardtune.train.loop import build_run_model
-
-    overrides = [f"model.name_or_path={moe_dirs['dbrx']}", "model.init=random", "model.dtype=float32",
-                 "lora.target_modules=null", "lora.moe_targets=[attention,router]", "parallel.strategy=fsdp",
-                 f"training.output_dir={tmp_path}"]  # fmt: skip
-    config = load_config(REPO / "examples/quickstart.yaml", overrides)
-    model, blocks = build_run_model(config, world)
+    model, blocks, sharded = fsdp_run_model(moe_dirs, world, tmp_path, "dbrx", "[attention,router]")
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-    model = parallelize(model, ParallelPlan("fsdp", "asked", 0, 0, 0), config, world, torch.float32, materialized=True)
+    model = sharded(model)
     assert blocks and all(type(block.experts).__name__ == "FSDPDbrxExperts" for block in blocks)
     assert all(isinstance(block.experts, FSDPModule) for block in blocks)
     with torch.no_grad():
