@@ -48,7 +48,8 @@
 # Scout's first 12 layers against HF, the same two runs), gemma4 (Gemma 4 26B-A4B's text model against HF, the same two
 # runs, and a profiled run, gemma4-26b-a4b-profile), last-moe (LFM2-8B-A1B, Phi-3.5-MoE's first 16 layers, JetMoE-8B and
 # DBRX's first 8 layers against HF, the same two runs, DBRX's LoRA-attention one only, and JetMoE's and DBRX's
-# LoRA-attention runs with both float8 options, -float8; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# LoRA-attention runs with both float8 options, -float8; BENCH_ONLY: run names), gptoss-glu (gpt-oss-20b, LoRA on
+# attention + routed experts, then on attention, no baseline: GPT-OSS's clamped GLU keeping only its gate/up output). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -704,6 +705,14 @@ gemma4)
         'logging.profile_steps=[3,4]' parallel.cuda_graphs=false "${extra[@]}" &&
         python3 -m shardtune.bench.profile_share "$work/gemma4-26b-a4b-profile/shardtune/profile/rank0.trace.json.gz" |
         tee "$results/gemma4-26b-a4b-profile.gemm.txt"
+    ;;
+gptoss-glu)
+    # GPT-OSS's clamped GLU keeping only its gate/up output for backward: gpt-oss-20b, LoRA on attention + routed
+    # experts, then LoRA on attention (the "before" of RESULTS.md: the first run on the code before the change).
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    bench gptoss-glu-experts --shape gpt-oss-20b --seq 4096 --batch 2 --steps 6 --warmup 3 \
+        'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
+    bench gptoss-glu-attn --shape gpt-oss-20b --seq 4096 --batch 2 --steps 8 --warmup 3 "${extra[@]}"
     ;;
 last-moe)
     # The last MoE architectures put on the fused block, against HF + PEFT in the same run, LoRA on attention, then on

@@ -128,7 +128,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "nproc": nproc,
         "data": args.data,
         "layers": model_config.get_text_config().num_hidden_layers,
-        "routing": args.routing if is_moe(model_config) else None,
+        # bench_config sets the router weights of an MoE shape alone (a dense one keeps the default)
+        "routing": config["model"].get("init_routing"),
     }
     command = [sys.executable, "-m", "shardtune", "train", str(config_path), "--nproc", str(nproc), *args.overrides]
     _run(command, out / "shardtune.log", "shardtune train")
@@ -217,7 +218,7 @@ def bench_config(
         "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto",
                   "attn_implementation": "sdpa" if args.data == "synthetic" and attention_runs(model_config, "sdpa")
                   else "auto",
-                  "init_routing": args.routing if is_moe(model_config) else "random"},
+                  **({"init_routing": args.routing} if is_moe(model_config) else {})},
         "data": {"dataset_path": str(data_path), "format": data_format, "max_length": args.seq,
                  "packing": True, "cache_dir": str(out / "cache")},
         "training": {"output_dir": str(out / "shardtune"), "overwrite_output_dir": True,

@@ -34,6 +34,7 @@ from shardtune.model.fused_moe import (
     Permute,
     expert_activation,
     expert_slabs,
+    identity_experts,
     input_projection,
     unsupported_layout,
 )
@@ -75,7 +76,9 @@ class ExpertDispatch:
         """``rows`` sorted by (global) expert, their routing weights, ``bounds`` the rows of each (global) expert e,
         bounds[e]:bounds[e + 1]: (the rows this rank's experts must compute, ordered by local expert; their
         routing weights; their bounds per local expert (int32), as the grouped GEMMs take them; the function
-        that sends those rows' outputs back, in ``rows``' order)."""
+        that sends those rows' outputs back, in ``rows``' order). Rows after the last expert's (identity experts'
+        pairs: ``bounds`` covers the GEMM experts alone) stay here: they are not sent, and their outputs come back
+        as zeros."""
         ep, local = self.ep_size, self.local_experts
         counts = torch.diff(bounds.long())  # rows per expert; the experts of rank k are run k
         received_counts = torch.empty_like(counts)
@@ -84,6 +87,9 @@ class ExpertDispatch:
         # run on 2 GPUs waits on the host at every MoE layer for it: benchmarks/RESULTS.md, issue 23).
         sizes = torch.cat([counts.view(ep, local).sum(1), received_counts.view(ep, local).sum(1)]).tolist()
         send_splits, receive_splits = sizes[:ep], sizes[ep:]
+        kept = rows.shape[0] - sum(send_splits)  # the identity experts' rows, last in expert order
+        if kept:
+            rows, row_weights = rows[: rows.shape[0] - kept], row_weights[: rows.shape[0] - kept]
         received = AllToAll.apply(rows, receive_splits, send_splits, self.group)
         received_weights = AllToAll.apply(row_weights, receive_splits, send_splits, self.group)
         # Received rows come by source rank, each source's sorted by expert: sort them by local expert.
@@ -98,7 +104,8 @@ class ExpertDispatch:
 
         def receive_back(outputs: torch.Tensor) -> torch.Tensor:
             by_source = Permute.apply(outputs, inverse, order)
-            return AllToAll.apply(by_source, send_splits, receive_splits, self.group)
+            returned = AllToAll.apply(by_source, send_splits, receive_splits, self.group)
+            return F.pad(returned, (0, 0, 0, kept)) if kept else returned
 
         return by_expert, weights_by_expert, bounds, receive_back
 
@@ -114,7 +121,10 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
     Nemotron-H's latent projections) stay whole, and so does the rest of a decoder layer whose experts sit beside its
     router (Gemma 4's: ``FusedRouter``), and of a block holding its experts as two modules of its own (JetMoE's
     ``ExpertPair``: its input_linear's and output_linear's weights and adapters are sharded, its router and output bias
-    stay whole). The tensors may be on the meta device (before their weights arrive, see ``parallelize``)."""
+    stay whole). Identity experts (LongCat-Flash's) are no rank's work: the GEMM experts split as any layout's, and the
+    gate_up_proj rows (and adapters) of the identity experts, which nothing reads, split evenly too, each rank's after
+    its GEMM experts' (``expert_runs``). The tensors may be on the meta device (before their weights arrive, see
+    ``parallelize``)."""
     blocks = fused_blocks(model)
     if not blocks:
         raise ConfigError(
@@ -127,16 +137,39 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
                 f"parallel.expert_parallel_size: {dims.ep_size} does not shard {block.replaced}'s experts ({layout}) "
                 "yet; set it to 1"
             )
-        num_experts = block.num_routed_experts
-        dims.check_experts(num_experts, type(model).__name__)
-        experts = dims.local_experts(num_experts)
+        identities = block.experts.identity_experts
+        gemm_experts = block.num_routed_experts - identities
+        dims.check_experts(block.num_routed_experts, type(model).__name__, identities)
         pair = isinstance(block.experts, ExpertPair)
+        root = _experts_root(block)
         for name, tensor in expert_tensors(block).items():
-            owner, attribute = _owner(_experts_root(block), name)
-            local = _local_slice(tensor_kind(name, pair), tensor, num_experts, experts)
+            owner, attribute = _owner(root, name)
+            with_identities = identities if _adapted_weight(root, name) != "down_proj" else 0
+            experts = expert_runs(gemm_experts + with_identities, with_identities, dims)
+            local = _local_slice(tensor_kind(name, pair), tensor, gemm_experts + with_identities, experts)
             setattr(owner, attribute, torch.nn.Parameter(local, requires_grad=tensor.requires_grad))
-        block.experts.expert_dispatch = ExpertDispatch(dims.ep_group, dims.ep_size, len(experts))
+        block.experts.expert_dispatch = ExpertDispatch(dims.ep_group, dims.ep_size, gemm_experts // dims.ep_size)
     return len(blocks)
+
+
+def expert_runs(num_experts: int, identities: int, dims: ParallelDims) -> list[int]:
+    """The (global) ids of the experts whose rows this rank holds, in its tensors' order, of a tensor with a row (or
+    factor) for each of ``num_experts`` experts, the last ``identities`` of them identity experts: its run of the GEMM
+    experts, then (LongCat-Flash's gate_up_proj and its adapters) its run of the identity experts."""
+    gemm = dims.local_experts(num_experts - identities)
+    if not identities:
+        return list(gemm)
+    return [*gemm, *(num_experts - identities + expert for expert in dims.local_experts(identities))]
+
+
+def _adapted_weight(root: torch.nn.Module, name: str) -> str:
+    """The routed-expert weight a tensor named ``name`` under ``root`` is or adapts: its own last name, or for a LoRA
+    factor the ``parameter_name`` of PEFT's wrapper holding it (``weight`` for any other module's)."""
+    parts = name.split(".")
+    factor = next((i for i, part in enumerate(parts) if part in ("lora_A", "lora_B")), None)
+    if factor is None:
+        return parts[-1]
+    return getattr(root.get_submodule(".".join(parts[:factor])), "parameter_name", "weight")
 
 
 def expert_tensors(block: FusedMoeBlock) -> dict[str, torch.Tensor]:
@@ -187,26 +220,24 @@ def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return (root.get_submodule(path) if path else root), attribute
 
 
-def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: range) -> torch.Tensor:
-    first, count = experts.start, len(experts)
-    if kind == "experts":  # a row of the first dimension per expert, or a slab's rows of each (I)
+def _local_slice(kind: str, tensor: torch.Tensor, num_experts: int, experts: list[int]) -> torch.Tensor:
+    """``tensor``'s rows (factors) of ``experts`` (global ids, in this order), as the rank holding them keeps them."""
+    index = torch.tensor(experts, device=tensor.device)
+    if kind in ("experts", "lora_A"):  # a row of the first dimension per expert, or a slab's (or A's) rows of each
         rows = tensor.shape[0] // num_experts
-        return tensor[first * rows : (first + count) * rows].clone()
-    if kind == "lora_A":
-        rank = tensor.shape[0] // num_experts
-        return tensor[first * rank : (first + count) * rank].clone()
+        return tensor.view(num_experts, rows, *tensor.shape[1:])[index].reshape(-1, *tensor.shape[1:])
     rank = tensor.shape[1] // num_experts
-    return tensor.view(tensor.shape[0], rank, num_experts)[:, :, first : first + count].reshape(
-        tensor.shape[0], rank * count
-    )
+    return tensor.view(tensor.shape[0], rank, num_experts)[:, :, index].reshape(tensor.shape[0], rank * len(experts))
 
 
-def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
-    """State-dict name -> (kind, the layer's number of routed experts) of every routed-expert tensor: those of
-    each ``experts`` module holding 3-D ``gate_up_proj`` weights (ungated experts: ``up_proj``; DBRX's: 2-D slabs),
-    and of each block holding its experts as two modules of its own (JetMoE's ``moe.expert_pair``), fused or not (an
-    export's model is not)."""
-    names: dict[str, tuple[str, int]] = {}
+def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int, int]]:
+    """State-dict name -> (kind, the number of the layer's experts the tensor has a row or factor for, how many of
+    those are identity experts) of every routed-expert tensor: those of each ``experts`` module holding 3-D
+    ``gate_up_proj`` weights (ungated experts: ``up_proj``; DBRX's: 2-D slabs), and of each block holding its experts
+    as two modules of its own (JetMoE's ``moe.expert_pair``), fused or not (an export's model is not). LongCat-Flash's
+    gate_up_proj and its adapters have the identity experts' (the last ones) beside the GEMM experts'; its down_proj
+    and its adapters the GEMM experts' alone."""
+    names: dict[str, tuple[str, int, int]] = {}
     for module_name, module in model.named_modules():
         if all(hasattr(module, name) for name in EXPERT_PAIR_NAMES) and (pair := expert_pair(module)) is not None:
             # The fused block's count (this rank holds a run of them); an unfused block's experts are all there.
@@ -214,7 +245,7 @@ def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
             for name, _ in module.named_parameters():
                 kind = tensor_kind(name, pair=True)
                 if kind is not None:
-                    names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts)
+                    names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts, 0)
             continue
         if module_name.rpartition(".")[2] != "experts":
             continue
@@ -228,10 +259,12 @@ def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
         # the decoder layer (Gemma 4's) the FusedRouter child's; an unfused model's experts are all there.
         fused = (block for block in (parent, *parent.children()) if isinstance(block, FusedMoeBlock))
         num_experts = next((block.num_routed_experts for block in fused if block.experts is module), first.shape[0])
+        identities = identity_experts(base)
         for name, _ in module.named_parameters():
             kind = tensor_kind(name)
             if kind is not None:
-                names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts)
+                held = identities if _adapted_weight(module, name) != "down_proj" else 0
+                names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts - identities + held, held)
     return names
 
 
@@ -242,29 +275,111 @@ def _base_experts(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def expert_state_views(state: dict, names: dict[str, tuple[str, int]], dims: ParallelDims) -> dict:
+def expert_state_views(state: dict, names: dict[str, tuple[str, int, int]], dims: ParallelDims) -> dict:
     """``state`` (a model state dict, or an optimizer state dict's per-parameter ``state``, whose entries are
     dicts of moments) with every routed-expert tensor as a view of the whole layer's tensor:
 
     - under EP, a DTensor over the world (``dims.expert_state_mesh``) whose global shape is the layer's, split
       over the EP group and then over FSDP's shards (this rank's local tensor, no copy);
     - a LoRA B (out, r*E) always as (out, r, E): expert e's columns e, e+E, ... are then a box of the tensor
-      (the last index), which DCP can split and reassemble across EP sizes.
+      (the last index), which DCP can split and reassemble across EP sizes;
+    - under EP, a tensor with identity experts' rows (LongCat-Flash's gate_up_proj and its adapters) holds two runs of
+      the whole tensor (the rank's GEMM experts', then its identity experts'): DCP sees the two boxes
+      (``_identity_boxes``), the whole tensor keeps transformers' (PEFT's) order in the checkpoint.
 
     Views share storage with ``state``'s tensors, so DCP's in-place load fills them."""
     viewed = dict(state)
     for name, value in state.items():
         if without_wrappers(name) not in names:
             continue
-        kind, num_experts = names[without_wrappers(name)]
+        kind, num_experts, identities = names[without_wrappers(name)]
         if isinstance(value, dict):  # an optimizer's moments of the parameter (and its step count, left as is)
             viewed[name] = {
-                key: expert_view(moment, kind, num_experts, dims) if _is_like_parameter(moment) else moment
+                key: _saved_view(moment, kind, num_experts, dims, identities) if _is_like_parameter(moment) else moment
                 for key, moment in value.items()
             }
         else:
-            viewed[name] = expert_view(value, kind, num_experts, dims)
+            viewed[name] = _saved_view(value, kind, num_experts, dims, identities)
     return viewed
+
+
+def _saved_view(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims, identities: int) -> torch.Tensor:
+    """``expert_view``, with the boxes of the whole tensor that DCP sees where the tensor has identity experts'
+    rows under EP (``_identity_boxes``)."""
+    viewed = expert_view(tensor, kind, num_experts, dims)
+    if identities and dims.ep_enabled:
+        _identity_boxes(viewed, kind, num_experts, identities, dims.ep_size)
+    return viewed
+
+
+def _expert_dim(kind: str) -> int:
+    """The dimension of ``expert_view``'s tensor that runs over the experts: a LoRA B's last, the others' first."""
+    return 2 if kind == "lora_B" else 0
+
+
+def _rank_major_order(num_experts: int, identities: int, ep_size: int) -> torch.Tensor:
+    """For a tensor of ``num_experts`` experts, the last ``identities`` identity experts, split over ``ep_size`` ranks
+    by ``expert_runs``: the (global) expert at each position of the ranks' tensors laid end to end (rank 0's GEMM
+    experts, its identity experts, rank 1's GEMM experts, ...), the order of ``expert_view``'s DTensor under EP."""
+    gemm = num_experts - identities
+    per_gemm, per_identity = gemm // ep_size, identities // ep_size
+    return torch.tensor([
+        expert
+        for rank in range(ep_size)
+        for expert in (*range(rank * per_gemm, (rank + 1) * per_gemm),
+                       *range(gemm + rank * per_identity, gemm + (rank + 1) * per_identity))
+    ])  # fmt: skip
+
+
+def _positions(order: torch.Tensor, size: int) -> torch.Tensor:
+    """``order`` (one entry per expert) spread over the ``size`` positions of a dimension with as many per expert."""
+    per = size // order.numel()
+    return (order.unsqueeze(-1) * per + torch.arange(per)).reshape(-1)
+
+
+def _identity_boxes(viewed: DTensor, kind: str, num_experts: int, identities: int, ep_size: int) -> None:
+    """Make DCP save and load ``viewed`` (``expert_view``'s DTensor of a tensor with identity experts' rows, under EP)
+    as the boxes of the whole tensor in transformers' order that its local tensor holds.
+
+    ``viewed`` lays the ranks' tensors end to end (``_rank_major_order``): a shard of that is one run of positions,
+    which in the whole tensor are up to two runs (its GEMM experts', its identity experts'). DTensor asks its local
+    tensor for its checkpoint chunks first (``__create_chunk_list__``, ``__create_write_items__``,
+    ``__get_tensor_shard__``); those of this view's local tensor name the runs, so checkpoints of every EP size and
+    of one process hold the same tensor, and DCP moves the pieces between any two."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = viewed._local_tensor
+    dim = _expert_dim(kind)
+    sizes, offsets = compute_local_shape_and_global_offset(viewed.shape, viewed.device_mesh, viewed.placements)
+    whole = _positions(_rank_major_order(num_experts, identities, ep_size), viewed.shape[dim])
+    mine = whole[offsets[dim] : offsets[dim] + sizes[dim]].tolist()
+    boxes: list[tuple[torch.Size, int, int]] = []  # (offsets in the whole tensor, start in the local tensor, length)
+    for start, position in enumerate(mine):
+        if boxes and boxes[-1][0][dim] + boxes[-1][2] == position:
+            boxes[-1] = (boxes[-1][0], boxes[-1][1], boxes[-1][2] + 1)
+        else:
+            boxes.append((torch.Size([*offsets[:dim], position, *offsets[dim + 1 :]]), start, 1))
+
+    def chunk(box) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=box[0], sizes=torch.Size([*sizes[:dim], box[2], *sizes[dim + 1 :]]))
+
+    def create_write_items(fqn: str, _) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(local)
+        return [
+            WriteItem(index=MetadataIndex(fqn, box[0]), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=chunk(box), properties=properties, size=viewed.shape))
+            for box in boxes
+        ]  # fmt: skip
+
+    def tensor_shard(index: MetadataIndex) -> torch.Tensor:
+        box = next(box for box in boxes if box[0] == index.offset)
+        return local.narrow(dim, box[1], box[2])
+
+    local.__create_chunk_list__ = lambda: [chunk(box) for box in boxes]
+    local.__create_write_items__ = create_write_items
+    local.__get_tensor_shard__ = tensor_shard
 
 
 def _is_like_parameter(value: object) -> bool:
@@ -302,11 +417,18 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def whole_expert_tensor(tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims) -> torch.Tensor:
+def whole_expert_tensor(
+    tensor: torch.Tensor, kind: str, num_experts: int, dims: ParallelDims, identities: int = 0
+) -> torch.Tensor:
     """The whole layer's tensor in its own layout (a collective over the world under EP, as FSDP's full state
-    dict is over its mesh)."""
+    dict is over its mesh); with ``identities`` (LongCat-Flash's gate_up_proj and its adapters) the ranks' runs put
+    back in transformers' order."""
     viewed = expert_view(tensor, kind, num_experts, dims)
     whole = _gathered(viewed) if isinstance(viewed, DTensor) else viewed
+    if identities and dims.ep_enabled:
+        dim = _expert_dim(kind)
+        order = _positions(_rank_major_order(num_experts, identities, dims.ep_size), whole.shape[dim])
+        whole = whole.index_select(dim, torch.argsort(order).to(whole.device))
     return whole.reshape(whole.shape[0], -1) if kind == "lora_B" else whole
 
 
@@ -332,7 +454,7 @@ def distribute_expert_weights(
 
     names = expert_state_names(model)
     current = {without_wrappers(name): value for name, value in model.state_dict().items()}
-    for name, (kind, num_experts) in names.items():
+    for name, (kind, num_experts, identities) in names.items():
         viewed = expert_view(current[name], kind, num_experts, dims)
         whole = full_state[name].to(viewed.device) if dims.rank == src else None
         shape = viewed.shape
@@ -341,6 +463,10 @@ def distribute_expert_weights(
         whole = whole.reshape(shape)
         if dims.world_size > 1:
             dist.broadcast(whole, src=src)
+        if identities and dims.ep_enabled:  # in the ranks' order (expert_runs), of which each takes its box
+            dim = _expert_dim(kind)
+            whole = whole.index_select(dim, _positions(_rank_major_order(num_experts, identities, dims.ep_size),
+                                                       shape[dim]).to(whole.device))  # fmt: skip
         if isinstance(viewed, DTensor):
             local_shape, offset = compute_local_shape_and_global_offset(shape, viewed.device_mesh, viewed.placements)
             box = tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,24 +103,34 @@ class ParallelDims:
         per_rank = num_experts // self.expert_parallel_size
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
-    def check_model(self, expert_counts: list[int], model_name: str) -> None:
-        """EP needs an MoE model, each of whose MoE layers' routed experts (``expert_counts``) split evenly
-        over the EP group: checked by training on the built model and by ``plan`` on its shape."""
+    def check_model(self, expert_counts: list[tuple[int, int]], model_name: str) -> None:
+        """EP needs an MoE model, each of whose MoE layers' routed experts (``expert_counts``: each layer's routed
+        experts and how many of them are identities) split evenly over the EP group: checked by training on the built
+        model, by expert parallelism as it shards the experts and by ``plan`` on the model's shape."""
         if not self.ep_enabled:
             return
         if not expert_counts:
             raise ConfigError(
                 f"{EP_KEY}: {self.ep_size} needs an MoE model; {model_name} has no MoE layers; set it to 1"
             )
-        for num_experts in expert_counts:
-            self.check_experts(num_experts, model_name)
+        for num_experts, identities in expert_counts:
+            self.check_experts(num_experts, model_name, identities)
 
-    def check_experts(self, num_experts: int, model_name: str) -> None:
-        """EP needs every MoE layer's routed experts to split evenly over the EP group."""
-        if num_experts % self.expert_parallel_size:
+    def check_experts(self, num_experts: int, model_name: str, identities: int = 0) -> None:
+        """EP needs every MoE layer's routed experts to split evenly over the EP group: its GEMM experts, and its
+        ``identities`` (LongCat-Flash's zero-computation experts, whose gate_up_proj rows split as the GEMM experts'
+        do) apart."""
+        gemm_experts = num_experts - identities
+        size = self.expert_parallel_size
+        if gemm_experts % size or identities % size:
+            experts = (
+                f"{gemm_experts} GEMM experts and {identities} identity experts"
+                if identities
+                else (f"{num_experts} routed experts")
+            )
             raise ConfigError(
-                f"{EP_KEY}: {self.expert_parallel_size} does not divide the {num_experts} routed experts of "
-                f"{model_name}; choose a divisor of {num_experts}"
+                f"{EP_KEY}: {size} does not divide the {experts} of {model_name}; "
+                f"choose a divisor of {math.gcd(gemm_experts, identities)}"
             )
 
     # -- meshes ---------------------------------------------------------------------------------------

@@ -450,10 +450,10 @@ def full_state_dict(
             # FSDP gathered each rank's run of experts; the whole layer's come from every EP group's.
             sharded = {without_wrappers(name): value for name, value in model.state_dict().items()}
             trained = {without_wrappers(name) for name, p in model.named_parameters() if p.requires_grad}
-            for name, (kind, num_experts) in expert_state_names(model).items():
+            for name, (kind, num_experts, identities) in expert_state_names(model).items():
                 if trainable_only and name not in trained:
                     continue
-                whole = whole_expert_tensor(sharded[name], kind, num_experts, dims).cpu()
+                whole = whole_expert_tensor(sharded[name], kind, num_experts, dims, identities).cpu()
                 if dims.is_main:
                     state[next(key for key in state if without_wrappers(key) == name)] = whole
         if not dims.is_main:

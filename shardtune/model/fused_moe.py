@@ -110,11 +110,11 @@ OUTPUT_BIAS = {"JetMoeMoE": "bias"}
 # e of each weight's first dimension (of a bias's too; a 2-D slab's rows e*I..(e+1)*I, ``split_silu``), the activation
 # one of the weighted ones below; ``identity``:
 # identity experts (IDENTITY_EXPERTS) beside the GEMM experts of any of them. Float8 experts add GPT-OSS's biases in
-# their own dtype after the float8 GEMMs. Expert parallelism does not take identity experts: LongCat-Flash's
-# gate_up_proj holds a row for each of them that its down_proj has not, so no run of experts is the same slice of
-# both tensors, which the expert-sharded checkpoints' views (one shard of the expert dimension each) need.
-EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu", "gelu_tanh", "split_silu")
-FLOAT8_LAYOUTS = (*EXPERT_PARALLEL_LAYOUTS, "identity")
+# their own dtype after the float8 GEMMs. Under expert parallelism identity experts are no rank's work: their pairs
+# stay on their own rank (``routed_experts``), and only LongCat-Flash's gate_up_proj rows of them, which nothing reads,
+# are split over the ranks beside the GEMM experts' (``expert_parallel.shard_experts``).
+EXPERT_PARALLEL_LAYOUTS = ("silu", "transposed_silu", "relu2", "clamped_glu", "gelu_tanh", "split_silu", "identity")
+FLOAT8_LAYOUTS = EXPERT_PARALLEL_LAYOUTS
 # What a layout, or identity experts, have that one of them does not take, for its refusal.
 LAYOUT_TRAITS = {
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
@@ -223,8 +223,9 @@ def expert_slabs(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, 
 
 def identity_experts(experts: torch.nn.Module) -> int:
     """How many of ``experts`` (transformers' module, under no wrapper) are identities, the last ids
-    (``IDENTITY_EXPERTS``)."""
-    attribute = IDENTITY_EXPERTS.get(type(experts).__name__)
+    (``IDENTITY_EXPERTS``; looked up by their class or the class FSDP made of it, as ``slab_names``)."""
+    names = (IDENTITY_EXPERTS.get(cls.__name__) for cls in type(experts).__mro__)
+    attribute = next((name for name in names if name is not None), None)
     return 0 if attribute is None else int(getattr(experts, attribute) or 0)
 
 
@@ -982,7 +983,8 @@ def routed_experts(
     token adds its identity choices' summed weight times itself. A grouped GEMM over the GEMM experts' bounds leaves
     the other rows of its output, and of its input gradient, unwritten (any values, NaN among them): they are set to 0
     (``masked_fill``, whose backward does the same to the gradient) where they would reach a sum. No host sync, every
-    shape static."""
+    shape static. Under expert parallelism the identity experts' rows stay here: only the GEMM experts' rows go through
+    the token exchange (``ExpertDispatch.send``), and their outputs come back with zeros in the identity rows' place."""
     # Set under expert parallelism (distributed/expert_parallel.py): this rank holds a run of the experts,
     # and rows travel to the rank of their expert and back.
     dispatch = getattr(experts, "expert_dispatch", None)
@@ -1011,13 +1013,16 @@ def routed_experts(
     lora_reversed = transposed and not getattr(experts, "is_transposed", False)
     dtype = _compute_dtype(gate_up, tokens)
     top_k = chosen.shape[1]
-    experts_total = gate_up.shape[0] + identities if dispatch is None else dispatch.ep_size * dispatch.local_experts
-    order, inverse, bounds = expert_order(chosen.reshape(-1), experts_total)  # expert e: rows bounds[e]:bounds[e+1]
+    # The layer's GEMM experts, all of them (under expert parallelism the group's; the identity experts' ids follow).
+    gemm_experts = gate_up.shape[0] if dispatch is None else dispatch.ep_size * dispatch.local_experts
+    order, inverse, bounds = expert_order(chosen.reshape(-1), gemm_experts + identities)  # e: rows bounds[e]:[e+1]
     row_weights = Permute.apply(weights.reshape(-1), order, inverse)  # the fp32 routing weight of each row
     identity_rows = None
     if identities:  # the GEMM experts' bounds; the rows after them, (pairs, 1) True, are the identity experts'
-        bounds = bounds[: gate_up.shape[0] + 1]
+        bounds = bounds[: gemm_experts + 1]
         identity_rows = (torch.arange(order.shape[0], device=order.device) >= bounds[-1]).unsqueeze(-1)
+    # The rows the GEMMs leave unwritten, on the experts' side: under expert parallelism they got only GEMM rows.
+    unwritten = identity_rows if dispatch is None else None
     if slabs is not None:  # gate's and up's forms apart (Float8Experts takes them so), down's as a transposed weight's
         gate_up_float8, down_float8 = _float8_slabs(experts, slabs)
     else:
@@ -1037,7 +1042,7 @@ def routed_experts(
             tokens.to(dtype), row_weights, token_of_row, inverse, top_k, bounds, float8_backend, activation, limit,
             identity_rows, *gate_up_float8, *down_float8,
         )  # fmt: skip
-        return output if identity_rows is None else _plus_identities(output, tokens, weights, chosen, gate_up.shape[0])
+        return output if identity_rows is None else _plus_identities(output, tokens, weights, chosen, gemm_experts)
     rows = GatherRows.apply(tokens.to(dtype), order, inverse, top_k)  # (pairs, H), the only copy of the inputs
     if identity_rows is not None:  # masked_fill's backward sets their input gradient, which the GEMMs leave unwritten
         rows = rows.masked_fill(identity_rows, 0)
@@ -1073,8 +1078,8 @@ def routed_experts(
             rows, gate_up, gate_up_adapters, bounds, dtype, backend, low_rank, gate_up_float8, float8_backend,
             transposed, lora_reversed,
         )  # fmt: skip
-    if identity_rows is not None:  # the identity rows' gate/up output, unwritten: 0, and so is their activation
-        projected = projected.masked_fill(identity_rows, 0)
+    if unwritten is not None:  # the identity rows' gate/up output, unwritten: 0, and so is their activation
+        projected = projected.masked_fill(unwritten, 0)
 
     def reactivated(a: torch.Tensor) -> torch.Tensor:
         fp32 = _activation_precision(projected) == torch.float32
@@ -1086,8 +1091,8 @@ def routed_experts(
         hidden = WeightedReluSquared.apply(projected, row_weights)
     else:
         hidden = WeightedSiluMul.apply(projected, row_weights, limit, activation)
-    if identity_rows is not None:  # the activation's gradient: the down projection leaves the identity rows' unwritten
-        hidden = hidden.masked_fill(identity_rows, 0)
+    if unwritten is not None:  # the activation's gradient: the down projection leaves the identity rows' unwritten
+        hidden = hidden.masked_fill(unwritten, 0)
     down_adapters = adapters.get("down_proj", [])
     if (
         dispatch is None
@@ -1110,7 +1115,7 @@ def routed_experts(
     if identity_rows is None:
         return SumRows.apply(outputs, order, inverse, top_k)
     output = SumRows.apply(outputs.masked_fill(identity_rows, 0), order, inverse, top_k)
-    return _plus_identities(output, tokens, weights, chosen, gate_up.shape[0])
+    return _plus_identities(output, tokens, weights, chosen, gemm_experts)
 
 
 def _plus_identities(
@@ -1138,26 +1143,57 @@ def _clamped_glu_experts(
     """GPT-OSS's experts (``expert_activation``: ``clamped_glu``) on the expert-sorted ``rows`` (expert e: rows
     bounds[e]:bounds[e+1] of this rank's experts), as output rows in the same order: each projection adds its expert's
     bias, and the routing weight multiplies the down projection's input and its bias (w (h W + b) = (w h) W + w b).
-    The activation is torch ops (inductor fuses them in a compiled layer); the grouped GEMMs are torch's, which take
-    the (E, in, out) weights as they are, or with float8 experts the weights' float8 forms (``Float8Product``), the
-    biases added after in their own dtype. LoRA's A factors of gate/up build their rows again in backward where
-    ``low_rank`` does (``regathered``, as in ``routed_experts``); the down projection's adapters keep their rows."""
+    The activation is :class:`WeightedSiluMul`'s ``clamped_glu``, in fp32, which keeps only the gate/up output (its
+    bias added) and the routing weights for backward, and the down projection's weighted bias
+    :class:`WeightedBiasRows`, which keeps no rows. The grouped GEMMs are torch's, which take the (E, in, out) weights
+    as they are, or with float8 experts the weights' float8 forms (``Float8Product``), the biases added after in their
+    own dtype. LoRA's A factors build their rows again in backward: gate/up's where ``low_rank`` does
+    (``regathered``, as in ``routed_experts``), down's from the gate/up output (``reactivated``)."""
     positions = torch.arange(rows.shape[0], device=rows.device, dtype=bounds.dtype)
-    expert_of_row = torch.searchsorted(bounds[1:], positions, right=True)
+    # Over the whole bounds, not bounds[1:]: torch 2.11's inductor reads a sliced searchsorted boundary from its base
+    # tensor's start, which gave the last expert's rows an expert id past the biases (a device-side assert on GPUs).
+    expert_of_row = torch.searchsorted(bounds, positions, right=True) - 1
     projected = _projection(
         rows, experts.gate_up_proj, adapters.get("gate_up_proj", []), bounds, dtype, "torch", low_rank,
         gate_up_float8, float8_backend, transposed=True,
     )  # fmt: skip
     projected = projected + experts.gate_up_proj_bias.to(dtype).index_select(0, expert_of_row)
-    weights = row_weights.unsqueeze(-1)
-    gate, up = projected[..., ::2].float(), projected[..., 1::2].float()
-    gate, up = gate.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
-    hidden = (gate * torch.sigmoid(gate * experts.alpha) * (up + 1) * weights).to(dtype)
+    limit, alpha = float(experts.limit), float(experts.alpha)
+    hidden = WeightedSiluMul.apply(projected, row_weights, limit, "clamped_glu", alpha)
+
+    def reactivated(a: torch.Tensor) -> torch.Tensor:
+        compiled = torch.compiler.is_compiling()
+        return LowRankOfRebuiltRows.apply(
+            hidden, a, bounds, "activated", projected, row_weights, compiled, limit, "clamped_glu", alpha
+        )  # fmt: skip
+
     outputs = _projection(
-        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", None, down_float8,
+        hidden, experts.down_proj, adapters.get("down_proj", []), bounds, dtype, "torch", reactivated, down_float8,
         float8_backend, transposed=True,
     )  # fmt: skip
-    return outputs + (weights * experts.down_proj_bias.index_select(0, expert_of_row).float()).to(outputs.dtype)
+    return outputs + WeightedBiasRows.apply(experts.down_proj_bias, expert_of_row, row_weights, outputs.dtype)
+
+
+class WeightedBiasRows(torch.autograd.Function):
+    """weights[p] * bias[expert[p]] for each row p (the fp32 routing weight times its expert's bias), in ``dtype``;
+    backward gathers the bias rows again instead of keeping them (the product's autograd kept the gathered rows, a
+    pairs x hidden fp32 tensor, for the routing weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, expert: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
+        ctx.save_for_backward(bias, expert, weights)
+        return (weights.unsqueeze(-1) * bias.index_select(0, expert).float()).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        bias, expert, weights = ctx.saved_tensors
+        grad, grad_bias, grad_weights = grad.float(), None, None
+        if ctx.needs_input_grad[0]:
+            summed = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            grad_bias = summed.index_add_(0, expert, grad * weights.unsqueeze(-1)).to(bias.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_weights = (grad * bias.index_select(0, expert).float()).sum(dim=-1)
+        return grad_bias, None, grad_weights, None
 
 
 def _projection(
@@ -1479,9 +1515,9 @@ class LowRankOfRebuiltRows(torch.autograd.Function):
       block's input gathered by expert (pairs x hidden: 256 MiB a layer for Qwen3-30B-A3B at 8,192 tokens;
       the input itself is top_k times smaller);
     - ``"activated"`` (sources: the gate/up output, the rows' routing weights, whether forward computed in
-      fp32, the SwiGLU limit or None, the ``expert_activation``): the down projection's rows are
-      :class:`WeightedSiluMul` (ungated experts: :class:`WeightedReluSquared`) of the gate/up output, which its own
-      backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
+      fp32, the SwiGLU limit or None, the ``expert_activation``, for ``clamped_glu`` its alpha): the down
+      projection's rows are :class:`WeightedSiluMul` (ungated experts: :class:`WeightedReluSquared`) of the gate/up
+      output, which its own backward keeps (pairs x expert width: 96 MiB a layer for Qwen3-30B-A3B).
     """
 
     @staticmethod
@@ -1524,14 +1560,15 @@ def reactivated_weight_grad(
     fp32: bool,
     limit: float | None,
     activation: str,
+    alpha: float | None = None,
 ) -> torch.Tensor:
     """``rows_e^T @ grad_e`` for each expert e, the rows computed from the gate/up output again by the experts'
     ``activation`` (clamped at the SwiGLU ``limit`` where there is one), in the precision forward computed them in
-    (fp32: compiled forward, and compiled here too)."""
+    (fp32: compiled forward, and compiled here too; ``clamped_glu``: fp32 always, compiled where forward was)."""
     rows = (
-        _compiled_weighted_activation()(gate_up, row_weights, limit=limit, activation=activation)
+        _compiled_weighted_activation()(gate_up, row_weights, limit=limit, activation=activation, alpha=alpha)
         if fp32
-        else _weighted_activation(gate_up, row_weights, gate_up.dtype, limit, activation)
+        else _weighted_activation(gate_up, row_weights, gate_up.dtype, limit, activation, alpha)
     )
     return _low_rank_weight_grad(rows.to(a.dtype), a, bounds, grad)
 
@@ -1562,7 +1599,7 @@ def _(tokens, order, grad, bounds, a, top_k):
 
 
 @reactivated_weight_grad.register_fake
-def _(gate_up, row_weights, grad, bounds, a, fp32, limit, activation):
+def _(gate_up, row_weights, grad, bounds, a, fp32, limit, activation, alpha=None):
     return a.new_empty(a.shape)
 
 
@@ -1578,19 +1615,27 @@ class WeightedSiluMul(torch.autograd.Function):
     With a ``limit`` (``swiglu_limit``: HY-V4's experts), the gate is clamped above and up on both sides at it before
     the SiLU; the backward is then torch ops everywhere (the Triton kernel has no clamp). The experts' ``activation``
     ``gelu_tanh`` (Gemma 4's) takes GELU's tanh approximation for the SiLU, its backward torch ops everywhere too (the
-    Triton kernel computes SiLU)."""
+    Triton kernel computes SiLU). ``clamped_glu`` (GPT-OSS's): gate and up interleaved, each clamped at ``limit`` (up
+    on both sides), gate * sigmoid(``alpha`` * gate) * (up + 1), forward and backward in fp32 always (torch ops)."""
 
     @staticmethod
     def forward(
-        ctx, gate_up: torch.Tensor, row_weights: torch.Tensor, limit: float | None = None, activation: str = "silu"
+        ctx,
+        gate_up: torch.Tensor,
+        row_weights: torch.Tensor,
+        limit: float | None = None,
+        activation: str = "silu",
+        alpha: float | None = None,
     ) -> torch.Tensor:
         ctx.save_for_backward(gate_up, row_weights)
-        ctx.limit, ctx.activation = limit, activation
-        return _weighted_silu_mul(gate_up, row_weights, _activation_precision(gate_up), limit, activation)
+        ctx.limit, ctx.activation, ctx.alpha = limit, activation, alpha
+        compute = _activation_precision(gate_up, activation)
+        return _weighted_silu_mul(gate_up, row_weights, compute, limit, activation, alpha)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        return *_weighted_silu_mul_backward(*ctx.saved_tensors, grad, ctx.limit, ctx.activation), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        saved = ctx.saved_tensors
+        return *_weighted_silu_mul_backward(*saved, grad, ctx.limit, ctx.activation, ctx.alpha), None, None, None
 
 
 def _weighted_silu_mul_backward(
@@ -1599,12 +1644,14 @@ def _weighted_silu_mul_backward(
     grad: torch.Tensor,
     limit: float | None = None,
     activation: str = "silu",
+    alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``WeightedSiluMul``'s backward: the Triton kernel on CUDA (SiLU without a limit), torch ops elsewhere."""
     kernel = weighted_silu_mul_backward is not None and _silu_kernel(activation, limit)
     if kernel and runs_on(gate_up.device) and gate_up.shape[0] > 0:
         return weighted_silu_mul_backward(gate_up.contiguous(), row_weights.contiguous(), grad.contiguous())
-    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, _activation_precision(gate_up), limit, activation)
+    compute = _activation_precision(gate_up, activation)
+    return weighted_silu_mul_backward_ops(gate_up, row_weights, grad, compute, limit, activation, alpha)
 
 
 def weighted_silu_mul_backward_ops(
@@ -1614,12 +1661,15 @@ def weighted_silu_mul_backward_ops(
     compute: torch.dtype,
     limit: float | None = None,
     activation: str = "silu",
+    alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """WeightedSiluMul's backward as torch ops computing in ``compute``: (the gradient of ``gate_up`` in its
     dtype, the fp32 gradient of ``row_weights``). With a ``limit``, a clamped element takes no gradient (as
     torch.clamp's backward: none outside the bounds, the bounds themselves included in them). ``gelu_tanh``: GELU's
-    tanh approximation for the SiLU, its derivative torch's own (``aten.gelu_backward``)."""
-    gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit)
+    tanh approximation for the SiLU, its derivative torch's own (``aten.gelu_backward``). ``clamped_glu``: g *
+    sigmoid(alpha g), whose derivative is sigmoid(alpha g) (1 + alpha g (1 - sigmoid(alpha g))), times up + 1 (the
+    up operand of ``_silu_operands``), the gradient interleaved as gate and up are."""
+    gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit, activation)
     grad = grad.to(compute)
     if activation == "gelu_tanh":
         activated = F.gelu(gate, approximate="tanh")
@@ -1627,6 +1677,13 @@ def weighted_silu_mul_backward_ops(
         grad = grad * weights
         grad_gate = torch.ops.aten.gelu_backward(grad * up, gate, approximate="tanh")
         grad_up = grad * activated
+    elif activation == "clamped_glu":
+        sigmoid = torch.sigmoid(gate * alpha)
+        glu = gate * sigmoid
+        grad_weights = (grad * glu * up).sum(dim=-1, dtype=torch.float32)
+        grad = grad * weights
+        grad_gate = grad * up * (sigmoid * (1 + gate * alpha * (1 - sigmoid)))
+        grad_up = grad * glu
     else:
         sigmoid = torch.sigmoid(gate)
         silu = gate * sigmoid
@@ -1635,25 +1692,35 @@ def weighted_silu_mul_backward_ops(
         grad_gate = grad * up * (sigmoid * (1 + gate * (1 - sigmoid)))
         grad_up = grad * silu
     if limit is not None:
-        raw_gate, raw_up = gate_up.to(compute).chunk(2, dim=-1)
+        raw_gate, raw_up = _gate_and_up(gate_up.to(compute), activation)
         grad_gate = grad_gate * (raw_gate <= limit)
         grad_up = grad_up * (raw_up.abs() <= limit)
+    if activation == "clamped_glu":  # interleaved again
+        return torch.stack([grad_gate, grad_up], dim=-1).flatten(-2).to(gate_up.dtype), grad_weights
     return torch.cat([grad_gate, grad_up], dim=-1).to(gate_up.dtype), grad_weights
 
 
-def _activation_precision(gate_up: torch.Tensor) -> torch.dtype:
-    """The dtype WeightedSiluMul and WeightedReluSquared compute in (see WeightedSiluMul)."""
-    return torch.float32 if torch.compiler.is_compiling() else gate_up.dtype
+def _activation_precision(gate_up: torch.Tensor, activation: str = "silu") -> torch.dtype:
+    """The dtype WeightedSiluMul and WeightedReluSquared compute in (see WeightedSiluMul): ``clamped_glu``'s fp32."""
+    fp32 = torch.compiler.is_compiling() or activation == "clamped_glu"
+    return torch.float32 if fp32 else gate_up.dtype
 
 
 def _weighted_activation(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype, limit: float | None, activation: str
+    gate_up: torch.Tensor,
+    row_weights: torch.Tensor,
+    compute: torch.dtype,
+    limit: float | None,
+    activation: str,
+    alpha: float | None = None,
 ) -> torch.Tensor:
     """The down projection's rows by the experts' ``activation`` (``expert_activation``): WeightedSiluMul's or
-    WeightedReluSquared's forward."""
+    WeightedReluSquared's forward (``clamped_glu``: in fp32 whatever ``compute`` says, as WeightedSiluMul's)."""
     if activation == "relu2":
         return _weighted_relu_squared(gate_up, row_weights, compute)
-    return _weighted_silu_mul(gate_up, row_weights, compute, limit, activation)
+    if activation == "clamped_glu":
+        compute = torch.float32
+    return _weighted_silu_mul(gate_up, row_weights, compute, limit, activation, alpha)
 
 
 def _weighted_silu_mul(
@@ -1662,21 +1729,42 @@ def _weighted_silu_mul(
     compute: torch.dtype,
     limit: float | None = None,
     activation: str = "silu",
+    alpha: float | None = None,
 ) -> torch.Tensor:
-    """weight * SiLU(gate) * up (``gelu_tanh``: GELU's tanh approximation for the SiLU) in ``compute``."""
-    gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit)
-    activated = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+    """weight * SiLU(gate) * up (``gelu_tanh``: GELU's tanh approximation for the SiLU; ``clamped_glu``: gate *
+    sigmoid(``alpha`` * gate), up + 1) in ``compute``."""
+    gate, up, weights = _silu_operands(gate_up, row_weights, compute, limit, activation)
+    if activation == "gelu_tanh":
+        activated = F.gelu(gate, approximate="tanh")
+    elif activation == "clamped_glu":
+        activated = gate * torch.sigmoid(gate * alpha)
+    else:
+        activated = F.silu(gate)
     return (activated * up * weights).to(gate_up.dtype)
 
 
+def _gate_and_up(gate_up: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gate/up output's gate and up: its [gate | up] halves, or ``clamped_glu``'s interleaved columns."""
+    if activation == "clamped_glu":
+        return gate_up[..., ::2], gate_up[..., 1::2]
+    return gate_up.chunk(2, dim=-1)
+
+
 def _silu_operands(
-    gate_up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype, limit: float | None = None
+    gate_up: torch.Tensor,
+    row_weights: torch.Tensor,
+    compute: torch.dtype,
+    limit: float | None = None,
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, ...]:
     """(gate, up, the weights as a column) in ``compute``; with a ``limit``, the gate clamped at it from above and up
-    at plus or minus it."""
-    gate, up = gate_up.to(compute).chunk(2, dim=-1)
+    at plus or minus it; ``clamped_glu``'s up plus 1 (its GLU's factor)."""
+    gate, up = _gate_and_up(gate_up, activation)
+    gate, up = gate.to(compute), up.to(compute)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    if activation == "clamped_glu":
+        up = up + 1
     return gate, up, row_weights.to(compute).unsqueeze(-1)
 
 

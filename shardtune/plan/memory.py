@@ -64,6 +64,14 @@ COMPILED_CHUNK_LOGIT_BYTES = 2
 # (checkpointed, 92.26 GiB); 1.0 overestimates the first by 11%.
 BACKWARD_WORKSPACE = 0.75
 FP32_BYTES = 4
+# Per token and routed expert, what an MoE block's routing keeps: the router's fp32 logits and its fp32 probabilities
+# (softmax or sigmoid of them). Per token and chosen expert: the chosen indices (int64), the sort of the (token, choice)
+# pairs by expert and its inverse (int64 each) and the fp32 routing weights before and after their normalization.
+# Measured with saved_tensors_hooks on tiny compiled Qwen3-MoE, DeepSeek-V2, LFM2-MoE and Phi-3.5-MoE layers (the
+# exact set varies a little with the routing rule: a mask, a group score); Qwen3-30B-A3B (E = 128, k = 8): 1.3 kB a
+# token and layer.
+ROUTER_EXPERT_BYTES = 2 * FP32_BYTES
+ROUTED_CHOICE_BYTES = 3 * 8 + 2 * FP32_BYTES
 DROPOUT_MASK_BYTES = 1  # a bool per element
 
 
@@ -77,6 +85,9 @@ class LayerActivations:
     hidden: int  # one hidden state
     sublayer_input: int  # what a recomputed sublayer keeps of its input, the normalized hidden state
     slice: int  # per token of a tiled MLP's slice (0 when the MLP is not tiled)
+    # Not per token: bytes the MoE block keeps once a micro-batch, whatever its tokens (the routed experts' LoRA
+    # factors laid out for the grouped GEMMs), kept with the MLP's activations and recomputed with them
+    factors: int = 0
 
     def kept(self, part: str | None, offloaded: bool = False) -> int:
         """Bytes per token kept from forward to backward when the layer recomputes ``part`` (``PARTS``, or
@@ -93,6 +104,15 @@ class LayerActivations:
     @property
     def total(self) -> int:
         return self.kept(None)
+
+    def kept_bytes(self, part: str | None, tokens: int, offloaded: bool = False) -> int:
+        """Bytes kept from forward to backward for a micro-batch of ``tokens`` when the layer recomputes ``part``:
+        ``kept`` per token, and the ``factors`` unless the MLP is recomputed."""
+        return self.kept(part, offloaded) * tokens + (self.factors if part in (None, "attention") else 0)
+
+    def total_bytes(self, tokens: int) -> int:
+        """Bytes of all the layer's activations for a micro-batch of ``tokens``."""
+        return self.total * tokens + self.factors
 
 
 def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, compiled: bool) -> LayerActivations:
@@ -114,7 +134,14 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       layer; Gemma 4 26B-A4B at 2 x 4,096 tokens: 4.2 GiB over its 30 layers;
       with a mixture of attention experts (JetMoE's, on transformers' code) also 2k(h + w) for its k query
       and output experts (w their width): each one's gathered input rows and its output rows;
-    - dense MLP 2h + 3I: the residual, its normalized copy, gate, up and their product (SiLU recomputed);
+    - a token mixer other than plain attention (``LayerShape.token_mixer``: DeepSeek's multi-head latent attention,
+      LFM2's short convolutions; ``shape.token_mixer_elements``) 2h and what it keeps in place of 3q + 2kv; a query/key
+      RMSNorm named q_layernorm/k_layernorm (LFM2's) counts as qk-norm;
+    - dense MLP 2h + 3I: the residual, its normalized copy, gate, up and their product (SiLU recomputed); compiled, a
+      frozen one (no weight or adapter of it trains: an MoE model's dense layers and shared experts with LoRA on
+      attention or the routed experts) h + 2I: the residual, gate and up (its frozen projections read neither the
+      normalized input nor the product; measured on tiny DeepSeek-V2 layers compiled on CPU); frozen shared experts
+      likewise 2s;
     - MoE block 2h + km' + 3s (+ jh): per chosen expert (k of them, m wide) its first projection's output, m' wide
       (gated experts' gate/up, 2m; ungated ones' up, m: Nemotron-H's) (the routing weight multiplies the
       hidden activation, so the down projection's output rows are not kept, and frozen experts need no GEMM
@@ -125,7 +152,20 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       routed rows came from other ranks and are kept (kh more). Measured on one H200 at 8,192 tokens: -5.4%
       to +1.1% for Qwen3-30B-A3B (LoRA on attention, and on the routed experts too), GLM-4.5-Air (20 layers)
       and Mixtral-8x7B; the low end is the routed-expert run without checkpointing, where dropping the
-      rows saved 10.5 GiB measured against 12.0 counted;
+      rows saved 10.5 GiB measured against 12.0 counted; and, once a layer rather than per token
+      (``LayerActivations.factors``), the adapters' factors as the block multiplies by them: each forward copies
+      every expert's A and B into the compute dtype laid out for the grouped GEMMs (``fused_moe.expert_lora_factors``:
+      E x r' x (in + out) for each adapted projection; an adapter shared by the experts, r x (in + out)), and the
+      GEMMs keep the copies for backward (``shape.expert_adapter_factors``), made again where the MLP is recomputed.
+      Measured with saved_tensors_hooks on tiny Qwen3-MoE, Phi-3.5-MoE, DeepSeek-V2 and LFM2-MoE blocks in bf16:
+      beside the two low-rank products these copies are all that LoRA on the routed experts adds in an eager block
+      (and 4 bytes a routed row); Qwen3-30B-A3B's r=16 adapters, 25 MiB a layer, 1.17 GiB over its 48 layers
+      (its routed-expert runs without checkpointing: -1.9% -> -0.7%). Compiled, the block also keeps its normalized
+      input (h), which the low-rank products' rows are built again from: counted in the 2h above, but with LoRA on
+      attention alone nothing in a compiled MoE block reads it in backward (the router is frozen) and it is not kept
+      (measured on a tiny Qwen3-MoE layer compiled on CPU): counted only where something of the block trains
+      (``LayerShape.block_trains``); the routing's own tensors, ``ROUTER_EXPERT_BYTES`` per expert and
+      ``ROUTED_CHOICE_BYTES`` per chosen one;
       with jittered tokens also jh for its j multiplicative noise tensors (``shape.jitter_noises``: Phi-3.5-MoE's
       block and router each draw one, Mixtral's block with router_jitter_noise, DBRX's router with moe_jitter_eps):
       uniform noise shaped as the tokens, which the product's backward needs for the tokens' gradient and which
@@ -140,16 +180,27 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     """
     h, q, kv, e = shape.hidden, shape.attention_width, shape.kv_width, shape.compute_bytes
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
-    attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0) + layer.attention_expert_rows) * e
-    attention += (layer.repeated_kv + (config.data.max_length if layer.sliding_mask else 0)) * e
+    if layer.token_mixer:
+        attention = (2 * h + layer.token_mixer) * e
+    else:
+        attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0) + layer.attention_expert_rows) * e
+        attention += (layer.repeated_kv + (config.data.max_length if layer.sliding_mask else 0)) * e
+    # Compiled, a frozen MLP (or frozen shared experts) keeps gate and up but not their product, which only a trained
+    # down projection reads; a part with nothing trainable keeps no normalized input, only the residual its RMSNorm
+    # reads
+    frozen_mlp = compiled and not layer.mlp_trains
     if layer.num_experts:
-        elements = 2 * h + layer.top_k * layer.expert_row_width + 3 * layer.shared_width + layer.jitter_noises * h
+        normalized = h if layer.block_trains or not compiled else 0
+        elements = h + normalized + layer.top_k * layer.expert_row_width
+        elements += (2 if frozen_mlp else 3) * layer.shared_width + layer.jitter_noises * h
         if layer.expert_adapter_rank:
             padded_rank = layer.expert_adapter_rank + -layer.expert_adapter_rank % 8
             elements += layer.top_k * 2 * padded_rank
             if config.parallel.expert_parallel_size > 1:
                 elements += layer.top_k * h  # rows from other ranks: kept, not gathered again
-        mlp = elements * e + layer.num_experts * FP32_BYTES  # the router's logits
+        mlp = elements * e + layer.num_experts * ROUTER_EXPERT_BYTES + layer.top_k * ROUTED_CHOICE_BYTES
+    elif frozen_mlp and not tiled:
+        mlp = (h + 2 * layer.mlp_width) * e
     else:
         mlp = (2 * h if tiled else 2 * h + 3 * layer.mlp_width) * e
     slice_token = 3 * layer.mlp_width * e if tiled else 0
@@ -166,7 +217,8 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
     # A compiled layer recomputes a recomputed sublayer's normalized input from the hidden state (measured on
     # one H100, Qwen3-30B-A3B's layer at 8,192 tokens: 8,200 bytes a token kept with both sublayers
     # recomputed, the layer's input and the residual); an eager one keeps it.
-    return LayerActivations(attention, mlp, norms, h * e, 0 if compiled else h * e, slice_token)
+    factors = layer.expert_adapter_factors * e
+    return LayerActivations(attention, mlp, norms, h * e, 0 if compiled else h * e, slice_token, factors)
 
 
 @dataclass(frozen=True)
@@ -374,9 +426,9 @@ def _estimate(
     layer_backward = 0
     for layer, part in zip(shape.layers, checkpointing.parts, strict=True):
         per_token = layer_token_bytes(shape, layer, config, compiled)
-        activations = per_token.total * tokens
+        activations = per_token.total_bytes(tokens)
         tile = per_token.slice * min(tokens, training.mlp_chunk_tokens) * (1 + BACKWARD_WORKSPACE)
-        layer_kept = per_token.kept(part, training.activation_offloading) * tokens
+        layer_kept = per_token.kept_bytes(part, tokens, training.activation_offloading)
         kept += layer_kept
         # In its backward a layer holds all its activations again: what it kept, and what it recomputed.
         backward = activations - layer_kept + activations * BACKWARD_WORKSPACE + tile

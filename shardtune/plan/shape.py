@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 # Where configs of different families keep the MLP width (Llama, GPT-2, OPT, Falcon); 4 x hidden otherwise.
 MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+# The names of the query and key RMSNorms of an attention that normalizes them (LFM2's are q_layernorm, k_layernorm)
+QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 # Matrices of a gated (SwiGLU) expert or MLP: gate, up and down, each hidden x width.
 GATED_MATRICES = 3
 
@@ -51,11 +53,26 @@ class LayerShape:
     # MoE: the multiplicative noise tensors its block draws over the tokens in training (``jitter_noises``), each kept
     # for backward
     jitter_noises: int = 0
+    # MoE: how many of its routed experts are identities (LongCat-Flash's zero-computation ones), which expert
+    # parallelism splits apart from the GEMM experts (``ParallelDims.check_experts``)
+    identity_experts: int = 0
     # sdpa as transformers calls it (``sdpa_key_values``): the elements per token its key and value heads, repeated to
     # the query heads, keep beyond the 2kv counted, and whether it takes a materialized mask (a sliding window shorter
     # than the sequence)
     repeated_kv: int = 0
     sliding_mask: bool = False
+    # LoRA on the routed experts: the elements of its adapters' factors as the fused block lays them out for the grouped
+    # GEMMs in each forward (``expert_adapter_factors``), kept for backward with the block's activations
+    expert_adapter_factors: int = 0
+    # A token mixer that is not plain multi-head attention (``token_mixer_elements``: DeepSeek's multi-head latent
+    # attention, LFM2's short convolutions): the elements per token it keeps beyond the layer input and its normalized
+    # copy, in place of the attention's 3q + 2kv (0: plain attention)
+    token_mixer: int = 0
+    # Whether anything of its dense MLP (an MoE layer's: its shared experts, or Gemma 4's dense MLP) trains, and
+    # whether anything of its MoE block does (router, routed or shared experts: weights or LoRA adapters), read off
+    # ``requires_grad``: a frozen part keeps less for backward (``plan.memory.layer_token_bytes``)
+    mlp_trains: bool = True
+    block_trains: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,7 +113,13 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     from shardtune.distributed.activations import layer_sublayers
     from shardtune.distributed.parallelize import decoder_layers
     from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
-    from shardtune.model.fused_moe import expert_activation, expert_row_width, input_projection, parameter_adapters
+    from shardtune.model.fused_moe import (
+        expert_activation,
+        expert_row_width,
+        identity_experts,
+        input_projection,
+        parameter_adapters,
+    )
     from shardtune.model.lora import count_parameters
     from shardtune.model.moe import ATTENTION_EXPERTS, find_moe_blocks
     from shardtune.train.loss import head_vocab
@@ -117,17 +140,20 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         block = blocks.get(index)
         repeated_kv, sliding_mask = sdpa_key_values(layer, model.config, config.data.max_length)
         sublayers = layer_sublayers(layer) is not None
-        qk_norm = any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for name, _ in layer.named_modules())
+        qk_norm = any(name.rsplit(".", 1)[-1] in QK_NORMS for name, _ in layer.named_modules())
         attention_expert_rows = sum(
             mixture.top_k * 2 * (hidden + parameter_adapters(mixture.input_linear)[0].weight.shape[1])
             for mixture in layer.modules()
             if type(mixture).__name__ in ATTENTION_EXPERTS
         )
+        token_mixer = token_mixer_elements(layer, hidden)
         if block is None:
+            dense = getattr(layer, "mlp", None)
             shapes.append(
                 LayerShape(
                     mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm,
-                    attention_expert_rows, 0, repeated_kv, sliding_mask,
+                    attention_expert_rows, 0, repeated_kv, sliding_mask, token_mixer=token_mixer,
+                    mlp_trains=dense is None or trains(dense),
                 )
             )  # fmt: skip
             continue
@@ -148,6 +174,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 expert_row_width=row_width,
                 top_k=block.top_k,
                 num_experts=block.num_experts,
+                identity_experts=identity_experts(base_experts),
                 shared_width=shared_params // (GATED_MATRICES * hidden),
                 adapter_inputs=adapter_inputs,
                 expert_adapter_rank=sum(adapter[3] for adapter in adapters.get(first_projection, [])),
@@ -159,6 +186,13 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 jitter_noises=jitter_noises(block),
                 repeated_kv=repeated_kv,
                 sliding_mask=sliding_mask,
+                expert_adapter_factors=expert_adapter_factors(adapters),
+                token_mixer=token_mixer,
+                mlp_trains=shared is None or trains(shared),
+                # The block is its decoder layer (Gemma 4's): its router, experts and dense MLP
+                block_trains=trains(block.block)
+                if block.path
+                else any(trains(part) for part in (block.router_child, block.experts, shared) if part is not None),
             )
         )
     routed = routed_expert_trainable(list(blocks.values()), model)
@@ -177,6 +211,51 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         routed_trainable=routed,
         loss_head_vocab=head_vocab(model),
     )
+
+
+def expert_adapter_factors(adapters: dict[str, list[tuple]]) -> int:
+    """Elements of the routed experts' LoRA factors as ``fused_moe._projection`` multiplies by them, for ``adapters``
+    (``fused_moe.parameter_adapters``: per adapted weight, (lora_A, lora_B, scaling, rank, shared, dropout)): a copy in
+    the compute dtype made every forward and kept for backward by the grouped GEMMs that take it. Per-expert adapters:
+    ``expert_lora_factors``' A_e^T and B_e^T, (E, in, r') and (E, r', out) for the rank r padded to r' (a multiple of
+    8); an adapter shared by the experts: the mean of its blocks, (r, in) and (out, r)."""
+    elements = 0
+    for lora_a, lora_b, _, rank, shared, _ in (adapter for listed in adapters.values() for adapter in listed):
+        fan_in, fan_out = lora_a.shape[1], lora_b.shape[0]
+        experts, padded = (1, rank) if shared else (lora_a.shape[0] // rank, rank + -rank % 8)
+        elements += experts * padded * (fan_in + fan_out)
+    return elements
+
+
+def trains(module: torch.nn.Module) -> bool:
+    """Whether any parameter of ``module`` trains (its own weights, or LoRA adapters on them)."""
+    return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def token_mixer_elements(layer: torch.nn.Module, hidden: int) -> int:
+    """Elements per token that ``layer``'s token mixer keeps for backward beyond the layer input and its normalized
+    copy, where it is not plain multi-head attention (whose 3q + 2kv ``plan.memory.layer_token_bytes`` counts); 0
+    otherwise. Measured with saved_tensors_hooks on tiny DeepSeek-V2 and LFM2-MoE layers compiled on CPU:
+
+    - multi-head latent attention (DeepSeek-V2/V3: a module with ``kv_lora_rank``), for H heads, query/key heads dq
+      (nope dn + rope dr) wide, value heads dv, the latent c: the query (Hdq; with ``q_lora_rank`` r_q also its
+      compressed rows and their normalized copy, 2r_q), the compressed key/value rows (c + dr) and their normalized
+      copy (c, kv_b_proj's input), kv_b_proj's output (H(dn + dv): the values are a view of it), the key as attention
+      takes it (Hdq, nope and rope concatenated), attention's output and the output projection's contiguous input
+      (2Hdv). DeepSeek-V2-Lite: 19,520 elements a token against the 9,216 the plain formula gave, whose head size
+      (the config's head_dim, the rope part) is not MLA's;
+    - LFM2's short convolution (a module whose class name ends in ``ShortConv``): in_proj's output (3h: B, C and x),
+      the gated input of the depthwise convolution (h), its output (h) and out_proj's input (h): 6h."""
+    for module in layer.modules():
+        if hasattr(module, "kv_lora_rank") and hasattr(module, "qk_rope_head_dim"):
+            heads = module.num_heads
+            query = heads * (module.qk_nope_head_dim + module.qk_rope_head_dim)
+            compressed = 2 * module.q_lora_rank if module.q_lora_rank else 0
+            latent = 2 * module.kv_lora_rank + module.qk_rope_head_dim
+            return compressed + 2 * query + latent + heads * (module.qk_nope_head_dim + 3 * module.v_head_dim)
+        if type(module).__name__.endswith("ShortConv"):
+            return 6 * hidden
+    return 0
 
 
 def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, bool]:

@@ -54,7 +54,7 @@ from shardtune.metrics.profiler import StepProfiler
 from shardtune.metrics.progress import EvalProgress, Progress
 from shardtune.metrics.sinks import MetricSink, open_sinks
 from shardtune.metrics.train_interval import TrainInterval
-from shardtune.model.fused_moe import use_fused_experts
+from shardtune.model.fused_moe import identity_experts, use_fused_experts
 from shardtune.model.init_routing import set_init_routing
 from shardtune.model.load import Precision, build_model, load_tokenizer
 from shardtune.model.moe import find_moe_blocks
@@ -114,7 +114,8 @@ def build_run_model(config: Config, env: DistributedEnv) -> tuple[torch.nn.Modul
     if config.training.moe_aux_loss_coef > 0 and not moe_blocks:
         name = type(model.get_base_model() if config.lora.enabled else model).__name__
         raise ConfigError(f"training.moe_aux_loss_coef: {name} has no MoE layers; leave it at 0")
-    env.mesh.check_model([block.num_experts for block in moe_blocks], config.model.name_or_path)
+    expert_counts = [(block.num_experts, identity_experts(block.experts)) for block in moe_blocks]
+    env.mesh.check_model(expert_counts, config.model.name_or_path)
     blocks = use_fused_experts(
         model, decoder_layers(model), config.model.experts_implementation, config.model.grouped_gemm, env.device
     )

@@ -281,3 +281,26 @@ def test_bench_takes_every_shape_with_routed_experts_for_moe():
     assert is_moe(shape_config("dbrx", layers=2)) and is_moe(shape_config("qwen3-30b-a3b", layers=2))
     assert not is_moe(shape_config("mistral-7b", layers=2))
     assert not is_moe(shape_config("glm-4.7", layers=3)) and is_moe(shape_config("glm-4.7", layers=4))
+
+
+def test_bench_builds_the_shape_on_the_meta_device_once_to_set_its_routing(tmp_path, monkeypatch):
+    """The config bench trains on sets the routers of an MoE shape (``--routing``) and leaves a dense shape's
+    ``model.init_routing`` at its default, which bench.json's ``routing`` reads back (None for a dense shape): one
+    build of the model on the meta device a run, not one for the config and one for the record."""
+    from shardtune.bench import command
+    from shardtune.bench.shapes import shape_config
+    from shardtune.cli import build_parser
+
+    built, is_moe = [], command.is_moe
+
+    def counted(model_config) -> bool:
+        built.append(model_config)
+        return is_moe(model_config)
+
+    monkeypatch.setattr(command, "is_moe", counted)
+    for shape, routing in (("qwen3-moe-tiny", {"init_routing": "balanced"}), ("mistral-7b", {})):
+        args = build_parser().parse_args(["bench", "--shape", shape, "--layers", "2", "--routing", "balanced"])
+        model_config = shape_config(shape, layers=2)
+        tree = command.bench_config(args, tmp_path, tmp_path / "model", tmp_path / "data.jsonl", "text", model_config)
+        assert {key: value for key, value in tree["model"].items() if key == "init_routing"} == routing
+    assert len(built) == 2

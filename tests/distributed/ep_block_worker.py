@@ -3,7 +3,9 @@ a fused MoE block of the architecture ARCH (default Qwen3-MoE; Gemma 4's: its fu
 it; JetMoE's: its pair of expert modules) whose router sends every token to experts 0 and 1 (both on rank 0 of EP 2),
 fed tokens on rank 0 only (rank 1 routes nothing: a rank of padding, whose experts also receive nothing). Each rank
 compares the block's output and gradients with the same block unsharded, on its own tokens, and writes what it found
-to ``OUT/rank-<r>.json``.
+to ``OUT/rank-<r>.json``. With identity experts (LongCat-Flash's) both ranks have tokens: each chooses expert 0 and,
+every other token, expert 1 (rank 0's GEMM experts) or else the last, an identity expert (whose pair stays on its
+rank); rank 1's GEMM experts still receive nothing.
 Usage: ``ep_block_worker.py OUT [ARCH]``."""
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
 from shardtune.distributed.env import DistributedEnv
-from shardtune.distributed.expert_parallel import shard_experts
+from shardtune.distributed.expert_parallel import expert_runs, shard_experts
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.model.fused_moe import (
     SLAB_EXPERTS,
     FusedRouter,
+    identity_experts,
     input_projection,
     parameter_adapters,
     use_fused_experts,
@@ -43,7 +46,14 @@ def block_and_tokens(rank: int, arch: str) -> tuple[torch.nn.Module, torch.Tenso
         router.weight.copy_(-torch.ones_like(router.weight))
         router.weight[0] = 1.0
         router.weight[1] = 0.5
-    tokens = torch.rand(TOKENS if rank == 0 else 0, hidden) + 0.1
+    identities = identity_experts(parameter_adapters(block.experts)[0])
+    tokens = torch.rand(TOKENS if rank == 0 or identities else 0, hidden) + 0.1
+    if identities:  # expert 0 first; expert 1 for the tokens with a large first feature, else the last (an identity)
+        with torch.no_grad():
+            router.weight[1] = 0.0
+            router.weight[1, 0] = 3.0
+            router.weight[-1] = 0.5
+        tokens[1::2, 0] = 10.0
     return block, tokens.requires_grad_()
 
 
@@ -63,6 +73,12 @@ def expert_weights(block: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
     return getattr(block.experts, input_projection(block.experts.activation)), block.experts.down_proj
 
 
+def chosen_experts(block: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The experts ``block`` routes ``tokens`` to (tokens, top_k)."""
+    with torch.no_grad():
+        return block.routed(tokens.detach())[2]
+
+
 def per_expert(tensor: torch.Tensor, experts: int) -> torch.Tensor:
     """``tensor`` with a first dimension per expert: a 3-D weight as it is, a 2-D slab's rows (E*I, H) as (E, I, H)."""
     return tensor.reshape(experts, -1, tensor.shape[-1])
@@ -79,28 +95,36 @@ def run(out: Path, arch: str) -> None:
     expected = output_of(reference, tokens)
     expected.sum().backward()
     whole_grads = [_grad(param) for param in expert_weights(reference)]
+    for grad in whole_grads:  # an expert's gradient sums over the tokens of every rank (all of them rank 0's but here
+        dist.all_reduce(grad)  # with identity experts)
 
     block, same_tokens = block_and_tokens(env.rank, arch)
     shard_experts(block, dims)  # the block is the model here: its experts keep this rank's run
     output = output_of(block, same_tokens)
     output.sum().backward()
-    mine = dims.local_experts(block.num_routed_experts)
+    identities = block.experts.identity_experts
+    gemm_experts = block.num_routed_experts - identities
+    mine = dims.local_experts(gemm_experts)
     local_grads = [_grad(param) for param in expert_weights(block)]
+    # Each weight's experts on this rank (LongCat-Flash's gate_up_proj: its GEMM experts', then its identity experts')
+    counts = [whole.shape[0] if whole.dim() == 3 else block.num_routed_experts for whole in whole_grads]
+    runs = [expert_runs(count, count - gemm_experts, dims) for count in counts]
     report = {
         "rank": env.rank,
         "tokens": tokens.shape[0],
         "local_experts": [mine.start, mine.stop],
-        "experts": block.num_routed_experts,
+        "experts": gemm_experts,
+        "identity_pairs": int((chosen_experts(reference, tokens) >= gemm_experts).sum()) if identities else 0,
         "output_matches": bool(torch.allclose(output, expected, rtol=1e-5, atol=1e-6)),
         "input_grad_matches": bool(torch.allclose(same_tokens.grad, tokens.grad, rtol=1e-5, atol=1e-6)),
         "expert_grads_match": all(
             torch.allclose(
-                per_expert(local, len(mine)),
-                per_expert(whole, block.num_routed_experts)[mine.start : mine.stop],
+                per_expert(local, len(run)),
+                per_expert(whole, count)[run],
                 rtol=1e-5,
                 atol=1e-6,
             )
-            for local, whole in zip(local_grads, whole_grads, strict=True)
+            for local, whole, count, run in zip(local_grads, whole_grads, counts, runs, strict=True)
         ),
         "expert_grad_abs_sum": float(sum(grad.abs().sum() for grad in local_grads)),
     }

@@ -7,8 +7,9 @@ By default (CI) Qwen3-MoE runs; ``python -m pytest -m expert_parallel`` adds Mix
 expert layouts: Llama 4 (transposed), Nemotron-H (ungated, latent projections), HY-V4 (a SwiGLU limit), GPT-OSS
 (biased), Gemma 4 (GELU-tanh-gated, beside the dense MLP), DBRX (2-D slabs, which take no LoRA: LoRA on its attention
 and router, and full fine-tuning) and JetMoE (its MLP's experts a pair of modules of its block, beside a mixture of
-attention experts that EP leaves to FSDP); CI also runs the 2-rank block test of Nemotron-H, GPT-OSS, Gemma 4, DBRX and
-JetMoE.
+attention experts that EP leaves to FSDP) and LongCat-Flash (identity experts, whose pairs stay on their rank; their
+gate_up_proj rows split with the GEMM experts'); CI also runs the 2-rank block test of Nemotron-H, GPT-OSS, Gemma 4,
+DBRX, JetMoE and LongCat-Flash.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from cli_runs import jsonl, train
 from conftest import REPO
 from safetensors.torch import load_file
-from tiny_models import write_tiny_model
+from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
 
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
@@ -55,6 +56,15 @@ ABS = 1e-5
 # Adam moments at the last step within 1e-5 of the one worker's, relatively.
 ADAPTER_ABS = {"gemma4_text": 3e-5}
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+# Architectures with identity experts (LongCat-Flash's): their pairs stay on their rank under EP.
+IDENTITY_EXPERTS = {"longcat_flash"}
+
+
+def has(arch: str) -> pytest.MarkDecorator:
+    """Skip where this transformers has no ``arch`` (LongCat-Flash came with transformers 5)."""
+    return pytest.mark.skipif(arch not in FUSED_MOE_ARCHITECTURES, reason=f"this transformers has no {arch}")
+
 
 ep_matrix = pytest.mark.expert_parallel
 ci = [pytest.mark.expert_parallel, pytest.mark.representative]
@@ -167,7 +177,8 @@ def assert_same_adapter(mine: dict, theirs: dict, rel: float, abs: float = ABS, 
                                   pytest.param("gpt_oss", marks=ep_matrix),
                                   pytest.param("gemma4_text", marks=ep_matrix),
                                   pytest.param("dbrx", marks=ep_matrix),
-                                  pytest.param("jetmoe", marks=ep_matrix)])  # fmt: skip
+                                  pytest.param("jetmoe", marks=ep_matrix),
+                                  pytest.param("longcat_flash", marks=[ep_matrix, has("longcat_flash")])])  # fmt: skip
 def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
     run = runs.ep2(arch)
     assert_trains_like(run, runs.single(arch))
@@ -179,6 +190,9 @@ def test_ep2_on_two_workers_trains_like_one_worker(runs, arch):
         adapter(run["out"] / "final"), adapter(runs.single(arch)["out"] / "final"), rel=1e-4,
         abs=ADAPTER_ABS.get(arch, ABS), arch=arch,
     )  # fmt: skip
+    if arch in IDENTITY_EXPERTS:  # pairs chose identity experts (the last 2 ids; kept on their rank) in every layer
+        usage = jsonl(run["out"] / "logs/expert_usage.jsonl")
+        assert all(len(layer["counts"]) == 10 and sum(layer["counts"][-2:]) > 0 for layer in usage[0]["layers"])
     if arch == "dbrx":  # the merged model's slabs, each gathered whole from the two ranks' rows: the frozen init's
         merged = weights(run["out"] / "final-merged")
         slabs = [name for name in merged if name.endswith(("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"))]
@@ -227,8 +241,10 @@ def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
 
 @ep_matrix
 @pytest.mark.parametrize(
-    "arch", ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h", "gpt_oss", "gemma4_text", "jetmoe"]
-)
+    "arch",
+    ["qwen3_moe", "mixtral", "llama4_text", "nemotron_h", "gpt_oss", "gemma4_text", "jetmoe",
+     pytest.param("longcat_flash", marks=has("longcat_flash"))],
+)  # fmt: skip
 def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
     single, ep2 = runs.single(arch), runs.ep2(arch)
     from_ep2 = runs.resumed(arch, ep2, "ep2-to-1", 1, "training.gradient_accumulation_steps=2")
@@ -244,7 +260,9 @@ def test_checkpoints_resume_across_expert_parallel_sizes(runs, arch):
 
 
 @ep_matrix
-@pytest.mark.parametrize("arch", ["qwen3_moe", "llama4_text", "nemotron_h"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "llama4_text", "nemotron_h", pytest.param("longcat_flash", marks=has("longcat_flash"))]
+)
 def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path):
     run = runs.ep2(arch)
     checkpoint = run["out"] / f"checkpoint-{STEPS}"
@@ -261,7 +279,9 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
     # The merged model of the checkpoint is the run's own final-merged/ (merged from the gathered experts).
     merged, final_merged = (weights(directory) for directory in (tmp_path / "merged", run["out"] / "final-merged"))
     expert_weights = [name for name in merged if "experts" in name and name.endswith("up_proj")]  # gate_up, up
-    assert expert_weights and all(merged[name].shape[0] == 8 for name in expert_weights)  # every expert
+    # Every expert's: LongCat-Flash's gate_up_proj has the 2 identity experts' rows after the 8 GEMM experts'.
+    rows = 10 if arch in IDENTITY_EXPERTS else 8
+    assert expert_weights and all(merged[name].shape[0] == rows for name in expert_weights)
     assert sorted(merged) == sorted(final_merged)
     for name, tensor in merged.items():
         assert tensor.equal(final_merged[name]), name
@@ -303,10 +323,13 @@ def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
                                   pytest.param("gpt_oss", marks=ci),
                                   pytest.param("gemma4_text", marks=ci),
                                   pytest.param("dbrx", marks=ci),
-                                  pytest.param("jetmoe", marks=ci)])  # fmt: skip
+                                  pytest.param("jetmoe", marks=ci),
+                                  pytest.param("longcat_flash", marks=[*ci, has("longcat_flash")])])  # fmt: skip
 def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp_path, arch):
     # Rank 0 routes every token to experts 0 and 1 (both its own); rank 1 has no token at all: its experts
-    # get no row, and it takes part in every exchange with empty splits, forward and backward.
+    # get no row, and it takes part in every exchange with empty splits, forward and backward. LongCat-Flash (identity
+    # experts): both ranks route every token to expert 0 and half of them to expert 1, the other half to an identity
+    # expert, whose pairs stay on their rank (no exchange; the token times its weight, as in one process).
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(REPO / "tests/distributed/ep_block_worker.py"), str(tmp_path), arch],
@@ -315,7 +338,8 @@ def test_a_rank_without_tokens_and_experts_without_rows_neither_hang_nor_err(tmp
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
-    assert [report["tokens"] for report in reports] == [12, 0]
+    assert [report["tokens"] for report in reports] == [12, 12 if arch in IDENTITY_EXPERTS else 0]
+    assert [report["identity_pairs"] for report in reports] == ([6, 6] if arch in IDENTITY_EXPERTS else [0, 0])
     half = reports[0]["experts"] // 2
     assert [report["local_experts"] for report in reports] == [[0, half], [half, 2 * half]]
     for report in reports:  # each rank's output and gradients are those of the whole block on its tokens

@@ -8,6 +8,7 @@ runs take the fused default). The training comparison marked slow runs with ``-m
 from __future__ import annotations
 
 import copy
+import re
 import types
 from unittest import mock
 
@@ -20,10 +21,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardtune.config import LoraConfig, ModelConfig
 from shardtune.data.collate import collate
 from shardtune.distributed.activations import apply_activation_checkpointing
+from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.parallelize import decoder_layers
 from shardtune.errors import ConfigError
 from shardtune.model import grouped_gemm
-from shardtune.model.fused_moe import Fp32Linear, FusedMoeBlock, identity_experts, route, use_fused_experts
+from shardtune.model.fused_moe import (
+    Fp32Linear,
+    FusedMoeBlock,
+    WeightedSiluMul,
+    expert_order,
+    identity_experts,
+    route,
+    use_fused_experts,
+)
 from shardtune.model.grouped_gemm import gathered_grouped_mm, quack_unavailable, resolve_grouped_gemm
 from shardtune.model.load import check_experts_implementation
 from shardtune.model.lora import apply_lora, share_expert_adapters
@@ -937,6 +947,76 @@ def test_the_block_keeps_no_output_rows_for_backward(moe_dirs):
     assert sum(kept.values()) <= bound < sum(kept.values()) + output_rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_clamped_glu_equals_its_torch_ops(dtype):
+    """WeightedSiluMul's ``clamped_glu`` (GPT-OSS's activation, gate and up interleaved, each clamped at the limit)
+    gives bit for bit what the torch ops give, in fp32 and bf16, and their autograd's gradients of the gate/up output
+    and the routing weights (to fp32 rounding; bf16: to one rounding of the gradient), rows on both sides of the
+    limits among them."""
+    generator = torch.Generator().manual_seed(3)
+    rows, width, limit, alpha = 64, 24, 7.0, 1.702
+    gate_up = (torch.randn(rows, 2 * width, generator=generator) * 6).to(dtype)
+    row_weights = torch.rand(rows, generator=generator)
+    grad = torch.randn(rows, width, generator=generator).to(dtype)
+    assert (gate_up[:, ::2] > limit).any() and (gate_up[:, 1::2].abs() > limit).any()
+
+    def torch_ops(gate_up, row_weights):
+        gate, up = gate_up[..., ::2].float(), gate_up[..., 1::2].float()
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (gate * torch.sigmoid(gate * alpha) * (up + 1) * row_weights.unsqueeze(-1)).to(dtype)
+
+    results = []
+    for function in (torch_ops, lambda x, w: WeightedSiluMul.apply(x, w, limit, "clamped_glu", alpha)):
+        inputs = [gate_up.clone().requires_grad_(), row_weights.clone().requires_grad_()]
+        output = function(*inputs)
+        output.backward(grad)
+        results.append((output, *(tensor.grad for tensor in inputs)))
+    (expected, *expected_grads), (got, *got_grads) = results
+    assert torch.equal(got, expected)
+    for mine, reference in zip(got_grads, expected_grads, strict=True):
+        assert mine.dtype == reference.dtype
+        tolerance = 1e-6 if mine.dtype == torch.float32 else 2**-8
+        assert_same(mine.float(), reference.float(), tolerance=tolerance)
+
+
+@pytest.mark.skipif("gpt_oss" not in ARCHS, reason="this transformers has no GPT-OSS")
+@pytest.mark.parametrize("targets", [["attention"], ["attention", "routed_experts"]], ids=["frozen", "lora"])
+def test_gpt_oss_clamped_glu_keeps_only_its_gate_up_output_rows_for_backward(moe_dirs, targets):
+    """GPT-OSS's clamped GLU (WeightedSiluMul's ``clamped_glu``) keeps for backward, per routed row, only the gate/up
+    GEMM output with its bias (2I bf16) and the fp32 routing weight: as torch ops, autograd kept seven fp32 copies of
+    I-wide rows (the upcast halves, the clamps', the sigmoid's and the products' operands), and the down projection's
+    weighted bias its gathered fp32 bias rows (H wide), 1,172 bytes a row here against 156. With LoRA on the routed
+    experts, also the two low-rank products (the rank padded to 8), not the down projection's input rows (built again
+    from the gate/up output). What else a row keeps: three int64 indices (the sort order, its inverse, each row's
+    expert)."""
+    model = fused_copy(build(moe_dirs["gpt_oss"], targets)).to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    block = find_moe_blocks(model, decoder_layers(model))[0].block
+    config = model.config
+    tokens, pairs = 128, 128 * config.num_experts_per_tok
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    kept: dict[int, tuple[int, tuple]] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = (storage.nbytes(), tuple(tensor.shape))
+        return tensor
+
+    x = torch.randn(2, tokens // 2, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = block(x)
+    (out[0] if isinstance(out, tuple) else out).float().square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    bf16, fp32, int64 = 2, 4, 8
+    per_row = 2 * config.intermediate_size * bf16 + fp32 + 3 * int64
+    if "routed_experts" in targets:
+        per_row += 2 * 8 * bf16
+    row_bytes = sum(size for size, shape in kept.values() if shape and shape[0] == pairs)
+    assert row_bytes == pairs * per_row
+
+
 def test_the_pairs_are_sorted_by_expert_on_16_bit_keys(moe_dirs):
     """A radix sort makes one pass per key byte: the block's one sort takes int16 expert ids, not int64."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -1105,6 +1185,39 @@ def test_bf16_router_logits_on_a_gpu_are_accumulated_and_written_in_fp32(compile
         )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_layers_on_a_gpu_compute_the_eager_fused_blocks_forward(moe_dirs, arch):
+    """On a GPU, decoder layers compiled as training compiles them (the routing kernels, inductor's fusions of each
+    layout's activation and bookkeeping) give the eager fused block's logits and loss, with LoRA on attention and
+    the routed experts (where LoRA reaches them), the last expert given rows in every layer (torch 2.11's inductor
+    read a sliced searchsorted boundary from its base's start: GPT-OSS's last expert's rows got an expert id past
+    its biases, a device-side assert). In fp32, where the two differ by summation order only: in bf16 a token whose
+    router scores tie to bf16's precision takes another expert in one of them."""
+    targets = ["attention"] if arch in EXPERTS_OUT_OF_LORA_REACH else ["attention", "routed_experts"]
+    eager = fused_copy(build(moe_dirs[arch], targets)).cuda()
+    compiled = copy.deepcopy(eager)
+    for layer in decoder_layers(compiled):
+        layer.compile(backend=LayerCompiler())
+    counts = []
+
+    def counting_rows(expert_ids: torch.Tensor, experts: int):
+        order, inverse, bounds = expert_order(expert_ids, experts)
+        counts.append(bounds.diff())
+        return order, inverse, bounds
+
+    ids = torch.randint(3, 1000, (4, 64), generator=torch.Generator().manual_seed(3)).cuda()
+    torch.manual_seed(7)  # Phi-3.5-MoE's router draws its experts in training, the same draws in both
+    with mock.patch("shardtune.model.fused_moe.expert_order", counting_rows):
+        expected = eager(input_ids=ids, labels=ids)
+    torch.manual_seed(7)
+    got = compiled(input_ids=ids, labels=ids)  # the training forward, as the layers compile it to train
+    assert counts and all(count[-1] > 0 for count in counts)  # the last expert's rows
+    for name in ("logits", "loss"):
+        assert (got[name] - expected[name]).norm() <= 2e-4 * expected[name].norm(), name
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["per-expert", "shared"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_lora_on_routed_experts_keeps_no_rows_of_its_own_for_backward(moe_dirs, compiled, shared):
@@ -1240,22 +1353,41 @@ def test_lora_never_adapts_a_linear_whose_weight_its_module_reads_itself(moe_dir
 
 
 # Every fused layout has float8 experts and expert parallelism (tests/train/test_float8.py,
-# tests/distributed/test_expert_parallel.py) but LongCat-Flash's identity experts, which have float8 experts only:
-# its gate_up_proj holds a row for each identity expert that its down_proj has not (fused_moe.EXPERT_PARALLEL_LAYOUTS).
-def test_identity_experts_say_they_have_no_expert_parallel_path(moe_dirs):
+# tests/distributed/test_expert_parallel.py), LongCat-Flash's identity experts too: under EP their gate_up_proj rows
+# (which nothing reads) split over the ranks as the GEMM experts do, so the EP size must divide both counts.
+def test_identity_experts_that_do_not_split_over_the_ep_group_are_one_line(moe_dirs):
+    """One line, from the one check (``ParallelDims.check_experts``) that training (on the model before it is
+    fused), ``plan`` (on the model's shape) and the sharding of the fused experts ask, naming both counts and the
+    sizes that divide them."""
+    from conftest import REPO
+
+    from shardtune.config import load_config
     from shardtune.distributed.expert_parallel import shard_experts
     from shardtune.distributed.mesh import ParallelDims
+    from shardtune.plan.run import Cluster, check_expert_parallel
+    from shardtune.plan.shape import planned_model_shape
 
     if "longcat_flash" not in ARCHS:
         pytest.skip("this transformers has no longcat_flash")
-    fused = fused_copy(build(moe_dirs["longcat_flash"]))
-    dims = ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2)
-    with pytest.raises(
-        ConfigError,
-        match=r"^parallel.expert_parallel_size: 2 does not shard LongcatFlashMoE's experts \(zero-computation identity "
-        r"experts\) yet; set it to 1$",
-    ):
-        shard_experts(fused, dims)
+    reference = build(moe_dirs["longcat_flash"])
+    dims = ParallelDims(world_size=4, rank=0, local_world_size=4, expert_parallel_size=4)  # 8 GEMM experts, 2 identity
+    error = (
+        r"^parallel.expert_parallel_size: 4 does not divide the 8 GEMM experts and 2 identity experts of {}; "
+        r"choose a divisor of 2$"
+    )
+    with pytest.raises(ConfigError, match=error.format(r"\w+")):
+        shard_experts(fused_copy(reference), dims)
+    blocks = find_moe_blocks(reference, decoder_layers(reference))
+    with pytest.raises(ConfigError, match=error.format("m")):
+        dims.check_model([(block.num_experts, identity_experts(block.experts)) for block in blocks], "m")
+    overrides = [f"model.name_or_path={moe_dirs['longcat_flash']}", "parallel.expert_parallel_size=4"]
+    config = load_config(REPO / "examples/quickstart.yaml", overrides, check_paths=False)
+    shape, _ = planned_model_shape(config)
+    assert [layer.identity_experts for layer in shape.moe_layers] == [2] * len(blocks)
+    with pytest.raises(ConfigError, match=error.format(re.escape(str(moe_dirs["longcat_flash"])))):
+        check_expert_parallel(config, shape, Cluster(1, 4, 80 * 2**30))
+    # EP 2 divides both: no refusal
+    ParallelDims(world_size=2, rank=0, local_world_size=2, expert_parallel_size=2).check_model([(10, 2)], "m")
 
 
 @pytest.mark.skipif("jetmoe" not in ARCHS, reason="this transformers has no JetMoE")
