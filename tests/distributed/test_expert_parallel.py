@@ -317,6 +317,26 @@ def test_eval_with_a_rank_of_padding_only(runs, arch, tmp_path):
 # router logits), HY-V4's with a SwiGLU limit, GPT-OSS's biased ones, Gemma 4's GELU-tanh-gated ones (beside their
 # fused router in the decoder layer, which keeps transformers' forward), DBRX's 2-D slabs (each rank's rows of them),
 # JetMoE's pair of expert modules (4 experts, each rank 2; its output bias whole on every rank).
+@has("longcat_flash")
+def test_one_process_saves_and_resumes_longcat_flashs_routed_adapters(tmp_path):
+    """One process, LongCat-Flash with LoRA on the routed experts: its down_proj's adapters have a factor for each
+    GEMM expert only (8), its gate_up_proj's one for the identity experts too (10). The checkpoint code took 10 for
+    both and stopped at the first save ("shape '[64, -1, 10]' is invalid"); now a run saves, and resuming from its
+    checkpoint ends with the uninterrupted run's losses and adapter."""
+    model = write_tiny_model(tmp_path / "model", "longcat_flash")
+    common = [f"model.name_or_path={model}", "model.init=random", "lora.target_modules=null",
+              "lora.moe_targets=[attention,routed_experts]", *SAVES]  # fmt: skip
+    whole = train(tmp_path, "whole", 1, *common, steps=STEPS)
+    shutil.copytree(whole["out"], tmp_path / "resumed")
+    for later in [tmp_path / "resumed" / "final", *(tmp_path / "resumed").glob(f"checkpoint-{STEPS}")]:
+        shutil.rmtree(later)
+    resumed = train(tmp_path, "resumed", 1, *common, "training.resume_from_checkpoint=auto", steps=STEPS)
+    assert resumed["losses"][SAVE_AT:] == pytest.approx(whole["losses"][SAVE_AT:], rel=1e-5)
+    assert_same_adapter(
+        adapter(resumed["out"] / "final"), adapter(whole["out"] / "final"), rel=1e-4, arch="longcat_flash"
+    )
+
+
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_moe", marks=ci), pytest.param("nemotron_h", marks=ci),
                                   pytest.param("llama4_text", marks=ep_matrix),
                                   pytest.param("hy_v4", marks=ep_matrix),
