@@ -229,7 +229,7 @@ def test_ep2_full_finetuning_of_slabs_trains_saves_and_resumes_like_one_worker(r
 # Both in the matrix only (four workers on CI's two cores take a minute): test_ep2_on_two_workers_trains_like_one_worker
 # runs the exchange CI checks.
 @ep_matrix
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", pytest.param("longcat_flash", marks=has("longcat_flash"))])
 def test_ep2_times_dp2_on_four_workers_trains_like_one_worker(runs, arch):
     # One sequence per micro-batch on both sides, so that the micro-batches (and their padding) are the same.
     reference = runs.get(arch, "single-b1", 1, "training.per_device_train_batch_size=1",
