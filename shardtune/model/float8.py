@@ -32,6 +32,7 @@ import contextlib
 import torch
 
 from shardtune.errors import ConfigError
+from shardtune.model.casts import in_dtype
 from shardtune.model.triton_kernels import KERNELS_MAY_RUN
 
 float8_grouped_kernel = None  # without Triton, or on a CPU build of torch, torch._scaled_grouped_mm runs
@@ -114,7 +115,7 @@ def float8_grouped_mm(
             rows, values.transpose(-2, -1), row_scales, scales, offs=bounds[1:], out_dtype=out_dtype,
             use_fast_accum=True,
         )  # fmt: skip
-    return torch.ops.shardtune.float8_grouped_mm_emulated(rows, row_scales, values, scales, bounds).to(out_dtype)
+    return in_dtype(torch.ops.shardtune.float8_grouped_mm_emulated(rows, row_scales, values, scales, bounds), out_dtype)
 
 
 @torch.library.custom_op("shardtune::float8_grouped_mm_emulated", mutates_args=())
@@ -228,7 +229,7 @@ def float8_mm(rows: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor
             rows, values.t(), row_scales.unsqueeze(-1), scales.unsqueeze(0), out_dtype=out_dtype, use_fast_accum=True
         )
     dequantized = rows.float() * row_scales.unsqueeze(-1)
-    return (dequantized @ (values.float() * scales.unsqueeze(-1)).t()).to(out_dtype)
+    return in_dtype(dequantized @ (values.float() * scales.unsqueeze(-1)).t(), out_dtype)
 
 
 class Float8Matmul(torch.autograd.Function):

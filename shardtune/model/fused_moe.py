@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtune.errors import ConfigError
+from shardtune.model.casts import in_dtype
 from shardtune.model.float8 import (
     FLOAT8,
     Float8Product,
@@ -1182,7 +1183,7 @@ class WeightedBiasRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bias: torch.Tensor, expert: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
         ctx.save_for_backward(bias, expert, weights)
-        return (weights.unsqueeze(-1) * bias.index_select(0, expert).float()).to(dtype)
+        return in_dtype(weights.unsqueeze(-1) * bias.index_select(0, expert).float(), dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -1315,9 +1316,9 @@ def _sum_rows(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Te
         total = rows.index_select(0, index[:, 0]).float()
         for choice in range(1, top_k):
             total = total + rows.index_select(0, index[:, choice]).float()
-        return total.to(rows.dtype)
+        return in_dtype(total, rows.dtype)
     per_choice = rows.index_select(0, inverse).view(-1, top_k, rows.shape[-1])
-    return per_choice.sum(dim=1, dtype=torch.float32).to(rows.dtype)
+    return in_dtype(per_choice.sum(dim=1, dtype=torch.float32), rows.dtype)
 
 
 class GatherRows(torch.autograd.Function):
@@ -1740,7 +1741,7 @@ def _weighted_silu_mul(
         activated = gate * torch.sigmoid(gate * alpha)
     else:
         activated = F.silu(gate)
-    return (activated * up * weights).to(gate_up.dtype)
+    return in_dtype(activated * up * weights, gate_up.dtype)
 
 
 def _gate_and_up(gate_up: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1795,4 +1796,4 @@ def _weighted_relu_squared_backward(
 
 
 def _weighted_relu_squared(up: torch.Tensor, row_weights: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-    return (F.relu(up.to(compute)).square() * row_weights.to(compute).unsqueeze(-1)).to(up.dtype)
+    return in_dtype(F.relu(up.to(compute)).square() * row_weights.to(compute).unsqueeze(-1), up.dtype)
