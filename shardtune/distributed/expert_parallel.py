@@ -145,21 +145,25 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
         for name, tensor in expert_tensors(block).items():
             owner, attribute = _owner(root, name)
             with_identities = identities if _adapted_weight(root, name) != "down_proj" else 0
-            experts = expert_runs(gemm_experts + with_identities, with_identities, dims)
+            experts = expert_runs(gemm_experts + with_identities, with_identities, dims.ep_rank, dims.ep_size)
             local = _local_slice(tensor_kind(name, pair), tensor, gemm_experts + with_identities, experts)
             setattr(owner, attribute, torch.nn.Parameter(local, requires_grad=tensor.requires_grad))
         block.experts.expert_dispatch = ExpertDispatch(dims.ep_group, dims.ep_size, gemm_experts // dims.ep_size)
     return len(blocks)
 
 
-def expert_runs(num_experts: int, identities: int, dims: ParallelDims) -> list[int]:
-    """The (global) ids of the experts whose rows this rank holds, in its tensors' order, of a tensor with a row (or
-    factor) for each of ``num_experts`` experts, the last ``identities`` of them identity experts: its run of the GEMM
-    experts, then (LongCat-Flash's gate_up_proj and its adapters) its run of the identity experts."""
-    gemm = dims.local_experts(num_experts - identities)
-    if not identities:
-        return list(gemm)
-    return [*gemm, *(num_experts - identities + expert for expert in dims.local_experts(identities))]
+def expert_runs(num_experts: int, identities: int, ep_rank: int, ep_size: int) -> list[int]:
+    """The (global) ids of the experts whose rows EP rank ``ep_rank`` of ``ep_size`` holds, in its tensors' order, of a
+    tensor with a row (or factor) for each of ``num_experts`` experts, the last ``identities`` of them identity
+    experts: its run of the GEMM experts (``ParallelDims.local_experts``' split), then (LongCat-Flash's gate_up_proj
+    and its adapters) its run of the identity experts."""
+    gemm, per_gemm, per_identity = (
+        num_experts - identities,
+        (num_experts - identities) // ep_size,
+        identities // ep_size,
+    )
+    return [*range(ep_rank * per_gemm, (ep_rank + 1) * per_gemm),
+            *range(gemm + ep_rank * per_identity, gemm + (ep_rank + 1) * per_identity)]  # fmt: skip
 
 
 def _adapted_weight(root: torch.nn.Module, name: str) -> str:
@@ -321,14 +325,9 @@ def _rank_major_order(num_experts: int, identities: int, ep_size: int) -> torch.
     """For a tensor of ``num_experts`` experts, the last ``identities`` identity experts, split over ``ep_size`` ranks
     by ``expert_runs``: the (global) expert at each position of the ranks' tensors laid end to end (rank 0's GEMM
     experts, its identity experts, rank 1's GEMM experts, ...), the order of ``expert_view``'s DTensor under EP."""
-    gemm = num_experts - identities
-    per_gemm, per_identity = gemm // ep_size, identities // ep_size
-    return torch.tensor([
-        expert
-        for rank in range(ep_size)
-        for expert in (*range(rank * per_gemm, (rank + 1) * per_gemm),
-                       *range(gemm + rank * per_identity, gemm + (rank + 1) * per_identity))
-    ])  # fmt: skip
+    return torch.tensor(
+        [expert for rank in range(ep_size) for expert in expert_runs(num_experts, identities, rank, ep_size)]
+    )
 
 
 def _positions(order: torch.Tensor, size: int) -> torch.Tensor:

@@ -108,7 +108,7 @@ def run(out: Path, arch: str) -> None:
     local_grads = [_grad(param) for param in expert_weights(block)]
     # Each weight's experts on this rank (LongCat-Flash's gate_up_proj: its GEMM experts', then its identity experts')
     counts = [whole.shape[0] if whole.dim() == 3 else block.num_routed_experts for whole in whole_grads]
-    runs = [expert_runs(count, count - gemm_experts, dims) for count in counts]
+    runs = [expert_runs(count, count - gemm_experts, dims.ep_rank, dims.ep_size) for count in counts]
     report = {
         "rank": env.rank,
         "tokens": tokens.shape[0],
