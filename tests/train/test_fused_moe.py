@@ -554,7 +554,9 @@ def test_compiled_checkpointed_layers_record_once_and_equal_eager(moe_dirs, comp
     """A checkpointed decoder layer compiles as one graph, outside its checkpoint wrapper (fullgraph: a
     graph break fails the test) or inside it (where FSDP's hooks on the experts break the graph anyway),
     records its routing once per forward (not again in the recomputation) and gives the eager block's
-    loss, balance loss and gradients. Gemma 4's layer is its own block, routed by its fused router child."""
+    loss, balance loss and gradients. Gemma 4's layer is its own block, routed by its fused router child. On torch
+    2.11 the outside case lost the LoRA gradients through the fused block until its autograd.Functions stopped
+    returning a ``.to`` to their tensor's own dtype (``casts.in_dtype``)."""
     torch._dynamo.reset()  # the layers' code compiled by earlier tests counts toward dynamo's recompile limit
     reference = fused_copy(build(moe_dirs[arch], ["attention", "routed_experts"]))
     compiled_model = copy.deepcopy(reference)
@@ -1185,6 +1187,21 @@ def test_bf16_router_logits_on_a_gpu_are_accumulated_and_written_in_fp32(compile
         )
 
 
+def rounding_spread(model: torch.nn.Module, ids: torch.Tensor, expected: dict[str, torch.Tensor]) -> float:
+    """How far ``model``'s results (``expected`` on ``ids``) move when every weight changes by about one float32
+    rounding (relative 1e-7): the largest relative change of any result. Any change of summation order may move them
+    that far. It is about 1e-5 for most tiny models; the gradients through a gated delta rule (Qwen3-Next, Qwen3.5,
+    Kimi Linear) move by 1e-4 to 4e-3 under it, and a batch with a token whose router scores sit at a tie further."""
+    moved = copy.deepcopy(model)
+    noise = torch.Generator(device=ids.device).manual_seed(0)
+    with torch.no_grad():
+        for param in moved.parameters():
+            if param.is_floating_point():
+                param.mul_(1 + 1e-7 * torch.randn(param.shape, generator=noise, device=param.device))
+    got = run(moved, {"input_ids": ids}, ids)
+    return max(((got[name] - value).norm() / value.norm()).item() for name, value in expected.items())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
 @pytest.mark.parametrize("arch", ARCHS)
@@ -1192,11 +1209,14 @@ def test_compiled_layers_on_a_gpu_equal_the_eager_fused_block(moe_dirs, arch):
     """On a GPU, decoder layers compiled as training compiles them (the routing kernels, inductor's fusions of each
     layout's activation and bookkeeping) give the eager fused block's logits, loss and every gradient, with LoRA on
     attention and the routed experts (where LoRA reaches them), the last expert given rows in every layer. In fp32,
-    where the two differ by summation order only (in bf16 a token whose router scores tie to bf16's precision takes
-    another expert in one of them). Two faults of torch 2.11 (the GPU machine's) this found: inductor read a sliced
-    searchsorted boundary from its base's start (GPT-OSS's last expert's rows got an expert id past its biases, a
-    device-side assert), and dynamo dropped the backward of an autograd.Function whose forward returned a ``.to`` to
-    the dtype its tensor had (every gradient through the fused block 0 in fp32: ``casts.in_dtype``)."""
+    where the two differ by summation order only: each result within 2e-4 of its norm, or within 10 times what a
+    rounding-sized change of the weights moves it where that is more (``rounding_spread``), on the batch of three
+    that such a change moves least (in bf16, and at a tie in fp32, a token takes another expert in one of them),
+    inductor drawing random numbers as eager does.
+    Two faults of torch 2.11 (the GPU machine's) this found: inductor read a sliced searchsorted boundary from its
+    base's start (GPT-OSS's last expert's rows got an expert id past its biases, a device-side assert), and dynamo
+    dropped the backward of an autograd.Function whose forward returned a ``.to`` to the dtype its tensor had (every
+    gradient through the fused block 0 in fp32: ``casts.in_dtype``)."""
     targets = ["attention"] if arch in EXPERTS_OUT_OF_LORA_REACH else ["attention", "routed_experts"]
     eager = fused_copy(build(moe_dirs[arch], targets)).cuda()
     compiled = copy.deepcopy(eager)
@@ -1209,13 +1229,20 @@ def test_compiled_layers_on_a_gpu_equal_the_eager_fused_block(moe_dirs, arch):
         counts.append(bounds.diff())
         return order, inverse, bounds
 
-    ids = torch.randint(3, 1000, (4, 64), generator=torch.Generator().manual_seed(3)).cuda()
-    with mock.patch("shardtune.model.fused_moe.expert_order", counting_rows):
-        expected = run(eager, {"input_ids": ids}, ids)
-    got = run(compiled, {"input_ids": ids}, ids)
-    assert counts and all(count[-1] > 0 for count in counts)  # the last expert's rows
+    batches = []
+    for seed in (3, 4, 5):
+        ids = torch.randint(3, 1000, (4, 64), generator=torch.Generator().manual_seed(seed)).cuda()
+        counts.clear()
+        with mock.patch("shardtune.model.fused_moe.expert_order", counting_rows):
+            expected = run(copy.deepcopy(eager), {"input_ids": ids}, ids)
+        batches.append((rounding_spread(eager, ids, expected), seed, ids, expected, list(counts)))
+    spread, seed, ids, expected, rows = min(batches, key=lambda batch: batch[0])
+    with torch._inductor.config.patch(fallback_random=True):  # Phi-3.5-MoE's router samples: eager's draws
+        got = run(compiled, {"input_ids": ids}, ids)
+    assert rows and all(count[-1] > 0 for count in rows)  # the last expert's rows
+    bound = max(2e-4, 10 * spread)
     for name, value in expected.items():
-        assert (got[name] - value).norm() <= 2e-4 * value.norm(), name
+        assert (got[name] - value).norm() <= bound * value.norm(), (name, seed, spread)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per-expert", "shared"])
