@@ -818,3 +818,68 @@ def test_token_mixers_keep_what_is_counted(tmp_path, arch, model_config):
     # The convolution's input is padded by conv_L_cache - 1 positions a sequence (2 here): not per token, not counted.
     padding = (model.config.conv_L_cache - 1) * hidden * 2 if arch == "lfm2_moe" else 0
     assert measured == counted + padding, (measured, counted)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_a_frozen_compiled_block_keeps_what_is_counted(tmp_path, arch):
+    # The reference: what autograd saves per token in one compiled forward of a tiny model's frozen parts in bf16 (LoRA
+    # on attention only, the MoE default): its first fused MoE block and, for DeepSeek-V3, its first layer's dense MLP;
+    # the bytes at 256 tokens less those at 64, so that what is kept once (the router's fp32 weight) drops out. The
+    # planner counts for the block the gate/up rows of the chosen experts, the routing's own tensors
+    # (ROUTER_EXPERT_BYTES per expert: the router's fp32 logits and probabilities; ROUTED_CHOICE_BYTES per chosen one:
+    # its index, the pairs' sort and inverse, the weights before and after their normalization) and a frozen part's
+    # gate and up (DeepSeek-V3's shared expert, 2s; its dense MLP, 2I); the layer's residual (h) is kept outside them.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.config import LoraConfig
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.model.fused_moe import use_fused_experts
+    from shardtune.model.lora import apply_lora
+    from shardtune.model.moe import find_moe_blocks
+    from shardtune.plan.memory import ROUTED_CHOICE_BYTES, ROUTER_EXPERT_BYTES, layer_token_bytes
+
+    config, shape = tiny_shape(tmp_path, arch)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(tmp_path / arch), experts_implementation="eager"
+    )
+    model = apply_lora(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0, target_modules=None))
+    use_fused_experts(model, decoder_layers(model), "fused")
+    model = model.to(torch.bfloat16).train()
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+
+    def kept_per_token(module: torch.nn.Module) -> float:
+        run = torch.compile(module, fullgraph=True)
+
+        def kept(tokens: int) -> int:
+            seen: dict[int, int] = {}
+
+            def keep(tensor: torch.Tensor) -> torch.Tensor:
+                if (storage := tensor.untyped_storage()).data_ptr() not in parameters:
+                    seen[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            x = torch.randn(1, tokens, shape.hidden, dtype=torch.bfloat16, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                output = run(x)
+            output.float().sum().backward()
+            return sum(seen.values())
+
+        return (kept(256) - kept(64)) / 192
+
+    residual = shape.hidden * shape.compute_bytes
+    block = find_moe_blocks(model, decoder_layers(model))[0]
+    moe_layer = shape.layers[block.layer]
+    assert not moe_layer.block_trains and moe_layer.num_experts == block.num_experts
+    counted = layer_token_bytes(shape, moe_layer, config, compiled=True).mlp - residual
+    routing = moe_layer.num_experts * ROUTER_EXPERT_BYTES + moe_layer.top_k * ROUTED_CHOICE_BYTES
+    gate_up = moe_layer.top_k * moe_layer.expert_row_width * shape.compute_bytes
+    assert (
+        kept_per_token(block.block) == counted == routing + gate_up + 2 * moe_layer.shared_width * shape.compute_bytes
+    )
+    if arch == "deepseek_v3":  # its first layer is dense: a frozen MLP keeps gate and up
+        dense = shape.layers[0]
+        assert not dense.num_experts and not dense.mlp_trains
+        counted = layer_token_bytes(shape, dense, config, compiled=True).mlp - residual
+        assert kept_per_token(decoder_layers(model)[0].mlp) == counted == 2 * dense.mlp_width * shape.compute_bytes

@@ -138,8 +138,7 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
                 "yet; set it to 1"
             )
         identities = block.experts.identity_experts
-        gemm_experts = block.num_routed_experts - identities
-        dims.check_experts(block.num_routed_experts, type(model).__name__, identities)
+        gemm_experts = dims.check_experts(block.num_routed_experts, type(model).__name__, identities)
         pair = isinstance(block.experts, ExpertPair)
         root = _experts_root(block)
         for name, tensor in expert_tensors(block).items():

@@ -116,10 +116,10 @@ class ParallelDims:
         for num_experts, identities in expert_counts:
             self.check_experts(num_experts, model_name, identities)
 
-    def check_experts(self, num_experts: int, model_name: str, identities: int = 0) -> None:
+    def check_experts(self, num_experts: int, model_name: str, identities: int = 0) -> int:
         """EP needs every MoE layer's routed experts to split evenly over the EP group: its GEMM experts, and its
         ``identities`` (LongCat-Flash's zero-computation experts, whose gate_up_proj rows split as the GEMM experts'
-        do) apart."""
+        do) apart. Returns the number of GEMM experts."""
         gemm_experts = num_experts - identities
         size = self.expert_parallel_size
         if gemm_experts % size or identities % size:
@@ -132,6 +132,7 @@ class ParallelDims:
                 f"{EP_KEY}: {size} does not divide the {experts} of {model_name}; "
                 f"choose a divisor of {math.gcd(gemm_experts, identities)}"
             )
+        return gemm_experts
 
     # -- meshes ---------------------------------------------------------------------------------------
     @functools.cached_property
