@@ -69,7 +69,7 @@ FP32_BYTES = 4
 # pairs by expert and its inverse (int64 each) and the fp32 routing weights before and after their normalization.
 # Measured with saved_tensors_hooks on tiny compiled Qwen3-MoE, DeepSeek-V2, LFM2-MoE and Phi-3.5-MoE layers (the
 # exact set varies a little with the routing rule: a mask, a group score); Qwen3-30B-A3B (E = 128, k = 8): 1.3 kB a
-# token and layer.
+# token and layer. Held to a compiled tiny block's saved bytes by test_a_frozen_compiled_block_keeps_what_is_counted.
 ROUTER_EXPERT_BYTES = 2 * FP32_BYTES
 ROUTED_CHOICE_BYTES = 3 * 8 + 2 * FP32_BYTES
 DROPOUT_MASK_BYTES = 1  # a bool per element
