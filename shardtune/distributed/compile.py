@@ -54,6 +54,10 @@ class LayerCompiler:
             fused = fuse_shared_input_linears(graph)
             with torch._functorch.config.patch(**_BACKWARD_NOW):
                 compiled = torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
+        except torch._dynamo.exc.RestartAnalysis:
+            # dynamo's own signal to trace the frame again (e.g. to specialize a Python float it had made a tensor:
+            # Phi-3.5-MoE's router), which it catches and follows: no failure
+            raise
         except Exception as error:  # whatever inductor, Triton or the C++ toolchain raised
             self.failure = f"{type(error).__name__}: {first_line(error)}"
             log.warning(

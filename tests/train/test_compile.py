@@ -47,6 +47,25 @@ def test_without_a_working_cxx_compiler_the_layers_train_eagerly_after_one_warni
     assert fallback["losses"] == pytest.approx(eager["losses"], rel=1e-6)
 
 
+def test_dynamos_request_to_trace_again_is_no_failure(monkeypatch):
+    # Dynamo asks to trace a frame again by raising RestartAnalysis from inside the backend (inductor's pass that turns
+    # Python floats into tensors raises TensorifyScalarRestartAnalysis where it must specialize one); it catches it
+    # and calls the backend again. Taken for a failure, it sent every layer after it to eager.
+    import torch
+
+    from shardtune.distributed.compile import LayerCompiler
+
+    def restarting(graph, example_inputs):
+        raise torch._dynamo.exc.TensorifyScalarRestartAnalysis
+
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: restarting)
+    compiler = LayerCompiler()
+    graph = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(torch._dynamo.exc.RestartAnalysis):
+        compiler(graph, [torch.ones(2)])
+    assert compiler.failure is None
+
+
 @pytest.mark.variants
 def test_ddp_runs_each_compiled_layer_as_one_graph_and_trains_like_one_process(tmp_path):
     # r=512: a layer's adapters (1.8 MB) pass DDP's first 1 MB bucket, where dynamo's DDP optimizer
