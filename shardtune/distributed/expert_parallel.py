@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.checkpoint.names import without_wrappers
-from shardtune.distributed.mesh import ParallelDims
+from shardtune.distributed.mesh import ParallelDims, rank_run
 from shardtune.errors import ConfigError
 from shardtune.model.fused_moe import (
     EXPERT_PARALLEL_LAYOUTS,
@@ -154,15 +154,10 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
 def expert_runs(num_experts: int, identities: int, ep_rank: int, ep_size: int) -> list[int]:
     """The (global) ids of the experts whose rows EP rank ``ep_rank`` of ``ep_size`` holds, in its tensors' order, of a
     tensor with a row (or factor) for each of ``num_experts`` experts, the last ``identities`` of them identity
-    experts: its run of the GEMM experts (``ParallelDims.local_experts``' split), then (LongCat-Flash's gate_up_proj
-    and its adapters) its run of the identity experts."""
-    gemm, per_gemm, per_identity = (
-        num_experts - identities,
-        (num_experts - identities) // ep_size,
-        identities // ep_size,
-    )
-    return [*range(ep_rank * per_gemm, (ep_rank + 1) * per_gemm),
-            *range(gemm + ep_rank * per_identity, gemm + (ep_rank + 1) * per_identity)]  # fmt: skip
+    experts: its run of the GEMM experts (``rank_run``), then (LongCat-Flash's gate_up_proj and its adapters) its run
+    of the identity experts."""
+    gemm = num_experts - identities
+    return [*rank_run(gemm, ep_rank, ep_size), *(gemm + expert for expert in rank_run(identities, ep_rank, ep_size))]
 
 
 def _adapted_weight(root: torch.nn.Module, name: str) -> str:

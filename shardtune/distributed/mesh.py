@@ -31,6 +31,13 @@ log = logging.getLogger("shardtune")
 EP_KEY = "parallel.expert_parallel_size"
 
 
+def rank_run(count: int, rank: int, size: int) -> range:
+    """The run of ``count`` experts (or their rows) that EP rank ``rank`` of ``size`` holds: its consecutive
+    ``count // size``."""
+    per_rank = count // size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes and this rank's coordinates; the device meshes are built on first use (a collective: every
@@ -100,8 +107,7 @@ class ParallelDims:
 
     def local_experts(self, num_experts: int) -> range:
         """The (global) expert ids this rank holds."""
-        per_rank = num_experts // self.expert_parallel_size
-        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        return rank_run(num_experts, self.ep_rank, self.expert_parallel_size)
 
     def check_model(self, expert_counts: list[tuple[int, int]], model_name: str) -> None:
         """EP needs an MoE model, each of whose MoE layers' routed experts (``expert_counts``: each layer's routed
