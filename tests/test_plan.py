@@ -620,6 +620,25 @@ def tiny_shape(tmp_path, arch: str, *overrides: str, **model_config):
     return config, planned_model_shape(config)[0]
 
 
+def saved_bytes(forward, skipped: set[int], counts=lambda tensor: True) -> int:
+    """The bytes of the distinct storages autograd saves for backward in ``forward()`` (run, then backward through its
+    output's sum), but those in ``skipped`` (parameters, inputs made elsewhere) and those ``counts`` leaves out."""
+    import torch
+
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skipped and counts(tensor):
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        output = forward()
+    (output[0] if isinstance(output, tuple) else output).float().sum().backward()
+    return sum(kept.values())
+
+
 def test_jittered_tokens_keep_their_noise(tmp_path):
     # Phi-3.5-MoE's block and its router each multiply the tokens by uniform noise in training: each noise tensor, h
     # a token, is kept for the tokens' gradient (2h more in every MoE layer than with input_jitter_noise 0).
@@ -734,19 +753,10 @@ def test_the_factors_counted_are_what_a_fused_block_keeps(tmp_path):
     parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
 
     def factor_bytes(tokens: int) -> int:
-        kept: dict[int, int] = {}
-
-        def keep(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in parameters and tensor.dim() == 3 and tensor.shape[0] == block.num_experts:
-                kept[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
         x = torch.randn(1, tokens, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-            output = block.block(x)
-        output.float().sum().backward()
-        return sum(kept.values())
+        return saved_bytes(
+            lambda: block.block(x), parameters, lambda t: t.dim() == 3 and t.shape[0] == block.num_experts
+        )
 
     config, shape = tiny_shape(tmp_path, "qwen3_moe", "lora.moe_targets=[attention,routed_experts]", "lora.r=4")
     counted = layer_token_bytes(shape, shape.moe_layers[0], config, compiled=True).factors
@@ -795,20 +805,13 @@ def test_token_mixers_keep_what_is_counted(tmp_path, arch, model_config):
         arguments = {"attention_mask": None, "position_embeddings": rotary(x, torch.arange(tokens)[None])}
     skipped = {t.untyped_storage().data_ptr() for t in model.parameters()}
     skipped |= {t.untyped_storage().data_ptr() for t in arguments.get("position_embeddings", ())}
-    kept: dict[int, int] = {}
 
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        wide = storage.nbytes() // tensor.element_size() > 8 * tokens
-        if storage.data_ptr() not in skipped and tensor.dtype == torch.bfloat16 and wide:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    def wide_bf16(tensor: torch.Tensor) -> bool:
+        wide = tensor.untyped_storage().nbytes() // tensor.element_size() > 8 * tokens
+        return tensor.dtype == torch.bfloat16 and wide
 
     run = torch.compile(mixer, fullgraph=True)
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        output = run(x, **arguments)
-    (output[0] if isinstance(output, tuple) else output).float().sum().backward()
-    measured = sum(kept.values())
+    measured = saved_bytes(lambda: run(x, **arguments), skipped, wide_bf16)
     counted = (shape.layers[index].token_mixer + hidden) * tokens * 2  # and the mixer's input, the normalized x
     expected = {
         "deepseek_v2": 2 * 4 * 12 + (2 * 20 + 4) + 4 * (8 + 3 * 12) + (64 if model_config.get("q_lora_rank", 1) else 0),
@@ -853,18 +856,8 @@ def test_a_frozen_compiled_block_keeps_what_is_counted(tmp_path, arch):
         run = torch.compile(module, fullgraph=True)
 
         def kept(tokens: int) -> int:
-            seen: dict[int, int] = {}
-
-            def keep(tensor: torch.Tensor) -> torch.Tensor:
-                if (storage := tensor.untyped_storage()).data_ptr() not in parameters:
-                    seen[storage.data_ptr()] = storage.nbytes()
-                return tensor
-
             x = torch.randn(1, tokens, shape.hidden, dtype=torch.bfloat16, requires_grad=True)
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-                output = run(x)
-            output.float().sum().backward()
-            return sum(seen.values())
+            return saved_bytes(lambda: run(x), parameters)
 
         return (kept(256) - kept(64)) / 192
 
