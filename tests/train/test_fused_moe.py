@@ -1203,9 +1203,10 @@ def rounding_spread(model: torch.nn.Module, ids: torch.Tensor, expected: dict[st
 
 
 # On a CPU (CI), three architectures that hold the bound to its cases: plain routing, gradients through a gated delta
-# rule that move by up to 4e-3 under a rounding-sized change of the weights (Qwen3-Next), and a router that samples
-# (Phi-3.5-MoE); on a GPU, every fused architecture.
-COMPILED_ON_A_CPU = [arch for arch in ("qwen3_moe", "qwen3_next", "phimoe") if arch in ARCHS]
+# rule that move by up to 4e-3 under a rounding-sized change of the weights (Qwen3-Next), a router that samples
+# (Phi-3.5-MoE), and biased experts whose routing weights' gradient gathers the bias rows again (GPT-OSS); on a GPU,
+# every fused architecture.
+COMPILED_ON_A_CPU = [arch for arch in ("qwen3_moe", "qwen3_next", "phimoe", "gpt_oss") if arch in ARCHS]
 ON_A_GPU = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)"),
