@@ -272,7 +272,7 @@ def test_bus_bandwidth_follows_nccl_tests():
 
 def _shape(trainable: int, total: int) -> ModelShape:
     return ModelShape(
-        trainable, total, total * 2, 2, hidden=64, attention_width=64, kv_width=64, vocab=100, layers=(),
+        trainable, total, total * 2, 2, hidden=64, vocab=100, layers=(),
         flops=TokenFlops(matmul_params=total, layers=1, attention_width=64, sequence_length=128, adapter_params=None),
     )  # fmt: skip
 

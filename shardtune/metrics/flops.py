@@ -92,21 +92,29 @@ def active_matmul_params(model: torch.nn.Module | PretrainedConfig) -> int:
 
 
 def attention_width(model: torch.nn.Module, heads_key: str = "num_attention_heads") -> int:
-    """Query heads x head size: what one token's attention scores and weighted values cost per position;
+    """Query heads x head size: what one token's attention scores and weighted values cost per position, over the
+    decoder layers (``layer_attention_widths``; Gemma 4's full-attention layers have other heads: their mean)."""
+    widths = layer_attention_widths(model, heads_key)
+    return round(sum(widths) / len(widths))
+
+
+def layer_attention_widths(model: torch.nn.Module, heads_key: str = "num_attention_heads") -> list[int]:
+    """Each decoder layer's query heads x head size, from its own config where the layers differ (transformers'
+    per_layer_config: Gemma 4's full-attention layers have wider heads, and fewer key/value ones), else the model's;
     the hidden size when the config has no head size of its own (heads of hidden / heads each). With ``heads_key``
-    ``num_key_value_heads``, the keys' (and values') width the same way. A config whose layers differ
-    (transformers' per_layer_config: Gemma 4's full-attention layers have other heads) gives its layers' mean."""
+    ``num_key_value_heads``, the keys' (and values') width the same way."""
     text = model.config.get_text_config()
     hidden = getattr(text, "hidden_size", None) or model.get_input_embeddings().embedding_dim
+    heterogeneous = getattr(text, "is_heterogeneous", False)
     widths = []
-    for layer in list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text]:
+    for layer in list(text.per_layer_config) if heterogeneous else [text] * len(decoder_layers(model)):
         heads, head_dim = getattr(layer, "num_attention_heads", None), getattr(layer, "head_dim", None)
         counted = getattr(layer, heads_key, None) or heads
         if heads and head_dim:
             widths.append(counted * head_dim)
         else:
             widths.append(hidden * counted // heads if heads else hidden)
-    return round(sum(widths) / len(widths))
+    return widths
 
 
 # transformers' layer_types of the layers whose token mixer computes no attention scores: linear attention and Mamba

@@ -118,9 +118,10 @@ class LayerActivations:
 def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, compiled: bool) -> LayerActivations:
     """Bytes a decoder layer keeps for backward per token, by part, and per token of a tiled MLP's slice.
 
-    In elements of the compute dtype, for h the hidden size, q and kv the query and key/value widths, I the
-    MLP width; counted from what autograd saves (a frozen projection keeps no input for a weight gradient,
-    a trainable one or its LoRA adapter does) with compiled layers:
+    In elements of the compute dtype, for h the hidden size, q and kv the layer's own query and key/value widths
+    (``LayerShape.attention_width``: the model's, but Gemma 4's full-attention layers have wider heads and fewer
+    key/value ones than its sliding-window layers), I the MLP width; counted from what autograd saves (a frozen
+    projection keeps no input for a weight gradient, a trainable one or its LoRA adapter does) with compiled layers:
 
     - attention 2h + 3q + 2kv: the layer input and its normalized copy, q, k, v after rotary, the attention
       output and the output projection's contiguous input; q + kv more where queries and keys are normalized
@@ -131,7 +132,13 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       transformers repeats them (2(q - kv) more: a mask, or heads wider than 256) and, in a layer whose sliding window
       is shorter than the sequence, the additive mask sdpa makes of its materialized mask (batch x S x S: S a token,
       S the sequence length ``data.max_length``); measured on a tiny Gemma 4 layer compiled on CPU, each kept per
-      layer; Gemma 4 26B-A4B at 2 x 4,096 tokens: 4.2 GiB over its 30 layers;
+      layer; Gemma 4 26B-A4B at 2 x 4,096 tokens: 4.2 GiB over its 30 layers; with a mask or heads wider than 256
+      (``LayerShape.token_major_output``) sdpa's kernel writes its output token by token, as the output projection
+      takes it, so that output is its input, not a copy: q less (on CPU always, and on one H200 for Gemma 4's layers:
+      the same bytes to 16 a layer);
+      kv more where the values are normalized and have a projection of their own (``LayerShape.value_norm``: Gemma
+      4's v_norm, an RMSNorm without weight, keeps its input; where the keys are the values, attention_k_eq_v, that
+      input is the key projection's output, counted with qk-norm);
       with a mixture of attention experts (JetMoE's, on transformers' code) also 2k(h + w) for its k query
       and output experts (w their width): each one's gathered input rows and its output rows;
     - a token mixer other than plain attention (``LayerShape.token_mixer``: DeepSeek's multi-head latent attention,
@@ -172,19 +179,31 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       cannot be drawn again (measured on a tiny Phi-3.5-MoE layer, compiled on CPU: 2h more kept than with its
       input_jitter_noise 0, with and without LoRA on the routed experts; Phi-3.5-MoE's 16 layers at 8,192 tokens:
       2.0 GiB);
+    - a norm of what the feed-forward computes, applied before it joins the residual, keeps its input: ph for p of
+      them (``LayerShape.post_norms``: Gemma 4's MoE layers normalize the dense MLP's output, the routed experts' and
+      their sum, 3h); its post_attention_layernorm, which normalizes the attention's output, keeps that output in place
+      of the residual between the sublayers (recomputed from it and the layer input): the h counted as the residual.
+      Its router's input, normalized in fp32, is recomputed in backward from the residual and its fp32 statistics
+      (kept: one a row, not counted), and its layer_scalar multiplies by a buffer: nothing. Measured on tiny Gemma 4
+      layers compiled on CPU, both kinds, hidden 256 under heads of 256 and 512 and hidden 64 under heads of 16 and
+      320: to the byte, but for LoRA's A products, the norms' fp32 statistics and sdpa's log-sum-exp, which no term
+      counts (``test_gemma4_layers_keep_what_is_counted``); Gemma 4 26B-A4B at 2 x 4,096 tokens: 2.5 GiB more than
+      before these terms and its layers' own widths (-8.5% -> -6.2%);
     - eager (uncompiled) layers also keep each RMSNorm's fp32 copy of its input and the SiLU output.
 
     Measured against Mistral-7B with LoRA on every projection, compiled, 512 to 16,384 tokens a micro-batch:
     148.5 kB per token and layer, against 147.5 kB counted. LoRA dropout keeps a mask per adapted input (and,
     eager, the dropped copy itself), counted with the attention: kept unless the attention is recomputed.
     """
-    h, q, kv, e = shape.hidden, shape.attention_width, shape.kv_width, shape.compute_bytes
+    h, q, kv, e = shape.hidden, layer.attention_width, layer.kv_width, shape.compute_bytes
     tiled = config.training.mlp_chunk_tokens > 0 and not layer.num_experts
     if layer.token_mixer:
         attention = (2 * h + layer.token_mixer) * e
     else:
-        attention = (2 * h + 3 * q + 2 * kv + (q + kv if layer.qk_norm else 0) + layer.attention_expert_rows) * e
+        norm_inputs = (q + kv if layer.qk_norm else 0) + (kv if layer.value_norm else 0)
+        attention = (2 * h + 3 * q + 2 * kv + norm_inputs + layer.attention_expert_rows) * e
         attention += (layer.repeated_kv + (config.data.max_length if layer.sliding_mask else 0)) * e
+        attention -= q * e if layer.token_major_output else 0
     # Compiled, a frozen MLP (or frozen shared experts) keeps gate and up but not their product, which only a trained
     # down projection reads; a part with nothing trainable keeps no normalized input, only the residual its RMSNorm
     # reads
@@ -203,6 +222,7 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
         mlp = (h + 2 * layer.mlp_width) * e
     else:
         mlp = (2 * h if tiled else 2 * h + 3 * layer.mlp_width) * e
+    mlp += layer.post_norms * h * e
     slice_token = 3 * layer.mlp_width * e if tiled else 0
     norms = 0
     if not compiled:

@@ -45,8 +45,15 @@ class LayerShape:
     expert_adapter_rank: int  # LoRA on the routed experts' first projection (gate/up, or up): its rank (0: none)
     params: int  # parameters outside its routed experts: one FSDP unit
     expert_params: int  # its routed experts' parameters: an FSDP unit of their own
+    # Its query heads x head size and its key/value heads x head size (``metrics.flops.layer_attention_widths``): the
+    # model's, but where the layers differ (Gemma 4's full-attention layers: wider heads, fewer key/value ones)
+    attention_width: int
+    kv_width: int
     sublayers: bool = True  # its attention and its MLP are modules of their own (``layer_sublayers``)
     qk_norm: bool = False  # its attention normalizes queries and keys (RMSNorm: Qwen3, GLM-4.5 with use_qk_norm)
+    # Its attention normalizes the values too, which have a projection of their own (Gemma 4's v_norm beside v_proj;
+    # its full-attention layers take the keys as the values, attention_k_eq_v)
+    value_norm: bool = False
     # A mixture of attention experts (JetMoE's): per token, the elements its top_k query and output experts' rows keep
     # (``moe.ATTENTION_EXPERTS``, transformers' code; 0: none)
     attention_expert_rows: int = 0
@@ -61,6 +68,11 @@ class LayerShape:
     # than the sequence)
     repeated_kv: int = 0
     sliding_mask: bool = False
+    # sdpa's output laid out by token (``sdpa_key_values``), so that the output projection's input is that output itself
+    token_major_output: bool = False
+    # Norms of what its feed-forward computes, applied before the sum joins the residual (``post_norms``: Gemma's
+    # post_feedforward_layernorm, and Gemma 4's _1 and _2 of its dense MLP's and routed experts' outputs)
+    post_norms: int = 0
     # LoRA on the routed experts: the elements of its adapters' factors as the fused block lays them out for the grouped
     # GEMMs in each forward (``expert_adapter_factors``), kept for backward with the block's activations
     expert_adapter_factors: int = 0
@@ -84,8 +96,6 @@ class ModelShape:
     stored_bytes: int  # every parameter as training stores it: frozen in model.dtype, trainable fp32
     compute_bytes: int  # per element, in the compute dtype (activations; final/ of a full fine-tune)
     hidden: int
-    attention_width: int  # query heads x head size
-    kv_width: int  # key/value heads x head size
     vocab: int
     layers: tuple[LayerShape, ...]
     flops: TokenFlops  # training's FLOP count (for MFU) at data.max_length
@@ -112,7 +122,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
 
     from shardtune.distributed.activations import layer_sublayers
     from shardtune.distributed.parallelize import decoder_layers
-    from shardtune.metrics.flops import attention_width, routed_expert_trainable, run_token_flops
+    from shardtune.metrics.flops import layer_attention_widths, routed_expert_trainable, run_token_flops
     from shardtune.model.fused_moe import (
         expert_activation,
         expert_row_width,
@@ -130,17 +140,22 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     embedding = model.get_input_embeddings()
     hidden = getattr(text, "hidden_size", None) or embedding.embedding_dim
     mlp_width = next((getattr(text, key) for key in MLP_WIDTH_KEYS if getattr(text, key, None)), 4 * hidden)
-    width = attention_width(model)
     layers = decoder_layers(model)
+    widths = zip(layer_attention_widths(model), layer_attention_widths(model, "num_key_value_heads"), strict=True)
     blocks = {block.layer: block for block in find_moe_blocks(model, layers)}
     shapes = []
-    for index, layer in enumerate(layers):
+    for index, (layer, (width, kv_width)) in enumerate(zip(layers, widths, strict=True)):
         adapter_inputs = sum(module.in_features for module in layer.modules() if isinstance(module, LoraLinear))
         layer_params = sum(p.numel() for p in layer.parameters())
         block = blocks.get(index)
-        repeated_kv, sliding_mask = sdpa_key_values(layer, model.config, config.data.max_length)
+        repeated_kv, sliding_mask, token_major = sdpa_key_values(layer, model.config, config.data.max_length)
         sublayers = layer_sublayers(layer) is not None
         qk_norm = any(name.rsplit(".", 1)[-1] in QK_NORMS for name, _ in layer.named_modules())
+        value_norm = any(
+            getattr(module, "v_proj", None) is not None for module in layer.modules() if hasattr(module, "v_norm")
+        )
+        attention = {"attention_width": width, "kv_width": kv_width, "value_norm": value_norm,
+                     "token_major_output": token_major, "post_norms": post_norms(layer)}  # fmt: skip
         attention_expert_rows = sum(
             mixture.top_k * 2 * (hidden + parameter_adapters(mixture.input_linear)[0].weight.shape[1])
             for mixture in layer.modules()
@@ -151,9 +166,9 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
             dense = getattr(layer, "mlp", None)
             shapes.append(
                 LayerShape(
-                    mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers, qk_norm,
-                    attention_expert_rows, 0, repeated_kv, sliding_mask, token_mixer=token_mixer,
-                    mlp_trains=dense is None or trains(dense),
+                    mlp_width, 0, 0, 0, 0, adapter_inputs, 0, layer_params, 0, sublayers=sublayers, qk_norm=qk_norm,
+                    attention_expert_rows=attention_expert_rows, repeated_kv=repeated_kv, sliding_mask=sliding_mask,
+                    token_mixer=token_mixer, mlp_trains=dense is None or trains(dense), **attention,
                 )
             )  # fmt: skip
             continue
@@ -180,6 +195,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
                 expert_adapter_rank=sum(adapter[3] for adapter in adapters.get(first_projection, [])),
                 params=layer_params - expert_params,
                 expert_params=expert_params,
+                **attention,
                 sublayers=sublayers,
                 qk_norm=qk_norm,
                 attention_expert_rows=attention_expert_rows,
@@ -203,8 +219,6 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         stored_bytes=sum(p.numel() * p.element_size() for p in params),
         compute_bytes=(precision.autocast or precision.compute).itemsize,
         hidden=hidden,
-        attention_width=width,
-        kv_width=attention_width(model, "num_key_value_heads"),
         vocab=embedding.num_embeddings,
         layers=tuple(shapes),
         flops=flops,
@@ -258,16 +272,20 @@ def token_mixer_elements(layer: torch.nn.Module, hidden: int) -> int:
     return 0
 
 
-def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, bool]:
+def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, bool, bool]:
     """What transformers' sdpa attention (``integrations.sdpa_attention``) keeps in ``layer`` beyond the key and value
-    heads themselves: (elements per token, whether it takes a materialized mask).
+    heads themselves: (elements per token, whether it takes a materialized mask, whether its output is laid out by
+    token).
 
     A layer whose window (``sliding_window``) is shorter than the sequence gets a materialized mask: sdpa turns it
     into an additive one in the compute dtype (batch x 1 x S x S, kept for backward by each layer's attention: S
     elements a token). Key and value heads fewer than the query heads go to sdpa as they are (``enable_gqa``) only
     with no mask and heads of at most 256 (``use_gqa_in_sdpa``); otherwise ``repeat_kv`` copies them to the query
     heads, and those copies are what attention keeps: 2(q - kv) elements a token more than 2kv (Gemma 4's
-    sliding-window layers, 16 query heads on 8 key/value ones of 256, and its full-attention layers, 512 wide)."""
+    sliding-window layers, 16 query heads on 8 key/value ones of 256, and its full-attention layers, 512 wide, 2
+    key/value heads); a single key/value head is repeated as a view of itself (an expand): nothing more. With a mask or
+    heads wider than 256, sdpa runs its memory-efficient kernel (on CPU, its one kernel), which writes its output token
+    by token: the output projection's contiguous input is that output, not a copy."""
     attention = next(
         (
             module
@@ -277,14 +295,22 @@ def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_
         None,
     )
     if attention is None or model_config._attn_implementation != "sdpa":
-        return 0, False
+        return 0, False, False
     window = getattr(attention, "sliding_window", None)
     masked = bool(window) and window < max_length
+    token_major = masked or attention.head_dim > 256
     groups = attention.num_key_value_groups
-    if groups <= 1 or (not masked and attention.head_dim <= 256):
-        return 0, masked
     width = model_config.get_text_config().num_attention_heads * attention.head_dim
-    return 2 * (width - width // groups), masked
+    if groups <= 1 or not token_major or width // groups == attention.head_dim:
+        return 0, masked, token_major
+    return 2 * (width - width // groups), masked, token_major
+
+
+def post_norms(layer: torch.nn.Module) -> int:
+    """How many norms of ``layer`` normalize what its feed-forward computes before it joins the residual (Gemma 2-4's
+    post_feedforward_layernorm; Gemma 4's MoE layers also normalize the dense MLP's and the routed experts' outputs
+    apart, post_feedforward_layernorm_1 and _2, before the one of their sum): its children so named."""
+    return sum(name.startswith("post_feedforward_layernorm") for name, _ in layer.named_children())
 
 
 def jitter_noises(block: MoeBlock) -> int:
