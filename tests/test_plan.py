@@ -4,6 +4,7 @@ memory in benchmarks/RESULTS.md, recomputed from the bench.json files, so that t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -639,6 +640,76 @@ def saved_bytes(forward, skipped: set[int], counts=lambda tensor: True) -> int:
     return sum(kept.values())
 
 
+def tiny_lora_model(directory, attention: str, rank: int):
+    """The tiny model of ``directory`` in bf16 for training with ``attention``, LoRA of rank ``rank`` on attention, its
+    MoE blocks fused."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.config import LoraConfig
+    from shardtune.distributed.parallelize import decoder_layers
+    from shardtune.model.fused_moe import use_fused_experts
+    from shardtune.model.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(directory), attn_implementation=attention, experts_implementation="eager"
+    )
+    model = apply_lora(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0, target_modules=None))
+    use_fused_experts(model, decoder_layers(model), "fused")
+    return model.to(torch.bfloat16).train()
+
+
+def kept_by_each_layer(model, tokens: int, rank: int, compiled: bool) -> list[int]:
+    """What autograd saves per decoder layer of ``model`` (bf16, LoRA of rank ``rank``) in one forward of ``tokens``
+    tokens, each layer compiled as training compiles it (``LayerCompiler``) or not, called as the model's forward
+    calls it (its position embeddings and mask), the bytes of the tensors a planner term counts: not LoRA's A products
+    (r a token for each adapted projection, bf16 of last dimension r), the norms' fp32 statistics (one a row: last
+    dimension 1), sdpa's fp32 log-sum-exp (one a head: last dimension the tokens), nor what a layer keeps once whatever
+    its tokens (no dimension a multiple of them: the compiler's concatenation of q/k/v's A weights, the router's fp32
+    weight, the experts' offsets). ``rank`` must differ from the number of experts (the router's logits are counted)."""
+    import torch
+
+    from shardtune.distributed.compile import LayerCompiler
+    from shardtune.distributed.parallelize import decoder_layers
+
+    layers = decoder_layers(model)
+    calls = {}
+
+    def capture(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        calls[layers.index(layer)] = (args, kwargs)
+
+    handles = [layer.register_forward_pre_hook(capture, with_kwargs=True) for layer in layers]
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 1000, (1, tokens)), use_cache=False)
+    for handle in handles:
+        handle.remove()
+
+    def per_token(tensor: torch.Tensor) -> bool:
+        if not any(size % tokens == 0 for size in tensor.shape):
+            return False
+        lora_a = tensor.dtype == torch.bfloat16 and tensor.shape[-1] == rank
+        scores = tuple(tensor.shape[-2:]) == (tokens, tokens)  # eager attention's, also in fp32
+        statistics = tensor.dtype == torch.float32 and tensor.shape[-1] in (1, tokens) and not scores
+        return not lora_a and not statistics
+
+    skipped = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers())}
+    kept = []
+    for index, layer in enumerate(layers):
+        args, kwargs = calls[index]
+        x = args[0].detach().clone().requires_grad_(True)
+        arguments = {
+            tensor.untyped_storage().data_ptr()
+            for value in (*args[1:], *kwargs.values())
+            for tensor in (value if isinstance(value, tuple) else (value,))
+            if isinstance(tensor, torch.Tensor)
+        }
+        run = torch.compile(layer, backend=LayerCompiler()) if compiled else layer
+        forward = functools.partial(run, x, *args[1:], **kwargs)
+        kept.append(saved_bytes(forward, skipped | arguments, per_token))
+    return kept
+
+
 def test_jittered_tokens_keep_their_noise(tmp_path):
     # Phi-3.5-MoE's block and its router each multiply the tokens by uniform noise in training: each noise tensor, h
     # a token, is kept for the tokens' gradient (2h more in every MoE layer than with input_jitter_noise 0).
@@ -682,9 +753,14 @@ def test_sdpa_keeps_repeated_key_values_and_a_sliding_windows_mask(tmp_path):
     # No window shorter than the sequence: no mask, the heads go to sdpa as they are.
     _, short = tiny_shape(tmp_path, "gemma4_text", "data.max_length=16", "model.attn_implementation=sdpa")
     assert (short.layers[0].repeated_kv, short.layers[0].sliding_mask) == (0, False)
-    # Other attention implementations take no mask of this kind and repeat nothing.
+    # Eager attention takes no mask of this kind; it repeats the key/value heads whatever their width (2 x (4 x 16 - 2 x
+    # 16) in the sliding layer; the full layer's single head is a view), and keeps its scores
+    # (test_eager_attention_keeps_its_scores).
     _, eager = tiny_shape(tmp_path, "gemma4_text", "data.max_length=64", "model.attn_implementation=eager")
-    assert all((layer.repeated_kv, layer.sliding_mask) == (0, False) for layer in eager.layers)
+    assert [(layer.repeated_kv, layer.sliding_mask) for layer in eager.layers] == [
+        (2 * (4 * 16 - 2 * 16), False),
+        (0, False),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -899,70 +975,42 @@ def test_gemma4_layers_keep_what_is_counted(tmp_path, model_config):
     # 512 on a hidden size of 256 (26B-A4B's: q and kv wider than h; one key/value head of 512, repeated as a view),
     # and the tiny hidden size of 64 under heads of 16 and 320 (two key/value heads of 320, repeated as copies). Each
     # layer has its own widths: 4 query heads on 2 key/value heads (sliding) and 4 query heads on the full layer's
-    # global key/value heads, the keys taken as the values (attention_k_eq_v).
-    # The planner leaves out, and the count below does not measure, what is narrower than its terms or not per token:
-    # LoRA's A products (r a token for each adapted projection, bf16 of last dimension r), the norms' fp32 statistics
-    # (one a row: last dimension 1), sdpa's fp32 log-sum-exp (one a head: last dimension the tokens) and what the layer
-    # keeps once whatever its tokens (no dimension a multiple of them: the compiler's concatenation of q/k/v's A
-    # weights, the router's fp32 weight, the experts' offsets). Everything else is counted to the byte.
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from shardtune.config import LoraConfig
-    from shardtune.distributed.compile import LayerCompiler
-    from shardtune.distributed.parallelize import decoder_layers
-    from shardtune.model.fused_moe import use_fused_experts
-    from shardtune.model.lora import apply_lora
+    # global key/value heads, the keys taken as the values (attention_k_eq_v). Counted to the byte (what no planner
+    # term counts left out: ``kept_by_each_layer``).
     from shardtune.plan.memory import layer_token_bytes
 
     tokens, rank = 192, 8
     config, shape = tiny_shape(
         tmp_path, "gemma4_text", f"data.max_length={tokens}", "model.attn_implementation=sdpa", **model_config
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(tmp_path / "gemma4_text"), attn_implementation="sdpa", experts_implementation="eager"
-    )
-    model = apply_lora(model, LoraConfig(r=rank, lora_alpha=16, lora_dropout=0, target_modules=None))
-    layers = decoder_layers(model)
-    use_fused_experts(model, layers, "fused")
-    model = model.to(torch.bfloat16).train()
-    # A Gemma 4 layer takes its position embeddings and mask from the model's forward: its call, as the model makes it.
-    calls = {}
-
-    def capture(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        calls[layers.index(layer)] = (args, kwargs)
-
-    handles = [layer.register_forward_pre_hook(capture, with_kwargs=True) for layer in layers]
-    with torch.no_grad():
-        model(input_ids=torch.randint(3, 1000, (1, tokens)), use_cache=False)
-    for handle in handles:
-        handle.remove()
-
-    def per_token(tensor: torch.Tensor) -> bool:
-        if not any(size % tokens == 0 for size in tensor.shape):
-            return False
-        lora_a = tensor.dtype == torch.bfloat16 and tensor.shape[-1] == rank
-        statistics = tensor.dtype == torch.float32 and tensor.shape[-1] in (1, tokens)
-        return not lora_a and not statistics
-
-    def measure(index: int, layer: torch.nn.Module) -> int:
-        args, kwargs = calls[index]
-        x = args[0].detach().clone().requires_grad_(True)
-        skipped = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers())}
-        skipped |= {
-            tensor.untyped_storage().data_ptr()
-            for value in (*args[1:], *kwargs.values())
-            for tensor in (value if isinstance(value, tuple) else (value,))
-            if isinstance(tensor, torch.Tensor)
-        }
-        run = torch.compile(layer, backend=LayerCompiler())
-        return saved_bytes(lambda: run(x, *args[1:], **kwargs), skipped, per_token)
-
-    for index, layer in enumerate(layers):
-        counted = layer_token_bytes(shape, shape.layers[index], config, compiled=True).total * tokens
-        assert measure(index, layer) == counted, index
+    model = tiny_lora_model(tmp_path / "gemma4_text", "sdpa", rank)
+    for index, measured in enumerate(kept_by_each_layer(model, tokens, rank, compiled=True)):
+        assert measured == layer_token_bytes(shape, shape.layers[index], config, compiled=True).total * tokens, index
     widths = [(layer.attention_width, layer.kv_width) for layer in shape.layers]
     head_dim, global_head_dim = model_config.get("head_dim", 16), model_config["global_head_dim"]
     global_kv_heads = model_config.get("num_global_key_value_heads", 1)
     assert widths == [(4 * head_dim, 2 * head_dim), (4 * global_head_dim, global_kv_heads * global_head_dim)]
+
+
+@pytest.mark.parametrize(
+    ("arch", "compiled", "tolerance"),
+    [("qwen3_moe", True, 0), ("qwen3_moe", False, 0.015), ("gpt_oss", True, 0.02)],
+    ids=["compiled", "uncompiled", "sinks-compiled"],
+)  # fmt: skip
+def test_eager_attention_keeps_its_scores(tmp_path, arch, compiled, tolerance):
+    # transformers' eager attention (GPT-OSS's outside packed rows on a GPU: it has no sdpa) keeps each sequence's
+    # heads x S x S scores twice, which none of sdpa's terms count: at 192 tokens a tiny layer's scores are twice what
+    # the rest of it keeps (at 2,048 tokens, 23 times). The reference: what each decoder layer of tiny Qwen3-MoE (4
+    # query heads on 2 key/value heads, repeated as copies) and GPT-OSS (sliding-window and full layers; its sinks a
+    # column more of the scores, and each row's expert id, not counted: 1.5%) saves in one forward, bf16, LoRA on
+    # attention. Compiled as training compiles it, to the byte; uncompiled, the fp32 statistics of its norms and the
+    # like make the 1.5% (what CPUs run).
+    from shardtune.plan.memory import layer_token_bytes
+
+    tokens, rank = 192, 4
+    config, shape = tiny_shape(tmp_path, arch, f"data.max_length={tokens}", "model.attn_implementation=eager")
+    assert all(layer.attention_scores == 4 * tokens for layer in shape.layers)
+    model = tiny_lora_model(tmp_path / arch, "eager", rank)
+    for index, measured in enumerate(kept_by_each_layer(model, tokens, rank, compiled)):
+        counted = layer_token_bytes(shape, shape.layers[index], config, compiled).total * tokens
+        assert measured == pytest.approx(counted, rel=tolerance, abs=0), index

@@ -274,6 +274,7 @@ def build_model(
     materialize: bool = True,
     precision: Precision | None = None,
     model_config: PretrainedConfig | None = None,
+    patch_kernels: bool = True,
 ) -> PreTrainedModel | peft.PeftModel:
     """The model a run computes with on ``device``: loaded, kernels patched, LoRA adapters added.
 
@@ -287,8 +288,8 @@ def build_model(
     the meta device (no weights read): what replicas that receive their weights later, and ``doctor``'s
     estimates, use. ``precision`` and ``model_config``, when given, replace what ``device`` and
     ``model.name_or_path`` would say (``shardtune plan`` builds, on the meta device, the model of GPUs and
-    hub models it does not have). Returns a ``peft.PeftModel`` when ``lora.enabled``, else the transformers
-    model.
+    hub models it does not have; ``patch_kernels=False`` leaves liger's kernels out, which need not be installed
+    where it plans). Returns a ``peft.PeftModel`` when ``lora.enabled``, else the transformers model.
     """
     from shardtune.model.liger import apply_liger_kernels
     from shardtune.model.lora import apply_lora
@@ -303,6 +304,6 @@ def build_model(
         auto_attention=training_attention(config, device) if training else "sdpa",
         model_config=model_config,
     )
-    if training and config.model.liger_kernel:
+    if training and patch_kernels and config.model.liger_kernel:
         apply_liger_kernels(model, device)
     return apply_lora(model, config.lora) if config.lora.enabled else model

@@ -68,6 +68,8 @@ class LayerShape:
     # than the sequence)
     repeated_kv: int = 0
     sliding_mask: bool = False
+    # Eager attention (``eager_attention``): the score elements per token it computes (heads x S), each kept twice
+    attention_scores: int = 0
     # sdpa's output laid out by token (``sdpa_key_values``), so that the output projection's input is that output itself
     token_major_output: bool = False
     # Norms of what its feed-forward computes, applied before the sum joins the residual (``post_norms``: Gemma's
@@ -149,13 +151,16 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         layer_params = sum(p.numel() for p in layer.parameters())
         block = blocks.get(index)
         repeated_kv, sliding_mask, token_major = sdpa_key_values(layer, model.config, config.data.max_length)
+        eager_repeated_kv, attention_scores = eager_attention(layer, model.config, config.data.max_length)
+        repeated_kv += eager_repeated_kv
         sublayers = layer_sublayers(layer) is not None
         qk_norm = any(name.rsplit(".", 1)[-1] in QK_NORMS for name, _ in layer.named_modules())
         value_norm = any(
             getattr(module, "v_proj", None) is not None for module in layer.modules() if hasattr(module, "v_norm")
         )
         attention = {"attention_width": width, "kv_width": kv_width, "value_norm": value_norm,
-                     "token_major_output": token_major, "post_norms": post_norms(layer)}  # fmt: skip
+                     "token_major_output": token_major, "post_norms": post_norms(layer),
+                     "attention_scores": attention_scores}  # fmt: skip
         attention_expert_rows = sum(
             mixture.top_k * 2 * (hidden + parameter_adapters(mixture.input_linear)[0].weight.shape[1])
             for mixture in layer.modules()
@@ -306,6 +311,29 @@ def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_
     return 2 * (width - width // groups), masked, token_major
 
 
+def eager_attention(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, int]:
+    """What transformers' eager attention (``eager_attention_forward``: the architectures without sdpa, GPT-OSS's
+    outside packed rows on a GPU, or ``model.attn_implementation: eager``) keeps in ``layer`` beyond the key and value
+    heads themselves: (elements per token of the key/value heads repeated to the query heads, score elements per token).
+    ``repeat_kv`` copies fewer key/value heads to the query heads (2(q - kv) more; a single one is a view of itself),
+    and the scores are a heads x S x S product of each sequence: heads x S elements a token, kept twice
+    (``plan.memory.layer_token_bytes`` says in which dtypes)."""
+    attention = next(
+        (
+            module
+            for module in layer.modules()
+            if all(hasattr(module, name) for name in ("num_key_value_groups", "head_dim"))
+        ),
+        None,
+    )
+    if attention is None or model_config._attn_implementation != "eager":
+        return 0, 0
+    heads = model_config.get_text_config().num_attention_heads
+    groups = attention.num_key_value_groups
+    repeated = 0 if groups <= 1 or heads == groups else 2 * (heads - heads // groups) * attention.head_dim
+    return repeated, heads * max_length
+
+
 def post_norms(layer: torch.nn.Module) -> int:
     """How many norms of ``layer`` normalize what its feed-forward computes before it joins the residual (Gemma 2-4's
     post_feedforward_layernorm; Gemma 4's MoE layers also normalize the dense MLP's and the routed experts' outputs
@@ -389,8 +417,8 @@ def planned_model_config(config: Config) -> tuple[PretrainedConfig, str]:
 
 
 def planned_model_shape(config: Config) -> tuple[ModelShape, str]:
-    """The shape of the model ``config`` trains, on the GPUs ``shardtune plan`` plans for, and where its
-    architecture came from (``planned_model_config``)."""
+    """The shape of the model ``config`` trains, on the GPUs ``shardtune plan`` plans for (the attention training
+    takes there: ``load.training_attention``), and where its architecture came from (``planned_model_config``)."""
     import torch
 
     from shardtune.model.load import build_model
@@ -401,6 +429,7 @@ def planned_model_shape(config: Config) -> tuple[ModelShape, str]:
     precision = gpu_precision(config)
     with torch.device("meta"):  # adapters too, as in ``model_shape_on``
         model = build_model(
-            config, torch.device("cuda"), materialize=False, precision=precision, model_config=model_config
-        )
+            config, torch.device("cuda"), training=True, materialize=False, precision=precision,
+            model_config=model_config, patch_kernels=False,
+        )  # fmt: skip
     return read_model_shape(model, config, precision), source
