@@ -502,7 +502,10 @@ def test_estimates_of_measured_peaks_are_within_15_percent(tmp_path, monkeypatch
         tree = bench_config(args, tmp_path, model_dirs[key], tmp_path / "data.jsonl", "text", model_config)
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
         config = load_config(tmp_path / "config.yaml", overrides, check_paths=False)
-        built = json.dumps([config.model.model_dump(), config.lora.model_dump(), config.data.max_length])
+        # The shape depends on the attention training takes, which packing decides (GPT-OSS: flex or eager)
+        built = json.dumps(
+            [config.model.model_dump(), config.lora.model_dump(), config.data.max_length, config.data.packing]
+        )
         if built not in shapes:
             shapes[built] = planned_model_shape(config)[0]
         shape = shapes[built]
