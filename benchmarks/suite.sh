@@ -50,7 +50,8 @@
 # DBRX's first 8 layers against HF, the same two runs, DBRX's LoRA-attention one only, and JetMoE's and DBRX's
 # LoRA-attention runs with both float8 options, -float8; BENCH_ONLY: run names), gptoss-glu (gpt-oss-20b, LoRA on
 # attention + routed experts, then on attention, no baseline: GPT-OSS's clamped GLU keeping only its gate/up output),
-# gptoss-eager (gpt-oss-20b without packing: eager attention, its scores recomputed where they do not fit). Each run's bench.json (and profile report, where one is taken) is copied to
+# gptoss-padded (gpt-oss-20b without packing: FlexAttention, then eager attention, its scores recomputed where they do
+# not fit; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -715,11 +716,14 @@ gptoss-glu)
         'lora.moe_targets=[attention,routed_experts]' "${extra[@]}"
     bench gptoss-glu-attn --shape gpt-oss-20b --seq 4096 --batch 2 --steps 8 --warmup 3 "${extra[@]}"
     ;;
-gptoss-eager)
-    # gpt-oss-20b without packing: no sdpa (its sinks), so training takes transformers' eager attention, whose heads x S
-    # x S scores the planner counts and gradient_checkpointing: auto recomputes (LoRA on attention).
+gptoss-padded)
+    # gpt-oss-20b without packing (LoRA on attention): no sdpa (its sinks), so training takes FlexAttention with
+    # transformers' mask of the padded rows (gptoss-padded), or, asked for, eager attention, whose heads x S x S scores
+    # the planner counts and gradient_checkpointing: auto recomputes (gptoss-eager).
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
-    bench gptoss-eager --shape gpt-oss-20b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false "${extra[@]}"
+    bench gptoss-padded --shape gpt-oss-20b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false "${extra[@]}"
+    bench gptoss-eager --shape gpt-oss-20b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false \
+        model.attn_implementation=eager "${extra[@]}"
     ;;
 last-moe)
     # The last MoE architectures put on the fused block, against HF + PEFT in the same run, LoRA on attention, then on

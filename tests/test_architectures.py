@@ -31,7 +31,7 @@ from shardtune.data.prepare import prepare_dataset
 from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.errors import ConfigError
 from shardtune.metrics.flops import run_token_flops, token_flops
-from shardtune.model.load import build_model, load_model, load_tokenizer, supported_attention
+from shardtune.model.load import GPU_TRAINING_FALLBACKS, build_model, load_model, load_tokenizer, supported_attention
 from shardtune.model.lora import apply_lora, count_parameters, targets_as_given
 
 STEPS = 3
@@ -77,6 +77,11 @@ def test_auto_attention_is_one_the_architecture_runs(tmp_path, alpaca_file):
     assert supported_attention(llama, "auto", "flex_attention") == "flex_attention"
     assert supported_attention(gpt2, "auto", "flex_attention") == "sdpa"  # GPT-2 has no FlexAttention
     assert supported_attention(gemma2, "auto", "sdpa") == "eager"  # Gemma-2 has no sdpa
+    # In training on a GPU, FlexAttention before eager: GPT-OSS (no sdpa: its sinks) outside packed rows
+    gpt_oss = tiny_config("gpt_oss")
+    assert supported_attention(gpt_oss, "auto", "sdpa") == "eager"
+    assert supported_attention(gpt_oss, "auto", "sdpa", GPU_TRAINING_FALLBACKS) == "flex_attention"
+    assert supported_attention(gemma2, "auto", "sdpa", GPU_TRAINING_FALLBACKS) == "flex_attention"
     with pytest.raises(ConfigError) as error:
         supported_attention(gemma2, "sdpa", "sdpa")
     assert error.value.lines == ["model.attn_implementation: Gemma2ForCausalLM does not run sdpa; set it to auto"]
@@ -84,6 +89,42 @@ def test_auto_attention_is_one_the_architecture_runs(tmp_path, alpaca_file):
     config = make_config(tmp_path, alpaca_file, model={"name_or_path": str(model_dir), "init": "random"})
     model = build_model(config, torch.device("cpu"), training=True)
     assert model.get_base_model().config._attn_implementation == "eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (SHARDTUNE_TEST_GPU=1)")
+def test_gpt_oss_padded_rows_train_on_flex_attention_as_on_eager(tmp_path, alpaca_file):
+    """GPT-OSS has no sdpa; outside packed rows, training on a GPU builds it with FlexAttention (transformers' mask of
+    the padded rows, the sliding windows and the sinks) where it took eager attention, which computes the same: a
+    tiny GPT-OSS in fp32 (windows of 16 tokens), two rows of 64 tokens, the second padded after 40, its real tokens'
+    logits and every weight's gradient against eager attention's on the same weights."""
+    model_dir = write_tiny_model(tmp_path / "gpt_oss", "gpt_oss")
+    config = make_config(tmp_path, alpaca_file, model={"name_or_path": str(model_dir), "init": "random"})
+    assert not config.data.packing
+    built = build_model(config, torch.device("cuda"), training=True)
+    assert built.get_base_model().config._attn_implementation == "flex_attention"
+    torch.manual_seed(0)
+    models = {
+        name: AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), attn_implementation=name)
+        for name in ("flex_attention", "eager")
+    }
+    models["flex_attention"].load_state_dict(models["eager"].state_dict())
+    ids = torch.randint(4, 1000, (2, 64), device="cuda")
+    mask = torch.ones(2, 64, dtype=torch.long, device="cuda")
+    mask[1, 40:] = 0
+    real = mask.bool()
+    logits, grads = {}, {}
+    for name, model in models.items():
+        model.cuda().train()
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[real]
+        out.square().mean().backward()
+        logits[name] = out.detach()
+        grads[name] = {key: param.grad for key, param in model.named_parameters() if param.grad is not None}
+    scale = logits["eager"].abs().max()
+    assert (logits["flex_attention"] - logits["eager"]).abs().max() <= 1e-4 * scale
+    assert grads["flex_attention"].keys() == grads["eager"].keys()
+    for key, grad in grads["eager"].items():
+        assert (grads["flex_attention"][key] - grad).norm() <= 1e-3 * grad.norm(), key
 
 
 def test_doctor_builds_and_counts_the_model_as_training_does(tmp_path):

@@ -391,7 +391,10 @@ def test_a_hub_model_plan_does_not_know_is_one_line(capsys, monkeypatch):
 
 # -- the estimate against measured peaks (benchmarks/RESULTS.md, "Planner against measured peak memory") ----
 # Arguments a row may add to restore a default of the run's time, and options removed since.
-RESTORED_DEFAULTS = {"parallel.compile=false", "model.attn_implementation=sdpa", "training.loss_chunk_tokens=0"}
+RESTORED_DEFAULTS = {
+    "parallel.compile=false", "model.attn_implementation=sdpa", "training.loss_chunk_tokens=0",
+    "model.attn_implementation=eager",  # GPT-OSS's padded rows on a GPU took eager attention before FlexAttention
+}  # fmt: skip
 REMOVED_OPTIONS = ("parallel.compile_mode=",)
 # How far a row's estimate may drift from the one recomputed before the row is stale. The estimate reads the
 # parameters' dtypes off transformers' model, which moves between its releases: transformers 5.24 keeps
@@ -1001,13 +1004,13 @@ def test_gemma4_layers_keep_what_is_counted(tmp_path, model_config):
     ids=["compiled", "uncompiled", "sinks-compiled"],
 )  # fmt: skip
 def test_eager_attention_keeps_its_scores(tmp_path, arch, compiled, tolerance):
-    # transformers' eager attention (GPT-OSS's outside packed rows on a GPU: it has no sdpa) keeps each sequence's
-    # heads x S x S scores twice, which none of sdpa's terms count: at 192 tokens a tiny layer's scores are twice what
-    # the rest of it keeps (at 2,048 tokens, 23 times). The reference: what each decoder layer of tiny Qwen3-MoE (4
-    # query heads on 2 key/value heads, repeated as copies) and GPT-OSS (sliding-window and full layers; its sinks a
-    # column more of the scores, and each row's expert id, not counted: 1.5%) saves in one forward, bf16, LoRA on
-    # attention. Compiled as training compiles it, to the byte; uncompiled, the fp32 statistics of its norms and the
-    # like make the 1.5% (what CPUs run).
+    # transformers' eager attention (model.attn_implementation: eager; GPT-OSS's padded rows before FlexAttention) keeps
+    # each sequence's heads x S x S scores twice, which none of sdpa's terms count: at 192 tokens a tiny layer's scores
+    # are twice what the rest of it keeps (at 2,048 tokens, 23 times). The reference: what each decoder layer of tiny
+    # Qwen3-MoE (4 query heads on 2 key/value heads, repeated as copies) and GPT-OSS (sliding-window and full layers;
+    # its sinks a column more of the scores, and each row's expert id, not counted: 1.5%) saves in one forward, bf16,
+    # LoRA on attention. Compiled as training compiles it, to the byte; uncompiled, the fp32 statistics of its norms and
+    # the like make the 1.5% (what CPUs run).
     from shardtune.plan.memory import layer_token_bytes
 
     tokens, rank = 192, 4

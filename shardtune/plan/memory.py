@@ -139,12 +139,13 @@ def layer_token_bytes(shape: ModelShape, layer: LayerShape, config: Config, comp
       kv more where the values are normalized and have a projection of their own (``LayerShape.value_norm``: Gemma
       4's v_norm, an RMSNorm without weight, keeps its input; where the keys are the values, attention_k_eq_v, that
       input is the key projection's output, counted with qk-norm);
-      under eager attention (``LayerShape.attention_scores``: the architectures without sdpa, GPT-OSS's outside packed
-      rows on a GPU) the key and value heads repeated to the query heads and each sequence's scores, heads x S a token,
-      twice: compiled, two tensors in the compute dtype; uncompiled, the fp32 softmax and its copy in the compute dtype
-      (GPT-OSS's softmax, with its sinks, is in the compute dtype: over by the fp32 one); its output, a product of the
-      scores, not (q less); measured on tiny Qwen3-MoE and GPT-OSS layers on CPU, compiled to the byte (GPT-OSS: 1.5%
-      under, its sinks' column), uncompiled 1.1% over; gpt-oss-20b at 2 x 4,096 tokens: 192 GiB over its 24 layers;
+      under eager attention (``LayerShape.attention_scores``: an architecture without sdpa on a CPU, or without
+      FlexAttention either, or asked for) the key and value heads repeated to the query heads and each sequence's
+      scores, heads x S a token, twice: compiled, two tensors in the compute dtype; uncompiled, the fp32 softmax and its
+      copy in the compute dtype (GPT-OSS's softmax, with its sinks, is in the compute dtype: over by the fp32 one); its
+      output, a product of the scores, not (q less); measured on tiny Qwen3-MoE and GPT-OSS layers on CPU, compiled to
+      the byte (GPT-OSS: 1.5% under, its sinks' column), uncompiled 1.1% over; gpt-oss-20b at 2 x 4,096 tokens: 192 GiB
+      over its 24 layers;
       with a mixture of attention experts (JetMoE's, on transformers' code) also 2k(h + w) for its k query
       and output experts (w their width): each one's gathered input rows and its output rows;
     - a token mixer other than plain attention (``LayerShape.token_mixer``: DeepSeek's multi-head latent attention,

@@ -312,8 +312,8 @@ def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_
 
 
 def eager_attention(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, int]:
-    """What transformers' eager attention (``eager_attention_forward``: the architectures without sdpa, GPT-OSS's
-    outside packed rows on a GPU, or ``model.attn_implementation: eager``) keeps in ``layer`` beyond the key and value
+    """What transformers' eager attention (``eager_attention_forward``: an architecture without sdpa on a CPU or
+    without FlexAttention either, or ``model.attn_implementation: eager``) keeps in ``layer`` beyond the key and value
     heads themselves: (elements per token of the key/value heads repeated to the query heads, score elements per token).
     ``repeat_kv`` copies fewer key/value heads to the query heads (2(q - kv) more; a single one is a view of itself),
     and the scores are a heads x S x S product of each sequence: heads x S elements a token, kept twice
