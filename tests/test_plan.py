@@ -716,6 +716,35 @@ def kept_by_each_layer(model, tokens: int, rank: int, compiled: bool) -> list[in
     return kept
 
 
+def test_capped_logits_keep_tanhs_output(tmp_path):
+    # Gemma 4 caps its logits (cap * tanh(logits / cap)) after the LM head; under the standard loss tanh keeps its
+    # output for backward, one logits tensor in the compute dtype more than an uncapped head: what a tiny Gemma 4 in
+    # bf16 saves of the vocabulary's width, with and without the cap, and what the planner counts. The chunked loss
+    # caps each chunk itself and keeps nothing more.
+    from dataclasses import replace
+
+    import torch
+
+    from shardtune.plan.memory import SOFTCAP_LOGIT_BYTES, loss_bytes
+
+    tokens, vocab = 128, 1024
+    config, shape = tiny_shape(tmp_path, "gemma4_text", "training.loss_chunk_tokens=0", final_logit_softcapping=30.0)
+    assert shape.softcapped_logits and SOFTCAP_LOGIT_BYTES == 2
+
+    def logits_kept(cap: float | None) -> int:
+        model = tiny_lora_model(tmp_path / "gemma4_text", "sdpa", 4)
+        model.config.get_text_config().final_logit_softcapping = cap
+        ids = torch.randint(3, vocab, (1, tokens))
+        return saved_bytes(lambda: model(input_ids=ids).logits, set(), lambda tensor: tensor.shape[-1:] == (vocab,))
+
+    assert logits_kept(30.0) - logits_kept(None) == SOFTCAP_LOGIT_BYTES * tokens * vocab
+    uncapped = replace(shape, softcapped_logits=False)
+    standard = loss_bytes(config, shape, tokens, compiled=True) - loss_bytes(config, uncapped, tokens, compiled=True)
+    assert standard == SOFTCAP_LOGIT_BYTES * tokens * vocab
+    chunked, _ = tiny_shape(tmp_path, "gemma4_text", "training.loss_chunk_tokens=64", final_logit_softcapping=30.0)
+    assert loss_bytes(chunked, shape, tokens, True) == loss_bytes(chunked, uncapped, tokens, True)
+
+
 def test_jittered_tokens_keep_their_noise(tmp_path):
     # Phi-3.5-MoE's block and its router each multiply the tokens by uniform noise in training: each noise tensor, h
     # a token, is kept for the tokens' gradient (2h more in every MoE layer than with input_jitter_noise 0).

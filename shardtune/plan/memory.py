@@ -50,6 +50,10 @@ USABLE_SHARE = 0.9
 # more embedding weights): at 8,192 tokens a step peaks 10.28 GiB higher, 1.47 GiB of it weights, the rest
 # 12.0 bytes per extra logit.
 LOGIT_BYTES = 12
+# Bytes per logit more where the model caps its logits itself (Gemma's cap * tanh(logits / cap), the standard loss):
+# tanh's output in the compute dtype, which its backward reads (measured with saved_tensors_hooks on tiny Gemma 4: one
+# bf16 logits tensor more than without the cap). The chunked loss caps each chunk itself, in fp32, keeping nothing more.
+SOFTCAP_LOGIT_BYTES = 2
 # Bytes per logit of one chunk of the chunked loss (``train.loss.LinearCrossEntropy``), its softmax eager: the
 # bf16 logits, and log_softmax's fp32 copy of them and its fp32 output. Measured (``benchmarks/loss_kernels.py``,
 # one H200): 1.45 GiB above the inputs for chunks of 1,024 x 151,936 logits, 10.0 bytes per logit.
@@ -293,7 +297,7 @@ def loss_bytes(config: Config, shape: ModelShape, tokens: int, compiled: bool) -
         return LOGIT_BYTES * min(tokens, 2 ** math.ceil(math.log2(block))) * shape.vocab
     chunk = chunk_tokens_for(config.training.loss_chunk_tokens, shape.loss_head_vocab, tokens)
     if not chunk:
-        return LOGIT_BYTES * tokens * shape.vocab
+        return (LOGIT_BYTES + (SOFTCAP_LOGIT_BYTES if shape.softcapped_logits else 0)) * tokens * shape.vocab
     # One chunk's logits, and the gradients kept from forward to backward: of the head's input, and of its
     # weights (fp32) where they train (full fine-tuning).
     head_gradient = 0 if config.lora.enabled else shape.vocab * shape.hidden * FP32_BYTES

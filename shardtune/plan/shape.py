@@ -103,6 +103,8 @@ class ModelShape:
     flops: TokenFlops  # training's FLOP count (for MFU) at data.max_length
     routed_trainable: int = 0  # the trainable parameters inside routed experts (LoRA on them, or full fine-tuning)
     loss_head_vocab: int | None = None  # ``train.loss.head_vocab``: None where no chunked loss can stand in
+    # The model caps its logits (``train.loss.SOFTCAP``: Gemma's cap * tanh(logits / cap)), outside the chunked loss
+    softcapped_logits: bool = False
 
     @property
     def flops_per_token(self) -> float:
@@ -134,7 +136,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
     )
     from shardtune.model.lora import count_parameters
     from shardtune.model.moe import ATTENTION_EXPERTS, find_moe_blocks
-    from shardtune.train.loss import head_vocab
+    from shardtune.train.loss import SOFTCAP, head_vocab, logit_transforms
 
     params = list(model.parameters())
     trainable, total = count_parameters(model)
@@ -229,6 +231,7 @@ def read_model_shape(model: torch.nn.Module, config: Config, precision: Precisio
         flops=flops,
         routed_trainable=routed,
         loss_head_vocab=head_vocab(model),
+        softcapped_logits=SOFTCAP in logit_transforms(text),
     )
 
 
