@@ -117,6 +117,12 @@ GPU_TRAINING_FALLBACKS = ("sdpa", "flex_attention", "eager")
 FALLBACKS = ("sdpa", "eager")
 
 
+def training_attention_choice(config: Config, device: torch.device) -> tuple[str, tuple[str, ...]]:
+    """What ``attn_implementation: auto`` asks for in training on ``device`` (``training_attention``) and what it falls
+    back to where the architecture does not run that: ``supported_attention``'s ``chosen`` and ``fallbacks``."""
+    return training_attention(config, device), GPU_TRAINING_FALLBACKS if device.type == "cuda" else FALLBACKS
+
+
 def supported_attention(
     model_config: PretrainedConfig, requested: str, chosen: str, fallbacks: tuple[str, ...] = FALLBACKS
 ) -> str:
@@ -308,15 +314,16 @@ def build_model(
     from shardtune.model.lora import apply_lora
 
     precision = precision or Precision.resolve(config, device)
+    auto_attention, fallbacks = training_attention_choice(config, device) if training else ("sdpa", FALLBACKS)
     model = load_model(
         config.model,
         precision.frozen_storage,
         config.training.seed,
         materialize=materialize,
         random_init_device=device if device.type == "cuda" else None,
-        auto_attention=training_attention(config, device) if training else "sdpa",
+        auto_attention=auto_attention,
         model_config=model_config,
-        attention_fallbacks=GPU_TRAINING_FALLBACKS if training and device.type == "cuda" else FALLBACKS,
+        attention_fallbacks=fallbacks,
     )
     if training and patch_kernels and config.model.liger_kernel:
         apply_liger_kernels(model, device)

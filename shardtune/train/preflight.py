@@ -186,18 +186,24 @@ def check_precision(config: Config, device: torch.device) -> str:
     return f"model.dtype {config.model.dtype}: {str(dtype).removeprefix('torch.')} on {device.type}"
 
 
-def check_kernels(config: Config, device: torch.device, model_type: str | None, world_size: int) -> str:
+def check_kernels(config: Config, device: torch.device, model_config: PretrainedConfig | None, world_size: int) -> str:
     """The attention implementation, liger-kernel, the grouped GEMM and the CUDA graphs the config asks for can
-    run here, on ``world_size`` ranks."""
+    run here, on ``world_size`` ranks, for the model of ``model_config`` (None: the model check has failed)."""
     from shardtune.distributed.strategy import settled_strategy
     from shardtune.model.grouped_gemm import resolve_grouped_gemm
-    from shardtune.model.load import training_attention
+    from shardtune.model.load import supported_attention, training_attention_choice
 
-    attention = training_attention(config, device)
-    if config.model.liger_kernel and model_type:  # without a model type, the model check has failed
+    chosen, fallbacks = training_attention_choice(config, device)
+    # The attention the model is built with (GPT-OSS's padded rows on a GPU: FlexAttention, it has no sdpa)
+    attention = (
+        supported_attention(model_config, config.model.attn_implementation, chosen, fallbacks)
+        if model_config
+        else chosen
+    )
+    if config.model.liger_kernel and model_config:
         from shardtune.model.liger import check_liger_kernel
 
-        check_liger_kernel(device, model_type)
+        check_liger_kernel(device, model_config.model_type)
     if config.model.grouped_gemm == "quack":  # asked for by name: it must run here (auto falls back)
         resolve_grouped_gemm("quack", device)
     float8 = config.model.float8_keys
@@ -241,20 +247,20 @@ def check_writable(key: str, directory: Path) -> str:
 def preflight_checks(config: Config, device: torch.device, world_size: int) -> list[tuple[str, Callable[[], str]]]:
     """The checks of a run on ``world_size`` ranks that need no data, no weights and no other process, each named,
     each raising an ``InputError`` that names the key and what to do, and returning what it found otherwise."""
-    model_type: list[str] = []
+    model_config: list[PretrainedConfig] = []
 
     def model() -> str:
         text_config = check_model(config)
-        model_type.append(text_config.model_type)
+        model_config.append(text_config)
         return f"{config.model.name_or_path}: {text_config.model_type}, a causal LM"
 
     def kernels() -> str:
-        return check_kernels(config, device, model_type[0] if model_type else None, world_size)
+        return check_kernels(config, device, model_config[0] if model_config else None, world_size)
 
     return [
         ("model config", model),
         # A directory that holds no causal LM has no weights worth naming.
-        ("weights", lambda: check_weights(config) if model_type else "not checked (no model config)"),
+        ("weights", lambda: check_weights(config) if model_config else "not checked (no model config)"),
         ("precision", lambda: check_precision(config, device)),
         ("kernels", kernels),
         ("logging", lambda: check_logging_packages(config)),

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL, make_config, write_jsonl
 from faulty_runs import run
+from tiny_models import tiny_config
 from transformers import AutoConfig
 
 from shardtune.config import load_config
@@ -156,7 +157,7 @@ def test_cuda_graphs_asked_for_under_a_strategy_that_shards_are_refused_before_t
 
     def kernels(world_size: int, **parallel) -> str:
         config = make_config(tmp_path, tmp_path / "data.jsonl", parallel={"cuda_graphs": True, **parallel})
-        return check_kernels(config, cuda, "llama", world_size)
+        return check_kernels(config, cuda, tiny_config("llama"), world_size)
 
     expected = (
         "parallel.cuda_graphs: true needs one process or parallel.strategy: ddp (this run shards the weights with "
@@ -172,3 +173,23 @@ def test_cuda_graphs_asked_for_under_a_strategy_that_shards_are_refused_before_t
         assert refused.value.lines == [expected], (world_size, parallel)
     for world_size, parallel in [(1, {"strategy": "fsdp"}), (2, {"strategy": "ddp"}), (2, {"strategy": "auto"})]:
         assert kernels(world_size, **parallel).endswith(", CUDA graphs"), (world_size, parallel)
+
+
+def test_the_kernels_check_names_the_attention_the_model_is_built_with(tmp_path):
+    """GPT-OSS has no sdpa: its padded rows train on FlexAttention on a GPU (eager on a CPU), which the kernels check
+    names, and ``parallel.cuda_graphs: true`` there (FlexAttention's mask of padded rows is a new tensor every batch)
+    is refused before any weight is read, not after the model is built."""
+    from shardtune.train.preflight import check_kernels
+
+    gpt_oss = tiny_config("gpt_oss")
+    config = make_config(tmp_path, tmp_path / "data.jsonl")
+    assert check_kernels(config, torch.device("cuda"), gpt_oss, 1) == "attention flex_attention"
+    assert check_kernels(config, torch.device("cpu"), gpt_oss, 1) == "attention eager"
+    assert check_kernels(config, torch.device("cuda"), tiny_config("llama"), 1) == "attention sdpa"
+    graphs = make_config(tmp_path, tmp_path / "data.jsonl", parallel={"cuda_graphs": True})
+    with pytest.raises(ConfigError) as refused:
+        check_kernels(graphs, torch.device("cuda"), gpt_oss, 1)
+    assert refused.value.lines == [
+        "parallel.cuda_graphs: true needs data.packing where model.attn_implementation is flex_attention; set "
+        "parallel.cuda_graphs: auto or false"
+    ]
