@@ -294,24 +294,13 @@ def sdpa_key_values(layer: torch.nn.Module, model_config: PretrainedConfig, max_
     key/value heads); a single key/value head is repeated as a view of itself (an expand): nothing more. With a mask or
     heads wider than 256, sdpa runs its memory-efficient kernel (on CPU, its one kernel), which writes its output token
     by token: the output projection's contiguous input is that output, not a copy."""
-    attention = next(
-        (
-            module
-            for module in layer.modules()
-            if all(hasattr(module, name) for name in ("num_key_value_groups", "head_dim"))
-        ),
-        None,
-    )
+    attention = attention_module(layer)
     if attention is None or model_config._attn_implementation != "sdpa":
         return 0, False, False
     window = getattr(attention, "sliding_window", None)
     masked = bool(window) and window < max_length
     token_major = masked or attention.head_dim > 256
-    groups = attention.num_key_value_groups
-    width = model_config.get_text_config().num_attention_heads * attention.head_dim
-    if groups <= 1 or not token_major or width // groups == attention.head_dim:
-        return 0, masked, token_major
-    return 2 * (width - width // groups), masked, token_major
+    return (repeated_key_values(attention, model_config) if token_major else 0), masked, token_major
 
 
 def eager_attention(layer: torch.nn.Module, model_config: PretrainedConfig, max_length: int) -> tuple[int, int]:
@@ -321,7 +310,15 @@ def eager_attention(layer: torch.nn.Module, model_config: PretrainedConfig, max_
     ``repeat_kv`` copies fewer key/value heads to the query heads (2(q - kv) more; a single one is a view of itself),
     and the scores are a heads x S x S product of each sequence: heads x S elements a token, kept twice
     (``plan.memory.layer_token_bytes`` says in which dtypes)."""
-    attention = next(
+    attention = attention_module(layer)
+    if attention is None or model_config._attn_implementation != "eager":
+        return 0, 0
+    return repeated_key_values(attention, model_config), model_config.get_text_config().num_attention_heads * max_length
+
+
+def attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """``layer``'s attention module as transformers writes it (its key/value groups and head size), if it has one."""
+    return next(
         (
             module
             for module in layer.modules()
@@ -329,12 +326,17 @@ def eager_attention(layer: torch.nn.Module, model_config: PretrainedConfig, max_
         ),
         None,
     )
-    if attention is None or model_config._attn_implementation != "eager":
-        return 0, 0
+
+
+def repeated_key_values(attention: torch.nn.Module, model_config: PretrainedConfig) -> int:
+    """Elements per token ``repeat_kv`` adds where it copies ``attention``'s key and value heads to its query heads:
+    2(q - kv) for fewer key/value heads than query heads, nothing for as many, nor for a single one (repeated as a view
+    of itself, an expand)."""
     heads = model_config.get_text_config().num_attention_heads
     groups = attention.num_key_value_groups
-    repeated = 0 if groups <= 1 or heads == groups else 2 * (heads - heads // groups) * attention.head_dim
-    return repeated, heads * max_length
+    if groups <= 1 or heads == groups:
+        return 0
+    return 2 * (heads - heads // groups) * attention.head_dim
 
 
 def post_norms(layer: torch.nn.Module) -> int:
