@@ -51,7 +51,9 @@
 # LoRA-attention runs with both float8 options, -float8; BENCH_ONLY: run names), gptoss-glu (gpt-oss-20b, LoRA on
 # attention + routed experts, then on attention, no baseline: GPT-OSS's clamped GLU keeping only its gate/up output),
 # gptoss-padded (gpt-oss-20b without packing: FlexAttention, then eager attention, its scores recomputed where they do
-# not fit; BENCH_ONLY: run names). Each run's bench.json (and profile report, where one is taken) is copied to
+# not fit; BENCH_ONLY: run names), gemma-dense (Gemma 2 9B, which has no sdpa, on FlexAttention with padded rows and
+# with packed rows, and Gemma 3 12B's text model on sdpa: LoRA, the default config, no baseline; BENCH_ONLY: run
+# names). Each run's bench.json (and profile report, where one is taken) is copied to
 # RESULTS_DIR/<run>.json; a run that fails is logged and the suite goes on.
 set -uo pipefail
 suite=$1
@@ -724,6 +726,16 @@ gptoss-padded)
     bench gptoss-padded --shape gpt-oss-20b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false "${extra[@]}"
     bench gptoss-eager --shape gpt-oss-20b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false \
         model.attn_implementation=eager "${extra[@]}"
+    ;;
+gemma-dense)
+    # Dense Gemma: Gemma 2's capped attention scores have no sdpa, so training on a GPU takes FlexAttention, with
+    # transformers' mask of padded rows (gemma2-9b-padded) or shardtune's of packed rows (gemma2-9b-packed); Gemma 3
+    # (no capped scores) takes sdpa with padded rows (gemma3-12b-padded). The peaks are the planner's rows.
+    read -ra extra <<<"${BENCH_OVERRIDES:-}"
+    bench gemma2-9b-padded --shape gemma2-9b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false "${extra[@]}"
+    bench gemma2-9b-packed --shape gemma2-9b --seq 4096 --batch 2 --steps 4 --warmup 2 "${extra[@]}"
+    bench gemma3-12b-padded --shape gemma3-12b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false \
+        "${extra[@]}"
     ;;
 last-moe)
     # The last MoE architectures put on the fused block, against HF + PEFT in the same run, LoRA on attention, then on

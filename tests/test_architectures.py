@@ -84,11 +84,55 @@ def test_auto_attention_is_one_the_architecture_runs(tmp_path, alpaca_file):
     assert supported_attention(gemma2, "auto", "sdpa", GPU_TRAINING_FALLBACKS) == "flex_attention"
     with pytest.raises(ConfigError) as error:
         supported_attention(gemma2, "sdpa", "sdpa")
-    assert error.value.lines == ["model.attn_implementation: Gemma2ForCausalLM does not run sdpa; set it to auto"]
+    assert error.value.lines == [
+        "model.attn_implementation: Gemma2ForCausalLM does not run sdpa with capped attention scores "
+        "(attn_logit_softcapping: 50.0); set it to auto"
+    ]
     model_dir = write_tiny_model(tmp_path / "gemma2", "gemma2")
     config = make_config(tmp_path, alpaca_file, model={"name_or_path": str(model_dir), "init": "random"})
     model = build_model(config, torch.device("cpu"), training=True)
     assert model.get_base_model().config._attn_implementation == "eager"
+
+
+def test_capped_attention_scores_never_take_sdpa(tmp_path, alpaca_file, monkeypatch):
+    """sdpa's kernels have no cap on the attention scores. transformers 5.17 marks Gemma 2 as running sdpa all the
+    same (``_supports_sdpa``, set here as it has it) and drops the cap without a word; later versions mark it as not
+    running sdpa and raise where the cap reaches sdpa. Gemma 2 takes FlexAttention in training on a GPU and eager
+    attention on a CPU whatever its class says, and trains the capped model: its logits are eager attention's with
+    the cap, not without."""
+    from transformers import Gemma2ForCausalLM
+
+    monkeypatch.setattr(Gemma2ForCausalLM, "_supports_sdpa", True)
+    capped = tiny_config("gemma2")
+    capped.attn_logit_softcapping = 0.01  # small enough to change the scores of tiny random weights
+    assert supported_attention(capped, "auto", "sdpa") == "eager"
+    assert supported_attention(capped, "auto", "sdpa", GPU_TRAINING_FALLBACKS) == "flex_attention"
+    with pytest.raises(ConfigError) as error:
+        supported_attention(capped, "sdpa", "sdpa")
+    assert error.value.lines == [
+        "model.attn_implementation: Gemma2ForCausalLM does not run sdpa with capped attention scores "
+        "(attn_logit_softcapping: 0.01); set it to auto"
+    ]
+    model_dir = write_tiny_model(tmp_path / "gemma2", "gemma2")
+    capped.save_pretrained(model_dir)
+    config = make_config(tmp_path, alpaca_file, model={"name_or_path": str(model_dir), "init": "random"})
+    built = build_model(config, torch.device("cpu"), training=True).get_base_model().eval()
+    assert built.config._attn_implementation == "eager"
+    # the base weights under LoRA's layers (its B factors start at zero: the same function)
+    base = {key.replace(".base_layer", ""): value for key, value in built.state_dict().items() if "lora_" not in key}
+    ids = torch.randint(4, 1000, (2, 24))
+    logits = {}
+    for name, cap in (("capped", 0.01), ("uncapped", None)):
+        reference = AutoModelForCausalLM.from_config(capped, attn_implementation="eager").eval()
+        reference.load_state_dict(base)
+        for layer in reference.model.layers:
+            layer.self_attn.attn_logit_softcapping = cap
+        with torch.no_grad():
+            logits[name] = reference(input_ids=ids).logits
+    with torch.no_grad():
+        trained = built(input_ids=ids).logits
+    torch.testing.assert_close(trained, logits["capped"])
+    assert (trained - logits["uncapped"]).abs().max() > 1e-3
 
 
 @pytest.mark.gpu

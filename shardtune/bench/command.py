@@ -214,7 +214,7 @@ def bench_config(
     targets = args.lora_targets if args.lora_targets in (None, "all-linear") else args.lora_targets.split(",")
     return {
         # Synthetic sequences are one document each: plain causal attention, sdpa's fastest kernel, where the
-        # architecture runs it (GPT-OSS's sinks: auto, FlexAttention on a GPU).
+        # architecture runs it (GPT-OSS's sinks and Gemma 2's capped scores: auto, FlexAttention on a GPU).
         "model": {"name_or_path": str(model_dir), "init": "random", "dtype": "auto",
                   "attn_implementation": "sdpa" if args.data == "synthetic" and attention_runs(model_config, "sdpa")
                   else "auto",

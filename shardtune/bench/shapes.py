@@ -219,6 +219,31 @@ SHAPES = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "tie_word_embeddings": False,
         },
     ),
+    # google/gemma-2-9b: 42 layers, sliding-window (4,096) and full attention alternating, the attention scores and
+    # the logits capped by tanh (at 50 and 30): no sdpa, so training on a GPU takes FlexAttention; 9.2B parameters
+    # (tied embeddings).
+    "gemma2-9b": (
+        "gemma2",
+        {
+            "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+            "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # google/gemma-3-12b-it's text model (its config.json's text_config): 48 layers, five of each six with
+    # sliding-window attention (1,024), the sixth full; qk-norm, no capped scores or logits; 11.8B parameters (tied
+    # embeddings; its linear rope scaling for 128k positions left out: it changes no shape).
+    "gemma3-12b": (
+        "gemma3_text",
+        {
+            "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+            "sliding_window": 1024, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        },
+    ),
     # Tiny stand-ins to try the benchmarks on a CPU.
     "llama-tiny": (
         "llama",
@@ -270,6 +295,8 @@ HUB_SHAPES = {
     "jetmoe/jetmoe-8b": ("jetmoe-8b", {}),
     "databricks/dbrx-base": ("dbrx", {}),
     "databricks/dbrx-instruct": ("dbrx", {}),
+    "google/gemma-2-9b": ("gemma2-9b", {}),
+    "google/gemma-2-9b-it": ("gemma2-9b", {}),
 }
 
 

@@ -133,17 +133,32 @@ def supported_attention(
         return chosen
     if requested != "auto":
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
-        raise ConfigError(f"model.attn_implementation: {model_class.__name__} does not run {chosen}; set it to auto")
+        cap = attention_cap(model_config) if chosen == "sdpa" else None
+        capped = f" with capped attention scores (attn_logit_softcapping: {cap})" if cap is not None else ""
+        raise ConfigError(
+            f"model.attn_implementation: {model_class.__name__} does not run {chosen}{capped}; set it to auto"
+        )
     return next(name for name in fallbacks if attention_runs(model_config, name))
 
 
 def attention_runs(model_config: PretrainedConfig, name: str) -> bool:
-    """Whether the architecture of ``model_config`` runs attention ``name`` (GPT-OSS has no sdpa: its sinks); remote
-    code is taken to (its own class says what it runs, at load time)."""
+    """Whether the architecture of ``model_config`` runs attention ``name`` (GPT-OSS has no sdpa: its sinks; nor has a
+    model whose attention scores are capped, ``attention_cap``); remote code is taken to (its own class says what it
+    runs, at load time)."""
+    if name == "sdpa" and attention_cap(model_config) is not None:
+        return False
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
     if model_class is None or name not in ATTENTION_SUPPORT:
         return True
     return bool(getattr(model_class, ATTENTION_SUPPORT[name], False))
+
+
+def attention_cap(model_config: PretrainedConfig) -> float | None:
+    """The cap tanh puts on the attention scores (Gemma 2's ``attn_logit_softcapping``: 50), which sdpa's kernels do
+    not apply. transformers 5.17 lets Gemma 2 take sdpa all the same and drops the cap without a word: the model
+    trained would not be the model (later versions mark Gemma 2 as having no sdpa, and raise for another model so
+    configured)."""
+    return getattr(model_config.get_text_config(), "attn_logit_softcapping", None)
 
 
 def check_experts_implementation(model_config: PretrainedConfig, requested: str | None) -> None:
