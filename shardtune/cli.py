@@ -170,7 +170,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     setup_logging(True)
     from shardtune.data.prepare import describe, prepare_dataset
     from shardtune.model.load import load_tokenizer
+    from shardtune.train.preflight import check_writable
 
+    # A cache that cannot be written is the one line train and doctor say (not mkdir's traceback), said first.
+    check_writable("data.cache_dir", config.data.resolved_cache_dir)
     data = prepare_dataset(config, load_tokenizer(config.model), timeout_s=config.data.prepare_timeout_s)
     print(f"token store: {data.store}")
     print(describe(data.summary))

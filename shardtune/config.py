@@ -12,8 +12,9 @@ import difflib
 import logging
 import os
 import re
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -561,6 +562,29 @@ class Config(_Section):
         return self
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (YAML requires keys to be unique), which
+    PyYAML reads as its last value: a second ``training:`` section dropped every key of the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}  # each key's first line
+        for key_node, _ in node.value:
+            # A merge (``<<: *defaults``) may be overridden by the keys beside it; a config has no key but a scalar.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in lines:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"duplicate key {key!r}, first on line {lines[key]}", problem_mark=key_node.start_mark
+                )
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The CONFIG file and ``section.key=value`` overrides every config-reading command takes."""
     parser.add_argument("config", help="YAML config file")
@@ -582,7 +606,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if len(path) < 2 or not all(path):
         raise ConfigError(f"override {text!r}: expected section.key=value, e.g. training.max_steps=10")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {dotted}: value {raw!r} is not valid YAML ({exc.problem})") from exc
     return path, value
@@ -608,6 +632,45 @@ def _fields_at(location: tuple[Any, ...]) -> list[str]:
             return []
         model = annotation
     return list(model.model_fields)
+
+
+def _union_tag_at(location: tuple[Any, ...]) -> int | None:
+    """Where pydantic put the name of one type of a key's union (``parallel.compile.bool``, ``....literal['auto']``,
+    one error per type the value is not) in an error's location, or None."""
+    model: type[BaseModel] = Config
+    for index, part in enumerate(location[:-1]):
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None) if field else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+            continue
+        return index + 1 if get_origin(annotation) in (Union, types.UnionType) else None
+    return None
+
+
+def _error_lines(errors: list[dict[str, Any]]) -> list[str]:
+    """One line per problem. A union key's value that is none of its types comes from pydantic as one error per
+    type, each at the key plus the type's name (which is no key): it is one line naming every type
+    (``parallel.compile: Input should be a valid boolean or 'auto' (got 'maybe')``), or, where the value has one
+    type's shape (a list with a number in it), that type's errors alone."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for number, error in enumerate(errors):
+        location = tuple(error["loc"])
+        tag = _union_tag_at(location)
+        # A union key's errors gather under it; any other error is a group of its own.
+        group = ("union", location[:tag]) if tag is not None else ("one", number)
+        loc = location[:tag] + location[tag + 1 :] if tag is not None else location
+        groups.setdefault(group, []).append({**error, "loc": loc})
+    lines = []
+    for (kind, key), group in groups.items():
+        inside = [error for error in group if len(error["loc"]) > len(key)] if kind == "union" else []
+        if kind == "one" or inside or len(group) == 1:
+            lines += [_format_error(error) for error in inside or group]
+            continue
+        # Each type's own words, without their detail ("a valid boolean, unable to interpret input").
+        expected = " or ".join(error["msg"].removeprefix("Input should be ").split(", ")[0] for error in group)
+        lines.append(f"{'.'.join(map(str, key))}: Input should be {expected} (got {group[0].get('input')!r})")
+    return lines
 
 
 def _format_error(error: dict[str, Any]) -> str:
@@ -689,7 +752,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_path
         line = raw[: exc.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}: not valid UTF-8 ({exc.reason}); save the config as UTF-8") from None
     try:
-        tree = yaml.safe_load(text) or {}
+        tree = _load_yaml(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -711,7 +774,7 @@ def _validated(tree: dict[str, Any], overrides: list[str]) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError([_format_error(error) for error in exc.errors()]) from None
+        raise ConfigError(_error_lines(exc.errors())) from None
 
 
 def with_overrides(config: Config, overrides: list[str]) -> Config:

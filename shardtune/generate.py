@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from shardtune.checkpoint.export import saved_run_config
 from shardtune.checkpoint.layout import is_checkpoint, what_to_name_in_a_run
 from shardtune.config import looks_local
-from shardtune.data.formats import render_generation_prompt
+from shardtune.data.formats import RowError, render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
 from shardtune.errors import InputError, first_line
 from shardtune.hub import not_cached_line, use_the_cache_if_the_hub_is_out_of_reach
@@ -120,7 +120,10 @@ def prompt_ids(
         raise InputError(f"--input: only alpaca-format models take an input; this one was trained on {format}")
     if system is not None and format != "messages":
         raise InputError(f"--system: a system prompt is for messages-format models; this one was trained on {format}")
-    rendered = render_generation_prompt(format, tokenizer, text, input_text, system)
+    try:
+        rendered = render_generation_prompt(format, tokenizer, text, input_text, system)
+    except RowError as error:  # a chat template that refuses a system turn (Gemma's), say
+        raise InputError(f"--system/--instruction: {error}") from None
     return ExampleTokenizer(tokenizer, max_length=10**9).encode_prompt(rendered)
 
 

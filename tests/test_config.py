@@ -85,6 +85,21 @@ def test_bad_values_name_the_key(seed_config: Path, override: str, message: str)
     assert error.value.lines[0].startswith(message), error.value.lines[0]
 
 
+def test_a_key_of_several_types_is_one_line_naming_them(seed_config: Path, capsys):
+    """Pydantic reports a union key once per type, at names such as ``parallel.compile.literal['auto']``."""
+    overrides = ["parallel.compile=maybe", "lora.target_modules=q_proj", "data.dataset_path="]
+    assert main(["train", str(seed_config), *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "shardtune: error: data.dataset_path: Input should be a valid string or a valid list (got None)",
+        "shardtune: error: lora.target_modules: Input should be a valid list or 'all-linear' (got 'q_proj')",
+        "shardtune: error: parallel.compile: Input should be a valid boolean or 'auto' (got 'maybe')",
+    ]
+    # A value with one type's shape: that type's problem alone.
+    with pytest.raises(ConfigError) as error:
+        load_config(seed_config, ["data.dataset_path=[rows.jsonl, 3]"])
+    assert error.value.lines == ["data.dataset_path.1: Input should be a valid string (got 3)"]
+
+
 def test_warmup_steps_and_ratio_conflict(seed_config: Path):
     with pytest.raises(ConfigError, match="training.warmup_steps: set either warmup_steps or warmup_ratio"):
         load_config(seed_config, ["training.warmup_steps=10", "training.warmup_ratio=0.1"])
@@ -133,6 +148,24 @@ def test_cli_rejects_malformed_yaml(tmp_path: Path, capsys):
     path.write_text("model:\n  name_or_path: [unclosed\n")
     assert main(["train", str(path)]) == 2
     assert f"{path}:" in capsys.readouterr().err
+
+
+def test_a_key_written_twice_is_refused_not_read_as_its_last_value(seed_config: Path, tmp_path: Path, capsys):
+    """PyYAML reads a second ``model:`` section as the only one: the first's keys were dropped without a word."""
+    text = seed_config.read_text()
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(text + "model:\n  dtype: float32\n")
+    first, again = text.splitlines().index("model:") + 1, len(text.splitlines()) + 1
+    assert main(["train", str(twice)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardtune: error: {twice}:{again}: not valid YAML (duplicate key 'model', first on line {first})"
+    ]
+    merged = tmp_path / "merged.yaml"  # the keys beside a merge override its keys: not a key written twice
+    merged.write_text(text.replace("lora:\n", "lora:\n  <<: {r: 8, lora_dropout: 0.1}\n"))
+    lora = load_config(merged).lora
+    assert (lora.r, lora.lora_dropout) == (16, 0.1)
+    with pytest.raises(ConfigError, match=r"override lora.target_modules: value .* \(duplicate key 'q', first on"):
+        load_config(seed_config, ["lora.target_modules={q: 1, q: 2}"])
 
 
 def test_a_config_that_is_a_directory_or_not_utf8_is_one_line(tmp_path: Path, capsys):

@@ -92,6 +92,24 @@ def test_the_generation_prompt_is_what_training_tokenized_before_the_answer(toke
         assert tokenizer.decode(prompt) == rendered_text
 
 
+def test_a_chat_template_that_refuses_the_system_turn_is_one_input_line(tokenizer):
+    """Gemma's template raises on a system turn: generate's prompt is then the one line training gives such a row,
+    not jinja's traceback."""
+    from shardtune.errors import InputError
+
+    strict = deepcopy(tokenizer)
+    strict.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(InputError) as error:
+        prompt_ids(strict, "messages", QUESTION, system=SYSTEM)
+    assert error.value.lines == [
+        "--system/--instruction: the tokenizer's chat template refuses this conversation (System role not supported)"
+    ]
+    assert strict.decode(prompt_ids(strict, "messages", QUESTION)) == QUESTION
+
+
 def final_dir(tmp_path: Path, format: str) -> Path:
     """A LoRA final/ as training writes it, saved for a run of ``format`` (its adapter starts at zero)."""
     from shardtune.checkpoint.export import save_final

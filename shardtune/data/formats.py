@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.data.alpaca import render_prompt
+from shardtune.errors import first_line
 
 # Used for messages when the tokenizer has no chat template. Each turn is
 # "<|role|>\n{content}\n"; an assistant turn's content is followed by EOS, so the model learns to stop.
@@ -62,8 +64,10 @@ REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "messages": ("messages",
 
 
 def _missing_field(name: str, row: dict) -> RowError:
-    """A field the format needs is not in the row; where the row has every field another format needs (a file of
-    messages read as alpaca, the usual slip), the line names that format."""
+    """A field the format needs is null or not in the row; where the row has every field another format needs (a file
+    of messages read as alpaca, the usual slip), the line names that format."""
+    if name in row:  # null: Parquet and hub datasets give every row every column, null where a row has no value
+        return RowError(f"field '{name}' is null")
     line = f"missing field '{name}' (fields: {sorted(row)})"
     fits = [form for form, fields in REQUIRED_FIELDS.items() if name not in fields and set(fields) <= row.keys()]
     if fits:
@@ -152,9 +156,15 @@ def render_messages(row: dict, tokenizer: PreTrainedTokenizerBase, train_on_prom
     return Rendered(segments, add_special_prefix=True)
 
 
-def _template_prompt(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> str:
-    """The template's text of ``messages`` followed by the opening of the assistant's reply."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _template_text(
+    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool = False
+) -> str:
+    """The template's text of a row's turns (and the opening of the assistant's reply). A template that refuses them
+    (``raise_exception``: "roles must alternate", "system role not supported") refuses this row, not the dataset."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as error:
+        raise RowError(f"the tokenizer's chat template refuses this conversation ({first_line(error)})") from None
 
 
 def _render_with_template(
@@ -166,19 +176,25 @@ def _render_with_template(
     the text the template emits for reply ``i`` (including its end-of-turn token), whatever the
     template's layout; this works for any template that renders conversations incrementally.
     """
+    if messages[0]["role"] == "assistant":
+        # Its reply's opening would be the template's text of no turn at all, which transformers refuses to render.
+        raise RowError(
+            "message 0: an assistant turn opens the conversation; with the tokenizer's chat template a reply needs a "
+            "system or user turn before it"
+        )
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _template_prompt(messages[:index], tokenizer)
-        after = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        before = _template_text(messages[:index], tokenizer, add_generation_prompt=True)
+        after = _template_text(messages[: index + 1], tokenizer)
         if not before.startswith(done) or not after.startswith(before):
             raise RowError("the tokenizer's chat template does not render this conversation incrementally")
         segments.append(Segment(before[len(done) :], train_on_prompt))
         segments.append(Segment(after[len(before) :], True))
         done = after
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = _template_text(messages, tokenizer)
     if full[len(done) :]:
         segments.append(Segment(full[len(done) :], train_on_prompt))
     return Rendered([segment for segment in segments if segment.text], add_special_prefix=False)
@@ -199,7 +215,8 @@ def render_generation_prompt(
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": text})
     if tokenizer.chat_template:
-        return Rendered([Segment(_template_prompt(messages, tokenizer), False)], add_special_prefix=False)
+        text = _template_text(messages, tokenizer, add_generation_prompt=True)
+        return Rendered([Segment(text, False)], add_special_prefix=False)
     segments = [Segment(_layout_turn(message), False) for message in messages]
     return Rendered([*segments, Segment(REPLY_HEADER, False)], add_special_prefix=True)
 

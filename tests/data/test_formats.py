@@ -128,6 +128,9 @@ def test_sharegpt_turns_are_read(tokenizer):
         ({"instruction": "x"}, "alpaca", "missing field 'output'"),
         ({"instruction": "x", "output": "  "}, "alpaca", "empty response in 'output'"),
         ({"instruction": 3, "output": "y"}, "alpaca", "field 'instruction' must be a string, got int"),
+        ({"instruction": None, "output": "y"}, "alpaca", "field 'instruction' is null"),
+        ({"messages": None}, "messages", "field 'messages' is null"),
+        ({"text": None}, "text", "field 'text' is null"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", "message 0: unknown role 'robot'"),
         (
             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
@@ -136,6 +139,12 @@ def test_sharegpt_turns_are_read(tokenizer):
         ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no assistant message"),
         ({"messages": "hi"}, "messages", "'messages' must be a non-empty list"),
+        (
+            {"messages": [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Hello."}]},
+            "messages",
+            "message 0: an assistant turn opens the conversation; with the tokenizer's chat template a reply needs a "
+            "system or user turn before it",
+        ),
         ({"body": "x"}, "text", "missing field 'text' (fields: ['body'])"),
         (
             {"messages": [{"role": "user", "content": "hi"}]},
@@ -160,6 +169,25 @@ def test_sharegpt_turns_are_read(tokenizer):
 def test_bad_rows_say_why(tokenizer, row, format, reason):
     with pytest.raises(RowError, match=re.escape(reason)):
         tokenize(tokenizer, row, format=format)
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_bad_row(tokenizer):
+    """Templates such as Mistral's raise on turns out of order; that row is bad, the dataset is not."""
+    strict = deepcopy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    with pytest.raises(RowError) as refused:
+        tokenize(strict, {"messages": twice}, format="messages")
+    assert str(refused.value) == (
+        "the tokenizer's chat template refuses this conversation "
+        "(Conversation roles must alternate user/assistant/user/assistant/...)"
+    )
+    example, _ = tokenize(strict, {"messages": CONVERSATION[1:3]}, format="messages")
+    assert tokenizer.decode([t for t in example.targets.tolist() if t != X]) == "1 plus 2 is 3."
 
 
 def test_truncate_or_drop_long_examples(tokenizer):

@@ -64,6 +64,18 @@ def test_unknown_role_in_messages_names_the_line(tmp_path, tokenizer):
         prepare_dataset(config, tokenizer)
 
 
+def test_a_null_value_is_named_null_not_missing(tmp_path, tokenizer):
+    """Parquet gives every row every column, null where a row has no value: the row has the field, it is null."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([GOOD[0], {**GOOD[1], "output": None}]), path)
+    with pytest.raises(DataError) as error:
+        prepare_dataset(make_config(tmp_path, path), tokenizer)
+    assert error.value.lines == [f"{path}:row 1: field 'output' is null (set data.on_bad_row: skip to skip such rows)"]
+
+
 def test_a_csv_file_trains_on_what_its_jsonl_twin_does(tmp_path, tokenizer, capsys):
     """The same rows as CSV (a spreadsheet's export: quotes, a comma and a line break in a field) and as JSONL give
     the same sequences; ``shardtune prepare`` reads the CSV from the command line."""
@@ -86,6 +98,20 @@ def test_a_csv_file_trains_on_what_its_jsonl_twin_does(tmp_path, tokenizer, caps
     overrides = [f"data.dataset_path={tmp_path / 'rows.csv'}", f"data.cache_dir={tmp_path / 'cache'}"]
     assert main(["prepare", str(config), *overrides, "data.eval_split_ratio=0"]) == 0
     assert f"{len(rows)} rows read; train: {len(rows)} examples kept" in capsys.readouterr().out
+
+
+def test_prepare_into_a_cache_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """The line train and doctor say of the same data.cache_dir, not mkdir's traceback; the file stays as it was."""
+    from shardtune.cli import main
+
+    cache = tmp_path / "cache"
+    cache.write_text("a file, not a directory\n")
+    assert main(["prepare", str(REPO / "examples/quickstart.yaml"), f"data.cache_dir={cache / 'tokens'}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardtune: error: data.cache_dir: cannot write {cache / 'tokens'} (Not a directory); set data.cache_dir to "
+        "a directory this user can create and write (on every node)"
+    ]
+    assert cache.read_text() == "a file, not a directory\n"
 
 
 def test_mixing_weights_and_several_sources(tmp_path, tokenizer):
