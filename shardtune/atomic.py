@@ -3,8 +3,10 @@ temporary name, then rename it over the target (a rename within a directory is a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -31,17 +33,37 @@ def write_atomic(path: Path, text: str, durable: bool = False) -> None:
 
 
 def replace_path(staging: Path, target: Path) -> None:
-    """Put the finished ``staging`` (a file or a directory) in ``target``'s place. A directory cannot be
-    renamed over a non-empty one: the old one is first renamed aside, and removed only once the new one
-    is in place, so at every moment ``target`` is the old or the new, whole."""
-    if target.is_dir() and not target.is_symlink():
-        aside = temporary_sibling(target, "old")
-        os.replace(target, aside)
-        try:
-            os.replace(staging, target)
-        except BaseException:
-            os.replace(aside, target)
-            raise
+    """Put the finished ``staging`` (a file or a directory) in ``target``'s place. A rename puts a file over a
+    file or a link, and a directory over nothing (or an empty directory) only: anything else at ``target`` (a
+    non-empty directory, or a file or link where a directory goes) is first renamed aside, and removed only once
+    the new one is in place, so at every moment ``target`` is the old or the new, whole."""
+    real_directory = target.is_dir() and not target.is_symlink()
+    if not os.path.lexists(target) or not (real_directory or staging.is_dir()):
+        os.replace(staging, target)
+        return
+    aside = temporary_sibling(target, "old")
+    os.replace(target, aside)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(aside, target)
+        raise
+    if real_directory:
         shutil.rmtree(aside, ignore_errors=True)
     else:
-        os.replace(staging, target)
+        aside.unlink()
+
+
+@contextlib.contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """A temporary sibling of ``target`` (not yet made) for the block to write a directory into. Once the block
+    completes, it replaces ``target`` (``replace_path``); on an error or Ctrl-C it is removed, and ``target``
+    is left as it was, with nothing half-written beside it."""
+    staging = temporary_sibling(target)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        yield staging
+        replace_path(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from shardtune.checkpoint.export import saved_run_config
 from shardtune.checkpoint.layout import is_checkpoint, what_to_name_in_a_run
+from shardtune.checkpoint.trained_weights import weight_files_problem
 from shardtune.config import looks_local
 from shardtune.data.formats import RowError, render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
@@ -25,13 +26,10 @@ from shardtune.hub import not_cached_line, use_the_cache_if_the_hub_is_out_of_re
 
 def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.nn.Module:
     """A ``final/`` directory as a model: PEFT adapter on its base model, or a full HF model."""
-    from shardtune.train.preflight import safetensors_problem
-
     model_dir = Path(model_dir)
-    for weights in sorted(model_dir.glob("*.safetensors")):
-        problem = safetensors_problem(weights)
-        if problem:
-            raise InputError(f"{weights} {problem}; export or copy it again")
+    problem = weight_files_problem(model_dir)
+    if problem:
+        raise InputError(problem)
     adapter_config = model_dir / "adapter_config.json"
     if adapter_config.is_file():
         from peft import PeftModel

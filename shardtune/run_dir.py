@@ -200,10 +200,12 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
 
 
-def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> None:
+def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
     """``--out`` of ``export`` and ``convert``: never one of the command's inputs, a checkpoint, a run
     directory, or a path inside any of them; an existing file or non-empty directory only with
-    ``--overwrite`` (the caller writes a sibling and swaps it in once complete)."""
+    ``--overwrite`` (the caller writes a sibling and swaps it in once complete). Returns the path to write:
+    ``out``, or where ``out`` leads when it is a link, which is what was checked (the link stays and shows the
+    new output; replacing the link itself would write beside a target it may point into)."""
     target = out.resolve()
     for source in (path.resolve() for path in inputs):
         overlap = (
@@ -224,6 +226,7 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> None:
     occupied = any(out.iterdir()) if out.is_dir() else out.exists()
     if occupied and not overwrite:
         raise InputError(f"--out {out}: already exists; choose another path, or pass --overwrite to replace it")
+    return target if out.is_symlink() else out
 
 
 def package_versions() -> dict[str, str]:

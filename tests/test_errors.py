@@ -104,6 +104,48 @@ def test_a_checkpoint_shard_damaged_in_place_is_one_line(tmp_path, saved_run):
     )
 
 
+def test_a_damaged_checkpoint_is_one_line_for_export_and_eval(tmp_path, saved_run):
+    """A shard cut short (its size differs from the manifest's) is named before any model is built; one damaged
+    in place fails DCP's read. Both were a traceback from deep inside DCP's reader."""
+    run = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    checkpoint = run / "checkpoint-2"
+    shard = checkpoint / "model" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    assert_one_line(
+        shardtune("eval", str(run / "config.yaml"), "--checkpoint", str(checkpoint)),
+        f"--checkpoint {checkpoint}: cannot be read: {shard} is {size // 2:,} bytes, but the manifest records "
+        f"{size:,} as written by rank 0 on {HOST}: it was truncated or changed after the save; copy it again from "
+        f"{HOST}, or use an earlier checkpoint",
+    )
+    shutil.copyfile(saved_run / "checkpoint-2" / "model" / "__0_0.distcp", shard)
+    with open(shard, "r+b") as handle:  # the size stays; the content is gone
+        handle.write(bytes(size // 2))
+    assert_one_line(
+        shardtune("export", str(checkpoint), "--out", str(tmp_path / "adapter")),
+        f"{checkpoint}: cannot export: {checkpoint / 'model'}: the shards do not read back (UnpicklingError on "
+        "rank 0): the checkpoint is damaged; use an earlier checkpoint",
+    )
+    assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "export"])
+def test_an_adapter_without_its_weights_file_is_one_line(tmp_path, saved_run, command):
+    """A final/ (or an export) copied without its adapter_model.safetensors: generate said the adapter "does not
+    fit" the base, citing a hub id check; eval and export --merge stopped with that check's traceback."""
+    final = Path(shutil.copytree(saved_run / "final", tmp_path / "final"))
+    (final / "adapter_model.safetensors").unlink()
+    arguments = {
+        "generate": ["generate", str(final), "--instruction", "Say hi."],
+        "eval": ["eval", str(saved_run / "config.yaml"), "--checkpoint", str(final)],
+        "export": ["export", str(final), "--merge", "--out", str(tmp_path / "merged")],
+    }[command]
+    assert_one_line(
+        shardtune(*arguments),
+        f"{final / 'adapter_model.safetensors'} is missing (its adapter_config.json is there); export or copy it again",
+    )
+
+
 def test_a_checkpoint_of_other_shapes_names_the_tensor(tmp_path, world):
     """Whatever lets a checkpoint of another lora.r reach the load, the load itself says what differs."""
     import torch.distributed.checkpoint as dcp

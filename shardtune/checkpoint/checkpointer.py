@@ -63,6 +63,7 @@ from shardtune.checkpoint.layout import (
 from shardtune.checkpoint.names import without_wrappers
 from shardtune.checkpoint.shards import (
     METADATA_FILE,
+    USE_EARLIER,
     NodeSavePlanner,
     ShardMismatch,
     ShardsReader,
@@ -527,7 +528,10 @@ def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> di
     viewed = expert_state_views(state, expert_state_names(model), alone)
     reader = ShardsReader(path / "model")
     manifest = json.loads((path / "manifest.json").read_text())
-    problems = describe_missing(path, "model", viewed, reader, manifest)
+    try:
+        problems = describe_missing(path, "model", viewed, reader, manifest)
+    except ShardMismatch as mismatch:  # its DCP metadata does not read
+        problems = [str(mismatch)]
     if problems:
         raise InputError(f"{path}: cannot {purpose}: {'; '.join(problems)}")
     try:
@@ -535,6 +539,8 @@ def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> di
             # DCP warns that no process group exists; reading every rank's shards in one process is the point.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(viewed, storage_reader=reader, no_dist=True)
+    except CheckpointException as error:  # a shard of the recorded size whose content does not read back
+        raise InputError(f"{path}: cannot {purpose}: {unreadable_shards(path, 'model', error, USE_EARLIER)}") from None
     except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
         problem = f"its tensors do not fit the config's model ({first_line(error)})"
         raise InputError(f"{path}: cannot {purpose}: {problem}") from None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import peft
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from shardtune.atomic import replace_path
+from shardtune.atomic import staged_directory
 from shardtune.config import Config, dump_config, load_config, looks_local
 
 
@@ -62,7 +60,8 @@ def save_final(
     state_dict: dict[str, torch.Tensor] | None = None,
     config: Config | None = None,
 ) -> None:
-    """Write the model and tokenizer under a temporary name, then rename: ``out_dir`` is never partial.
+    """Write the model and tokenizer under a temporary name, then rename: ``out_dir`` is never partial, and an
+    error or Ctrl-C leaves nothing half-written beside it.
 
     A LoRA model saves only its adapter (``adapter_model.safetensors`` + ``adapter_config.json``),
     whose ``base_model_name_or_path`` is absolute for a local base, so the adapter loads from any
@@ -73,35 +72,33 @@ def save_final(
     renders prompts in its data format, ``eval`` checks a config against it.
     """
     state_dict = state_dict if state_dict is not None else model.state_dict()
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    # Training turned the KV cache off; the exported model is for generation, which wants it.
-    use_cache, base.config.use_cache = base.config.use_cache, True
-    try:
-        if isinstance(model, peft.PeftModel):
-            with checkpoint_wrappers_removed(model):
-                model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
-            adapter_config_path = staging / "adapter_config.json"
-            adapter_config = json.loads(adapter_config_path.read_text())
-            base_name = adapter_config.get("base_model_name_or_path")
-            if base_name:
-                adapter_config["base_model_name_or_path"] = portable_model_name(base_name)
-            adapter_config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-        else:
-            state = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-            model.save_pretrained(staging, state_dict=state, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
-            # save_pretrained records the dtype of the fp32 master weights; record the saved one.
-            config_path = staging / "config.json"
-            saved_config = json.loads(config_path.read_text())
-            saved_config["dtype"] = str(dtype).removeprefix("torch.")
-            config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n")
-    finally:
-        base.config.use_cache = use_cache
-    tokenizer.save_pretrained(staging)
-    if config is not None:
-        write_run_config(staging, config, adapter=isinstance(model, peft.PeftModel))
-    replace_path(staging, out_dir)
+    with staged_directory(out_dir) as staging:
+        # Training turned the KV cache off; the exported model is for generation, which wants it.
+        use_cache, base.config.use_cache = base.config.use_cache, True
+        try:
+            if isinstance(model, peft.PeftModel):
+                with checkpoint_wrappers_removed(model):
+                    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+                adapter_config_path = staging / "adapter_config.json"
+                adapter_config = json.loads(adapter_config_path.read_text())
+                base_name = adapter_config.get("base_model_name_or_path")
+                if base_name:
+                    adapter_config["base_model_name_or_path"] = portable_model_name(base_name)
+                adapter_config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+            else:
+                state = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+                model.save_pretrained(staging, state_dict=state, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
+                # save_pretrained records the dtype of the fp32 master weights; record the saved one.
+                config_path = staging / "config.json"
+                saved_config = json.loads(config_path.read_text())
+                saved_config["dtype"] = str(dtype).removeprefix("torch.")
+                config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n")
+        finally:
+            base.config.use_cache = use_cache
+        tokenizer.save_pretrained(staging)
+        if config is not None:
+            write_run_config(staging, config, adapter=isinstance(model, peft.PeftModel))
 
 
 def write_run_config(directory: Path, config: Config, adapter: bool) -> None:

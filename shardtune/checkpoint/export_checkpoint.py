@@ -37,7 +37,7 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     if config is None:
         raise InputError(f"{checkpoint}: no config.yaml in it or in its run directory names the model it adapts")
     base = Path(config.model.name_or_path)
-    check_output_path(out, [checkpoint, *([base] if base.exists() else [])], overwrite)
+    out = check_output_path(out, [checkpoint, *([base] if base.exists() else [])], overwrite)
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
     # Built as training builds it, on the CPU; the checkpoint supplies the trained weights.
     cpu = torch.device("cpu")

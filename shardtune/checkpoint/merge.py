@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from shardtune.atomic import replace_path, temporary_sibling
+from shardtune.atomic import staged_directory
 from shardtune.checkpoint.checkpointer import without_wrappers
 from shardtune.checkpoint.export import MAX_SHARD_SIZE, write_run_config
 from shardtune.config import Config, ModelConfig, looks_local
@@ -268,10 +268,8 @@ def save_merged(
     state = state_dict if state_dict is not None else model.state_dict()
     deltas = lora_deltas(model)
     base = model.get_base_model()
-    staging = temporary_sibling(out_dir)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged_directory(out_dir) as staging:
+        staging.mkdir(parents=True)
         random_init = config.model.init == "random"
         if random_init:
             base_dir = save_random_base(model, state, deltas, staging / ".base")
@@ -292,8 +290,4 @@ def save_merged(
         write_run_config(staging, config, adapter=False)
         if random_init:
             shutil.rmtree(base_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    replace_path(staging, out_dir)
     return sum(path.stat().st_size for path in out_dir.rglob("*") if path.is_file())

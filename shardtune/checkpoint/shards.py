@@ -33,6 +33,9 @@ from torch.distributed.tensor import DTensor
 from shardtune.errors import first_line
 
 METADATA_FILE = ".metadata"
+# What a damaged checkpoint leaves to do: a training run, and ``export`` and ``eval``.
+RESUME_EARLIER = "resume from an earlier checkpoint"
+USE_EARLIER = "use an earlier checkpoint"
 
 
 class NodeSavePlanner(DefaultSavePlanner):
@@ -151,10 +154,11 @@ def _check_shapes(state_dict: dict[str, Any], metadata: Metadata) -> None:
         raise ShardMismatch(f"{len(differing)} tensor(s) differ in shape: {differing[0]}{more}{ANOTHER_CONFIG}")
 
 
-def resized_files(checkpoint: Path, manifest: dict[str, Any]) -> list[str]:
+def resized_files(checkpoint: Path, manifest: dict[str, Any], instead: str = RESUME_EARLIER) -> list[str]:
     """The files the manifest lists whose size here differs from the size recorded when they were written
     (a truncated copy, a disk that lost its tail): each named with the rank and host that wrote it. Read
-    before anything is loaded; a file absent here is ``missing_shards``' concern."""
+    before anything is loaded; a file absent here is ``missing_shards``' concern. ``instead``: what else the
+    user may do, after copying the file again."""
     problems = []
     for rank, entries in manifest["files"].items():
         for entry in entries:
@@ -163,23 +167,21 @@ def resized_files(checkpoint: Path, manifest: dict[str, Any]) -> list[str]:
                 problems.append(
                     f"{file} is {size:,} bytes, but the manifest records {entry['bytes']:,} as written by rank {rank} "
                     f"on {entry['host']}: it was truncated or changed after the save; copy it again from "
-                    f"{entry['host']}, or resume from an earlier checkpoint"
+                    f"{entry['host']}, or {instead}"
                 )
     return problems
 
 
-def unreadable_shards(checkpoint: Path, kind: str, error: BaseException) -> str:
-    """One line for a DCP load that failed on some rank (a shard whose content is damaged)."""
+def unreadable_shards(checkpoint: Path, kind: str, error: BaseException, instead: str = RESUME_EARLIER) -> str:
+    """One line for a DCP load that failed on some rank (a shard whose content is damaged); ``instead``: what the
+    user may do."""
     # The causes' own words are about unpickling and tensor formats; the kind of error and where suffice.
     failures = getattr(error, "failures", None) or {0: (error, None)}
     ranks: dict[str, list[str]] = {}
     for rank, (failure, _) in sorted(failures.items()):
         ranks.setdefault(type(failure).__name__, []).append(str(rank))
     cause = ", ".join(f"{name} on rank {', '.join(found)}" for name, found in ranks.items())
-    return (
-        f"{checkpoint / kind}: the shards do not read back ({cause}): the checkpoint is damaged; resume from an "
-        "earlier checkpoint"
-    )
+    return f"{checkpoint / kind}: the shards do not read back ({cause}): the checkpoint is damaged; {instead}"
 
 
 def merge_rank_problems(problems: list[list[str]]) -> list[str]:

@@ -14,8 +14,12 @@ import torch
 from shardtune.checkpoint.checkpointer import read_trainable_shards, read_trainable_state, trainable_state_dict
 from shardtune.checkpoint.export import saved_run_config
 from shardtune.checkpoint.layout import checkpoint_step, not_a_checkpoint, read_step, what_to_name_in_a_run
+from shardtune.checkpoint.shards import USE_EARLIER, resized_files
 from shardtune.config import Config, load_config
 from shardtune.errors import InputError, first_line
+
+# PEFT's names for an adapter's weights file: safetensors, or the older pickle.
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,10 @@ def find_trained_weights(path: Path, argument: str = "--checkpoint") -> TrainedW
         problem = not_a_checkpoint(path)
         if problem:
             raise InputError(f"{named} {problem}")
+        # Before any model is built: a shard cut short would fail deep inside DCP's reader.
+        resized = resized_files(path, json.loads((path / "manifest.json").read_text()), USE_EARLIER)
+        if resized:
+            raise InputError(f"{named}: cannot be read: {'; '.join(resized)}")
         return TrainedWeights(path, "checkpoint", read_step(path), load_config(path / "config.yaml", check_paths=False))
     if (path / "adapter_config.json").is_file():
         kind = "adapter"
@@ -50,7 +58,25 @@ def find_trained_weights(path: Path, argument: str = "--checkpoint") -> TrainedW
             f"{named}: neither a checkpoint (manifest.json) nor a final/ directory (adapter_config.json or config.json)"
             + what_to_name_in_a_run(path, checkpoints_too=True)
         )
+    problem = weight_files_problem(path)
+    if problem:
+        raise InputError(problem)
     return TrainedWeights(path, kind, _final_step(path), saved_run_config(path))
+
+
+def weight_files_problem(path: Path) -> str | None:
+    """Why the weights of a ``final/`` directory or an export at ``path`` do not read whole, or None: an adapter
+    config without its weights file, or a safetensors file cut short (an interrupted copy). Reads headers only,
+    before any model is built."""
+    from shardtune.train.preflight import safetensors_problem
+
+    if (path / "adapter_config.json").is_file() and not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
+        return f"{path / ADAPTER_WEIGHTS[0]} is missing (its adapter_config.json is there); export or copy it again"
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            return f"{weights} {problem}; export or copy it again"
+    return None
 
 
 def _final_step(path: Path) -> int | None:

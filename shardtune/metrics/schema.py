@@ -192,14 +192,12 @@ def read_rows(path: Path, what: str, needs_layers: bool = False) -> list[dict[st
     """The rows of a JSONL log, each checked for what every reader relies on: a JSON object with an
     integer ``step`` (and, with ``needs_layers``, per-layer expert ``counts``). Other fields are not
     checked, so a plot of a run written by an older schema still draws what it has. A bad line raises
-    ``InputError`` naming the file, the line and ``what`` was expected there."""
-    return parse_rows(path.read_text(), path, what, needs_layers)
-
-
-def parse_rows(text: str, path: Path, what: str, needs_layers: bool = False) -> list[dict[str, Any]]:
-    """``read_rows`` of a log's ``text``, already read from ``path``."""
+    ``InputError`` naming the file, the line and ``what`` was expected there. Every row is written with its
+    newline, so a last line without one was cut short by a kill in mid-write (a crashed run), or is being
+    written now: it is left out, and the rows before it read."""
+    text = path.read_text()
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text[: text.rfind("\n") + 1].splitlines(), start=1):
         if not line.strip():
             continue
         try:

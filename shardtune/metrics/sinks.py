@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from shardtune.config import Config
 from shardtune.errors import ConfigError, first_line
-from shardtune.metrics.schema import LOG_FILES, is_number, make_row, parse_rows
+from shardtune.metrics.schema import LOG_FILES, is_number, make_row, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -18,13 +18,6 @@ class MetricSink(Protocol):
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _complete_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a log file. Every record is written with its newline, so a last line without one was
-    cut short by a kill in mid-write: it is left out (its step is past any checkpoint)."""
-    text = path.read_text()
-    return parse_rows(text[: text.rfind("\n") + 1], path, "a log row")
 
 
 class JsonlSink:
@@ -39,8 +32,11 @@ class JsonlSink:
         for name in LOG_FILES.values():
             path = logs_dir / name
             if path.is_file():
-                # Afresh, nothing is kept and the old rows are not even read.
-                kept = [row for row in _complete_rows(path) if row["step"] <= resume_step] if resume_step else []
+                # Afresh, nothing is kept and the old rows are not even read. A last line cut short by a kill in
+                # mid-write is left out by read_rows: its step is past any checkpoint.
+                kept = (
+                    [row for row in read_rows(path, "a log row") if row["step"] <= resume_step] if resume_step else []
+                )
                 path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         # Each file stays open for the whole run (closed by close()) once it has a first record.
         self.files: dict[str, Any] = {}

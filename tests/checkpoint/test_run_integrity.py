@@ -385,6 +385,30 @@ def test_a_failed_export_over_an_old_one_leaves_the_old_one(runs, tmp_path, monk
     with pytest.raises(OSError, match="No space left"):
         main(["export", str(runs["resumed"] / "checkpoint-6"), "--out", str(adapter), "--overwrite"])
     assert sorted(p.name for p in adapter.iterdir()) == ["old.txt"]
+    # Nor is the half-written export left beside it (a Ctrl-C mid-save ends the same way).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_export_over_a_file_or_a_link_with_overwrite(runs, tmp_path, capsys):
+    """--overwrite replaces a file at --out with the export's directory, and writes through a link (the checks
+    look where it leads): the link stays and shows the export. Both were a traceback, the half-written export
+    left beside them."""
+    from shardtune.cli import main
+
+    checkpoint = runs["resumed"] / "checkpoint-6"
+    file, target, dangling_target = tmp_path / "adapter.txt", tmp_path / "v1", tmp_path / "v2"
+    file.write_text("old\n")
+    target.mkdir()
+    (target / "old.txt").write_text("old\n")
+    (tmp_path / "latest").symlink_to(target)
+    (tmp_path / "next").symlink_to(dangling_target)
+    final = sorted(p.name for p in (runs["resumed"] / "final").iterdir())  # what an adapter export holds
+    for out, written in [(file, file), (tmp_path / "latest", target), (tmp_path / "next", dangling_target)]:
+        assert main(["export", str(checkpoint), "--out", str(out), "--overwrite"]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.strip().endswith(f" in {written}")
+        assert sorted(p.name for p in written.iterdir()) == final
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "next").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter.txt", "latest", "next", "v1", "v2"]
 
 
 @pytest.mark.variants

@@ -81,3 +81,19 @@ def test_bad_input(runs, tmp_path, capsys):
     (tmp_path / "logs/train_log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"loss": \n')
     assert main(["plot", str(tmp_path)]) == 2
     assert f"{tmp_path}/logs/train_log.jsonl:2: not a log row" in capsys.readouterr().err
+
+
+def test_a_crashed_runs_last_line_cut_short_is_left_out(runs, tmp_path, capsys):
+    """A kill in mid-write leaves a log's last line without its newline: plot and expert-usage draw the rows
+    before it, as a resume keeps them, instead of refusing the crashed run."""
+    import shutil
+
+    run = shutil.copytree(runs["moe"], tmp_path / "crashed")
+    for name in ("train_log.jsonl", "expert_usage.jsonl"):
+        log = run / "logs" / name
+        log.write_text(log.read_text() + '{"schema_version": 1, "step": 4, "lo')
+    assert main(["plot", str(run)]) == 0
+    assert f"wrote {run / 'plots' / 'loss.png'}" in capsys.readouterr().out
+    assert main(["expert-usage", str(run)]) == 0
+    printed = capsys.readouterr()
+    assert f"wrote {run / 'expert_usage.png'}" in printed.out and printed.err == ""
