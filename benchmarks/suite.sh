@@ -83,6 +83,9 @@ bench() {  # NAME ARGS...: one `shardtune bench` run into $work/NAME; fails when
             fi
         fi
         tail -n 6 "$work/$name.out"
+        # Whether the layers were replayed as CUDA graphs, given up or failed to capture (a capture in the measured steps
+        # costs them its time).
+        grep -h "cuda graphs" "$work/$name.out" "$work/$name/shardtune.log" 2>/dev/null | sort -u | head -n 4
         # With TORCH_LOGS=recompiles: how often a compiled layer met a shape it had not seen.
         echo "recompilations: $(grep -c 'Recompiling function' "$work/$name.out")"
     else
@@ -733,7 +736,7 @@ gemma-dense)
     # (no capped scores) takes sdpa with padded rows (gemma3-12b-padded). The peaks are the planner's rows.
     read -ra extra <<<"${BENCH_OVERRIDES:-}"
     bench gemma2-9b-padded --shape gemma2-9b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false "${extra[@]}"
-    bench gemma2-9b-packed --shape gemma2-9b --seq 4096 --batch 2 --steps 4 --warmup 2 "${extra[@]}"
+    bench gemma2-9b-packed --shape gemma2-9b --seq 4096 --batch 2 --steps 4 --warmup 3 "${extra[@]}"
     bench gemma3-12b-padded --shape gemma3-12b --seq 4096 --batch 2 --steps 4 --warmup 2 data.packing=false \
         "${extra[@]}"
     ;;
