@@ -70,28 +70,20 @@ def test_flop_count_is_what_a_forward_pass_computes(arch):
     assert token_flops(adapted, sequence, 1).matmul_params == flops.matmul_params
 
 
-def test_auto_attention_is_one_the_architecture_runs(tmp_path, alpaca_file):
+def test_auto_attention_is_one_the_architecture_runs():
     """``auto`` picks training's kernel where the architecture has it, else sdpa, else eager; a kernel the
     user named and the architecture lacks is one config line (train and doctor build through the same)."""
-    gemma2, gpt2, llama = (tiny_config(arch) for arch in ("gemma2", "gpt2", "llama"))
+    gpt2, llama = (tiny_config(arch) for arch in ("gpt2", "llama"))
     assert supported_attention(llama, "auto", "flex_attention") == "flex_attention"
     assert supported_attention(gpt2, "auto", "flex_attention") == "sdpa"  # GPT-2 has no FlexAttention
-    assert supported_attention(gemma2, "auto", "sdpa") == "eager"  # Gemma-2 has no sdpa
-    # In training on a GPU, FlexAttention before eager: GPT-OSS (no sdpa: its sinks) outside packed rows
+    # In training on a GPU, FlexAttention before eager: GPT-OSS (no sdpa: its sinks) outside packed rows; Gemma 2
+    # (no sdpa: its capped scores) in test_capped_attention_scores_never_take_sdpa
     gpt_oss = tiny_config("gpt_oss")
     assert supported_attention(gpt_oss, "auto", "sdpa") == "eager"
     assert supported_attention(gpt_oss, "auto", "sdpa", GPU_TRAINING_FALLBACKS) == "flex_attention"
-    assert supported_attention(gemma2, "auto", "sdpa", GPU_TRAINING_FALLBACKS) == "flex_attention"
     with pytest.raises(ConfigError) as error:
-        supported_attention(gemma2, "sdpa", "sdpa")
-    assert error.value.lines == [
-        "model.attn_implementation: Gemma2ForCausalLM does not run sdpa with capped attention scores "
-        "(attn_logit_softcapping: 50.0); set it to auto"
-    ]
-    model_dir = write_tiny_model(tmp_path / "gemma2", "gemma2")
-    config = make_config(tmp_path, alpaca_file, model={"name_or_path": str(model_dir), "init": "random"})
-    model = build_model(config, torch.device("cpu"), training=True)
-    assert model.get_base_model().config._attn_implementation == "eager"
+        supported_attention(gpt_oss, "sdpa", "sdpa")
+    assert error.value.lines == ["model.attn_implementation: GptOssForCausalLM does not run sdpa; set it to auto"]
 
 
 def test_capped_attention_scores_never_take_sdpa(tmp_path, alpaca_file, monkeypatch):
