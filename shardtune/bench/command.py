@@ -26,7 +26,7 @@ from shardtune.bench.data import (
     write_alpaca_like_data,
     write_synthetic_data,
 )
-from shardtune.config import Routing, add_override_arguments
+from shardtune.config import Routing, add_override_arguments, load_config
 from shardtune.errors import InputError
 
 
@@ -120,6 +120,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config_path = out / "config.yaml"
     config = bench_config(args, out, model_dir, data_path, data_format, model_config)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    # The overrides are the train command's: a mistake in one is its one line now, not a failed run's log after it.
+    load_config(config_path, args.overrides, check_paths=False)
 
     results = {
         "shape": args.shape,

@@ -318,6 +318,7 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
         model_type, values = SHAPES[name]
         values = {**values, **overrides}
         if layers:
+            check_layers_kept(name, AutoConfig.for_model(model_type, **values), layers)
             values["num_hidden_layers"] = layers
             if "layer_types" in values:  # the attention kinds of a hybrid model follow the layers kept
                 values["layer_types"] = values["layer_types"][:layers]
@@ -328,6 +329,7 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
         for key, value in overrides.items():
             setattr(config, key, value)
         if layers is not None:
+            check_layers_kept(name, config, layers)
             text = config.get_text_config()
             text.num_hidden_layers = layers
             # Per-layer lists (attention kinds of hybrid models) follow the layers kept.
@@ -338,3 +340,11 @@ def shape_config(name: str, layers: int | None = None, **overrides) -> Pretraine
         f"--shape {name}: neither a named shape ({', '.join(SHAPES)}), a hub id of one, nor a config.json or "
         "model directory"
     )
+
+
+def check_layers_kept(name: str, config: PretrainedConfig, layers: int) -> None:
+    """``--layers`` keeps the first that many decoder layers: more than the model has would build a model of
+    another shape (repeating no real layer), not a cut of this one."""
+    have = config.get_text_config().num_hidden_layers
+    if layers > have:
+        raise InputError(f"--layers {layers}: {name} has {have} decoder layers; --layers keeps the first N of them")

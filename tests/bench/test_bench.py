@@ -173,6 +173,16 @@ def test_bench_bad_input(tmp_path, capsys):
         f"--data {tmp_path / 'none.jsonl'}: neither synthetic, alpaca-like nor an existing file"
         in capsys.readouterr().err
     )
+    # --layers keeps the first N: more than the shape has is one line, nothing written
+    assert main(["bench", "--shape", "llama-tiny", "--layers", "3", "--out", str(tmp_path / "more")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "shardtune: error: --layers 3: llama-tiny has 2 decoder layers; --layers keeps the first N of them"
+    ]
+    assert not (tmp_path / "more").exists()
+    # A mistake in an override of the train command is its one line, before any run starts
+    assert main(["bench", "--shape", "llama-tiny", "training.bogus=1", "--out", str(tmp_path / "bogus")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["shardtune: error: training.bogus: unknown key"]
+    assert not (tmp_path / "bogus" / "shardtune.log").exists()
 
 
 @pytest.mark.variants
