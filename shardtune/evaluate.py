@@ -21,7 +21,7 @@ from shardtune.config import Config, looks_local
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError, DataError, InputError
 from shardtune.metrics.progress import EvalProgress
-from shardtune.run_dir import write_atomic
+from shardtune.run_dir import check_output_path, write_atomic
 
 log = logging.getLogger("shardtune")
 
@@ -87,12 +87,17 @@ def check_weights_match(weights: TrainedWeights, config: Config, config_path: st
         )
 
 
-def result_path(weights: TrainedWeights, out: str | None, overwrite: bool) -> Path:
-    """Where the JSON result goes; an existing file is replaced only with ``--overwrite``."""
-    path = Path(out) if out else weights.path / "eval.json"
+def result_path(weights: TrainedWeights, out: str | None, overwrite: bool, inputs: list[Path]) -> Path:
+    """Where the JSON result goes; an existing file is replaced only with ``--overwrite``. The default,
+    ``eval.json`` beside the weights it describes, is eval's own file; any other ``--out`` is never one of the
+    command's ``inputs``, a checkpoint or a run's own file (``check_output_path``)."""
+    default = weights.path / "eval.json"
+    path = Path(out) if out else default
     if path.is_dir():
         raise InputError(f"--out {path}: is a directory; name a file")
-    if path.exists() and not overwrite:
+    if path.parent.resolve() / path.name != default.parent.resolve() / default.name:
+        path = check_output_path(path, inputs, overwrite)
+    elif path.exists() and not overwrite:
         raise InputError(f"{path} exists; pass --overwrite to replace it, or --out FILE to write elsewhere")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
@@ -140,7 +145,10 @@ def check_request(
         raise ConfigError(
             f"{config_path}: no eval data (data.eval_path or data.eval_split_ratio); pass --data FILE to evaluate on"
         )
-    return EvalRequest(config, config_path, weights, data_file, result_path(weights, out, overwrite))
+    # What the command reads: the config, the weights, the data and the base model, where they are local.
+    named = [config_path, data_file, config.model.name_or_path, config.data.eval_path, *config.data.paths]
+    inputs = [weights.path, *(Path(path) for path in named if path and Path(path).exists())]
+    return EvalRequest(config, config_path, weights, data_file, result_path(weights, out, overwrite, inputs))
 
 
 def run_eval(request: EvalRequest, env: DistributedEnv) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Files are written to a temporary name and renamed (``shardtune.atomic``), so a reader (or a crash) never
 sees half a file. A run holds every copy of its directory alone, never mixes with an earlier run there, and
-never removes or writes over what no run made (``claim_output_dir``, ``prepare_output_dir``); ``export`` and
-``convert`` never write over a run, a checkpoint or their own input (``check_output_path``).
+never removes or writes over what no run made (``claim_output_dir``, ``prepare_output_dir``); ``export``,
+``convert`` and ``eval`` never write over a run, what a run wrote, a checkpoint or their own input
+(``check_output_path``).
 """
 
 from __future__ import annotations
@@ -200,12 +201,25 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
 
 
+def run_record(path: Path) -> tuple[Path, Path] | None:
+    """The run directory and its entry (``logs``, ``final``, ``config.yaml``, ``checkpoint-N``, ...) that ``path``
+    (links resolved) is or lies inside, or None. A name a run writes counts before the run has written it: the
+    run would write over it later (a resumed run's ``final/``)."""
+    target = path.resolve()
+    for entry in (target, *target.parents):
+        named_by_a_run = entry.parent != entry and (_marks_a_run(entry) or _has_a_common_name(entry))
+        if named_by_a_run and _run_names(entry.parent)[0]:
+            return entry.parent, entry
+    return None
+
+
 def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
-    """``--out`` of ``export`` and ``convert``: never one of the command's inputs, a checkpoint, a run
-    directory, or a path inside any of them; an existing file or non-empty directory only with
-    ``--overwrite`` (the caller writes a sibling and swaps it in once complete). Returns the path to write:
-    ``out``, or where ``out`` leads when it is a link, which is what was checked (the link stays and shows the
-    new output; replacing the link itself would write beside a target it may point into)."""
+    """``--out`` of ``export``, ``convert`` and ``eval``: never one of the command's inputs, a checkpoint, a run
+    directory, one of a run's own entries (``run_record``), or a path inside any of them; an existing file or
+    non-empty directory only with ``--overwrite`` (the caller writes a sibling and swaps it in once complete).
+    Returns the path to write: ``out``, or where ``out`` leads when it is a link, which is what was checked (the
+    link stays and shows the new output; replacing the link itself would write beside a target it may point
+    into)."""
     target = out.resolve()
     for source in (path.resolve() for path in inputs):
         overlap = (
@@ -222,6 +236,12 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
     if run := existing_run_artifacts(target):
         raise InputError(
             f"--out {out}: holds a training run ({', '.join(run[:4])}), which is never replaced; choose another --out"
+        )
+    if record := run_record(target):
+        run, entry = record
+        where = "is" if entry == target else "is inside"
+        raise InputError(
+            f"--out {out}: {where} the run's {entry.name} in {run}, which only the run writes; choose another --out"
         )
     occupied = any(out.iterdir()) if out.is_dir() else out.exists()
     if occupied and not overwrite:

@@ -195,6 +195,36 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
     assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][4], abs=1e-6)
 
 
+def test_eval_never_writes_over_a_runs_files_or_its_input(lora_run: dict, monkeypatch, capsys):
+    """--out, even with --overwrite, is never a run's own file (the result written over logs/train_log.jsonl or
+    config.yaml broke ``shardtune plot``), a checkpoint's manifest, or the --data file just read: one line, exit
+    2, the file as it was. A new file in the run directory, and the default CHECKPOINT/eval.json named as --out,
+    are written."""
+    from shardtune.cli import main
+
+    out, data = lora_run["out"], lora_run["eval_file"]
+    checkpoint, other = out / "checkpoint-2", out / "checkpoint-4"
+    cases = [
+        (out / "logs" / "train_log.jsonl", f"is inside the run's logs in {out}, which only the run writes"),
+        (out / "config.yaml", f"is the run's config.yaml in {out}, which only the run writes"),
+        (out / "metrics.json", f"is the run's metrics.json in {out}, which only the run writes"),
+        (checkpoint / "manifest.json", f"is inside the input {checkpoint}"),
+        (other / "manifest.json", f"{other} is a checkpoint, which is never written to"),
+        (data, f"is the input {data}"),
+    ]
+    before = {path: path.read_bytes() for path, _ in cases}
+    monkeypatch.chdir(REPO)
+    command = ["eval", "examples/quickstart.yaml", *lora_run["overrides"], "--checkpoint", str(checkpoint)]
+    for path, why in cases:
+        assert main([*command, "--data", str(data), "--out", str(path), "--overwrite"]) == 2
+        assert capsys.readouterr().err.strip() == f"shardtune: error: --out {path}: {why}; choose another --out"
+    assert {path: path.read_bytes() for path in before} == before
+    for path in (out / "eval-2.json", checkpoint / "eval.json"):
+        path.unlink(missing_ok=True)
+        result = result_of(shardtune_eval(lora_run, "--checkpoint", str(checkpoint), "--out", str(path)), path)
+        assert result["eval_loss"] == pytest.approx(lora_run["eval_loss"][2], abs=1e-6)
+
+
 def test_a_checkpoints_relative_model_path_matches_the_same_model_named_from_elsewhere(tmp_path: Path, monkeypatch):
     """A checkpoint's config.yaml keeps the run's relative model path; eval from another directory names it
     absolutely. Another model is still a mismatch."""

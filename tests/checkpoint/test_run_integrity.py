@@ -368,6 +368,33 @@ def test_export_never_replaces_a_run_a_checkpoint_or_its_input(runs, tmp_path, c
     assert not (adapter / "old.txt").exists() and not list(tmp_path.glob(".adapter.*"))
 
 
+def test_export_never_replaces_what_a_run_wrote_but_writes_a_new_directory_in_it(runs, tmp_path, monkeypatch, capsys):
+    """--out, even with --overwrite, is never one of a run's own entries nor inside one: the run's logs/ was
+    replaced by the adapter. One written later (a resumed run's final-merged/) counts too. A new directory in
+    the run directory is where an export may go."""
+    from shardtune.cli import main
+
+    monkeypatch.chdir(REPO)  # where the checkpoint's relative base model path points
+    run = tmp_path / "run"
+    shutil.copytree(runs["resumed"], run)
+    checkpoint = run / "checkpoint-6"
+    before = snapshot(run)
+    for name, where in [
+        ("logs", "is"), ("final", "is"), ("config.yaml", "is"), ("final-merged", "is"), ("logs/adapter", "is inside"),
+    ]:  # fmt: skip
+        out, entry = run / name, name.split("/")[0]
+        assert main(["export", str(checkpoint), "--out", str(out), "--overwrite"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"shardtune: error: --out {out}: {where} the run's {entry} in {run}, which only the run writes; "
+            "choose another --out"
+        )
+    assert snapshot(run) == before and not (run / "final-merged").exists()
+    assert main(["export", str(checkpoint), "--out", str(run / "exported-adapter")]) == 0, capsys.readouterr().err
+    assert (run / "exported-adapter" / "adapter_model.safetensors").is_file()
+    after = {name: stamp for name, stamp in snapshot(run).items() if not name.startswith("exported-adapter/")}
+    assert after == before
+
+
 def test_a_failed_export_over_an_old_one_leaves_the_old_one(runs, tmp_path, monkeypatch, capsys):
     from transformers import PreTrainedTokenizerBase
 
