@@ -127,6 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "shape": args.shape,
         "seq": args.seq,
         "batch_per_device": args.batch,
+        "warmup": args.warmup,
         "nproc": nproc,
         "data": args.data,
         "layers": model_config.get_text_config().num_hidden_layers,

@@ -99,6 +99,7 @@ def summarize_shardtune(run_dir: Path, warmup: int, model_config, seq: int) -> d
             "checkpointed_layers": metrics["checkpointed_layers"],
             "checkpointed_parts": metrics["checkpointed_parts"],
             "cuda_graph_layers": metrics["cuda_graph_layers"],
+            "cuda_graphs_captured_in_step": metrics["cuda_graphs_captured_in_step"],
             "loss": metrics["loss"],
             "expert_load": expert_load(run_dir / "logs" / USAGE_FILE, warmup),
             "losses": [row["loss"] for row in rows]}  # fmt: skip
@@ -158,6 +159,12 @@ def format_report(results: dict[str, Any]) -> str:
             f"{name} {load['max_mean']:.2f} (worst layer {load['max_mean_worst']:.2f})" for name, load in loads.items()
         )
         lines.append(f"expert load, max/mean over layers and measured steps ({results['routing']} routing): {measured}")
+    captured = results["shardtune"].get("cuda_graphs_captured_in_step")
+    if captured is not None and captured > results["warmup"]:
+        lines.append(
+            f"shardtune captured its layers' CUDA graphs in measured step {captured}, whose time counts the capture; "
+            f"--warmup {captured} or more measures the replayed steps alone"
+        )
     if "data_wait_s_per_step" in results["shardtune"]:
         run = results["shardtune"]
         wait = run["data_wait_s_per_step"]

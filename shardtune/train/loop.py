@@ -32,7 +32,7 @@ from shardtune.data.sampler import GlobalBatchSampler, rank_micro_batches
 from shardtune.data.store import SequenceArrays
 from shardtune.distributed.compile import LayerCompiler
 from shardtune.distributed.env import DistributedEnv
-from shardtune.distributed.layer_graphs import replayed_layers
+from shardtune.distributed.layer_graphs import installed_graphs, replayed_layers
 from shardtune.distributed.parallelize import (
     clip_gradients,
     decoder_layers,
@@ -371,6 +371,9 @@ def _train(
 
     checkpointer.segment_totals = lambda: segment_totals([interval.run_tokens], time.perf_counter() - run_started)
     profiler = StepProfiler(config.logging.profile_steps, output_dir, env.rank, env.device, config.logging.profile_host)
+    # The decoder layers' CUDA graphs, where installed: the step that captures them costs the capture's time,
+    # which `bench` must not take for the replayed steps' rate.
+    layer_graphs, graphs_captured_in_step = installed_graphs(model), None
     for step in range(start_step + 1, total_steps + 1):
         profiler.step_begins(step)
         interval.start_step()
@@ -390,6 +393,8 @@ def _train(
             config.model.liger_kernel,
             softmax_gradient,
         )
+        if layer_graphs is not None and graphs_captured_in_step is None and layer_graphs.graphs is not None:
+            graphs_captured_in_step = step
         heartbeat.beat(step, "optimizer")
         grad_norm = clip_gradients(trainable_params, max_norm, env.mesh)
         # A non-finite step changes neither the weights nor the logged loss, on every rank alike.
@@ -510,6 +515,7 @@ def _train(
         "checkpointed_layers": checkpointing.count,
         "checkpointed_parts": checkpointing.counts(),
         "cuda_graph_layers": replayed_layers(model),
+        "cuda_graphs_captured_in_step": graphs_captured_in_step,
         "loss": loss_kind,
         "strategy": plan.strategy,
         "trainable_params": trainable,

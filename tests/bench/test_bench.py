@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from shardtune.bench.report import format_report
 from shardtune.bench.shapes import shape_config
 from shardtune.cli import main
 from shardtune.metrics.flops import active_matmul_params, peak_flops, token_flops
@@ -66,7 +67,17 @@ def test_bench_runs_shardtune_and_the_hf_baseline(tmp_path, capsys):
     wait = results["shardtune"]["data_wait_s_per_step"]
     assert wait == pytest.approx(sum(row["data_wait_s"] for row in rows[1:]) / 3)
     assert 0 < wait < results["shardtune"]["step_time_s"] and "shardtune data wait: " in printed
-    assert results["shardtune"]["cuda_graph_layers"] == 0  # a CPU run has no CUDA graphs
+    # A CPU run has no CUDA graphs. On a GPU, the step that captured them is named when it was measured.
+    run = results["shardtune"]
+    assert run["cuda_graph_layers"] == 0 and run["cuda_graphs_captured_in_step"] is None
+    assert "CUDA graphs" not in printed
+    results["shardtune"]["cuda_graphs_captured_in_step"] = 1
+    assert "CUDA graphs" not in format_report(results)
+    results["shardtune"]["cuda_graphs_captured_in_step"] = 3
+    assert (
+        "shardtune captured its layers' CUDA graphs in measured step 3, whose time counts the capture; --warmup 3 or "
+        "more measures the replayed steps alone"
+    ) in format_report(results).splitlines()
     for row in rows:
         assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / 1e12)
         assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * lora_flops / (peak_tflops * 1e12))

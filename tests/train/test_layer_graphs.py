@@ -174,7 +174,9 @@ def test_layers_replayed_as_cuda_graphs_train_like_the_compiled_layers(tmp_path,
     assert "cuda graphs" not in plain["log"]
     assert "cuda graphs: 2 of 2 decoder layers" in graphed["log"]
     assert (plain["metrics"]["cuda_graph_layers"], graphed["metrics"]["cuda_graph_layers"]) == (0, 2)
-    # Two forwards a step: the first two compile and warm up, the third is captured and replayed.
+    # Two forwards a step: the first two compile and warm up, the third (step 2's first) is captured and replayed.
+    captured = [run["metrics"]["cuda_graphs_captured_in_step"] for run in (plain, graphed)]
+    assert captured == [None, 2]
     assert graphed["log"].count("cuda graphs: 2 decoder layers captured (forward and backward)") == 1
     assert "failed" not in graphed["log"] and "another shape" not in graphed["log"]
     # With the attention recomputed, two runs without graphs differ from the fourth step on (by 4.7e-6 of the
@@ -212,6 +214,7 @@ def test_ddp_replays_the_layers_as_cuda_graphs_and_trains_like_one_process(tmp_p
     assert "cuda graphs: 2 of 2 decoder layers" in graphed["log"]
     assert (plain["metrics"]["cuda_graph_layers"], graphed["metrics"]["cuda_graph_layers"]) == (0, 2)
     # One step a forward on each rank: the first two compile and warm up, the third is captured and replayed.
+    assert graphed["metrics"]["cuda_graphs_captured_in_step"] == 3
     assert graphed["losses"][:3] == plain["losses"][:3]
     assert graphed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     rows = {name: jsonl(run["out"] / "logs/train_log.jsonl") for name, run in (("plain", plain), ("graphed", graphed))}
