@@ -55,6 +55,20 @@ def replace_path(staging: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
+def staged_file(target: Path) -> Iterator[Path]:
+    """A temporary sibling of ``target`` for the block to write a file into (a writer that takes a path, as
+    matplotlib's does). Once the block completes, it replaces ``target`` (``replace_path``); on an error or Ctrl-C
+    it is removed, and ``target`` is left as it was."""
+    staging = temporary_sibling(target)
+    try:
+        yield staging
+        replace_path(staging, target)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
 def staged_directory(target: Path) -> Iterator[Path]:
     """A temporary sibling of ``target`` (not yet made) for the block to write a directory into. Once the block
     completes, it replaces ``target`` (``replace_path``); on an error or Ctrl-C it is removed, and ``target``

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtune.atomic import temporary_sibling
+from shardtune.atomic import staged_file
 from shardtune.data.sources import BadRow, SourceSpec, iter_rows
 from shardtune.errors import DataError, InputError
 from shardtune.run_dir import check_output_path
@@ -99,7 +98,6 @@ def convert_to_messages(
         raise InputError(f"{out}: is a directory; --out needs a file name")
     local_source = Path(source.path)
     out = check_output_path(out, [local_source] if local_source.exists() else [], overwrite)
-    tmp = temporary_sibling(out)
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
 
     written = 0
@@ -110,7 +108,7 @@ def convert_to_messages(
     rows = iter_rows(source)  # before any file is made: a missing source leaves nothing behind
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as handle:
+        with staged_file(out) as staging, open(staging, "w", encoding="utf-8", newline="\n") as handle:
             for row in rows:
                 if isinstance(row, BadRow):
                     reason, detail = _reason_key(row.reason), row.reason
@@ -133,16 +131,13 @@ def convert_to_messages(
                 written += 1
                 if written == limit:
                     break
-        if written == 0:
-            missing = [column for column, seen in has_column.items() if not seen]
-            if missing and columns:
-                raise _unknown_column_error(source.label, missing, columns)
-            summary = f" (skipped {sum(reasons.values()):,}: {_format_reasons(_ordered(reasons))})" if reasons else ""
-            raise DataError(f"{source.label}: no row to convert{summary}")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+            if written == 0:
+                missing = [column for column, seen in has_column.items() if not seen]
+                if missing and columns:
+                    raise _unknown_column_error(source.label, missing, columns)
+                skipped = f"skipped {sum(reasons.values()):,}: {_format_reasons(_ordered(reasons))}"
+                summary = f" ({skipped})" if reasons else ""
+                raise DataError(f"{source.label}: no row to convert{summary}")
     finally:
         rows.close()
 

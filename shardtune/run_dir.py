@@ -3,8 +3,8 @@
 Files are written to a temporary name and renamed (``shardtune.atomic``), so a reader (or a crash) never
 sees half a file. A run holds every copy of its directory alone, never mixes with an earlier run there, and
 never removes or writes over what no run made (``claim_output_dir``, ``prepare_output_dir``); ``export``,
-``convert`` and ``eval`` never write over a run, what a run wrote, a checkpoint or their own input
-(``check_output_path``).
+``convert``, ``eval``, ``plot`` and ``expert-usage`` never write over a run, what a run wrote, a checkpoint or their
+own input (``check_output_place``).
 """
 
 from __future__ import annotations
@@ -214,12 +214,22 @@ def run_record(path: Path) -> tuple[Path, Path] | None:
 
 
 def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
-    """``--out`` of ``export``, ``convert`` and ``eval``: never one of the command's inputs, a checkpoint, a run
-    directory, one of a run's own entries (``run_record``), or a path inside any of them; an existing file or
+    """``--out`` of ``export``, ``convert`` and ``eval``: a place ``check_output_place`` allows; an existing file or
     non-empty directory only with ``--overwrite`` (the caller writes a sibling and swaps it in once complete).
-    Returns the path to write: ``out``, or where ``out`` leads when it is a link, which is what was checked (the
-    link stays and shows the new output; replacing the link itself would write beside a target it may point
-    into)."""
+    Returns the path to write, as ``check_output_place`` does."""
+    path = check_output_place(out, inputs)
+    occupied = any(out.iterdir()) if out.is_dir() else out.exists()
+    if occupied and not overwrite:
+        raise InputError(f"--out {out}: already exists; choose another path, or pass --overwrite to replace it")
+    return path
+
+
+def check_output_place(out: Path, inputs: list[Path]) -> Path:
+    """Where a command's ``--out`` may never be, whatever is there and even with ``--overwrite``: one of the
+    command's inputs, a checkpoint, a run directory, one of a run's own entries (``run_record``), or a path inside
+    any of them. Returns the path to write: ``out``, or where ``out`` leads when it is a link, which is what was
+    checked (the link stays and shows the new output; replacing the link itself would write beside a target it
+    may point into)."""
     target = out.resolve()
     for source in (path.resolve() for path in inputs):
         overlap = (
@@ -243,9 +253,6 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
         raise InputError(
             f"--out {out}: {where} the run's {entry.name} in {run}, which only the run writes; choose another --out"
         )
-    occupied = any(out.iterdir()) if out.is_dir() else out.exists()
-    if occupied and not overwrite:
-        raise InputError(f"--out {out}: already exists; choose another path, or pass --overwrite to replace it")
     return target if out.is_symlink() else out
 
 

@@ -3,6 +3,7 @@ back what the run wrote."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -85,3 +86,12 @@ def children_of(parent: int) -> list[int]:
             if status is not None and int(status[1]) == parent:
                 found.append(int(entry.name))
     return found
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
+    """Every file under ``directory``: its modification time and content hash."""
+    return {
+        str(path.relative_to(directory)): (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }

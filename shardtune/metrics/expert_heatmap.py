@@ -11,8 +11,14 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardtune.errors import InputError
+from shardtune.metrics.charts import write_charts
+from shardtune.run_dir import check_output_place
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def add_expert_usage_parser(commands: argparse._SubParsersAction) -> None:
@@ -20,6 +26,9 @@ def add_expert_usage_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("run", help="a run directory (its logs/expert_usage.jsonl) or an expert_usage.jsonl")
     parser.add_argument("--out", default=None, help="PNG to write (default: expert_usage.png next to logs/)")
     parser.add_argument("--steps", default=None, metavar="FROM:TO", help="only logging steps in [FROM, TO]")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a file at --out that is not a chart shardtune drew"
+    )
     parser.set_defaults(handler=cmd_expert_usage)
 
 
@@ -34,9 +43,17 @@ def _step_range(text: str | None) -> tuple[int, float]:
 
 
 def cmd_expert_usage(args: argparse.Namespace) -> int:
-    from shardtune.metrics.expert_usage import read_usage, summarize  # imports torch: not for every command's parser
+    # imports torch: not for every command's parser
+    from shardtune.metrics.expert_usage import read_usage, summarize, usage_log
 
     source = Path(args.run)
+    run = source if source.is_dir() else source.parent.parent
+    requested = Path(args.out) if args.out else run / "expert_usage.png"
+    out = check_output_place(requested, [usage_log(source)])
+    if out.is_dir():
+        raise InputError(f"--out {requested}: is a directory; name a .png file")
+    if requested.suffix.lower() != ".png":
+        raise InputError(f"--out {requested}: expert-usage writes a PNG; name a .png file")
     try:
         records = read_usage(source)
     except FileNotFoundError as exc:
@@ -46,9 +63,11 @@ def cmd_expert_usage(args: argparse.Namespace) -> int:
     if not chosen:
         steps = ", ".join(str(record["step"]) for record in records)
         raise InputError(f"--steps {args.steps}: no logging step in range (the log has steps {steps})")
-    out = Path(args.out) if args.out else (source if source.is_dir() else source.parent.parent) / "expert_usage.png"
     layers, counts = summarize(chosen)
-    write_heatmap(layers, counts, out, f"logging steps {chosen[0]['step']}-{chosen[-1]['step']}")
+    figure = draw_heatmap(layers, counts, f"logging steps {chosen[0]['step']}-{chosen[-1]['step']}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # The default place is the command's own: what is there is its earlier heatmap, replaced as it always was.
+    write_charts({out: figure}, requested, overwrite=args.overwrite or args.out is None)
     print(format_table(chosen, layers, counts))
     print(f"wrote {out}")
     return 0
@@ -73,7 +92,8 @@ def format_table(records: list[dict], layers: list[int], counts) -> str:
     return "\n".join(lines)
 
 
-def write_heatmap(layers: list[int], counts, out: Path, subtitle: str) -> None:
+def draw_heatmap(layers: list[int], counts, subtitle: str) -> Figure:
+    """The heatmap's matplotlib figure, for ``write_charts``."""
     try:
         import matplotlib
 
@@ -98,6 +118,4 @@ def write_heatmap(layers: list[int], counts, out: Path, subtitle: str) -> None:
     axes.set_title(f"tokens per expert / layer mean ({subtitle})")
     figure.colorbar(image, ax=axes, label="load relative to an even share")
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    return figure

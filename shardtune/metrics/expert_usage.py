@@ -100,11 +100,15 @@ class ExpertUsage:
         }
 
 
+def usage_log(path: Path) -> Path:
+    """The expert usage log ``path`` names: a run directory's ``logs/expert_usage.jsonl``, or the file itself."""
+    return path / "logs" / USAGE_FILE if path.is_dir() else path
+
+
 def read_usage(path: Path) -> list[dict[str, Any]]:
     """The records of an ``expert_usage.jsonl`` (or of a run directory's); ``FileNotFoundError`` when
     there is none (a dense model), ``InputError`` for a bad or empty one."""
-    if path.is_dir():
-        path = path / "logs" / USAGE_FILE
+    path = usage_log(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no expert usage log (written by MoE runs into logs/{USAGE_FILE})")
     records = read_rows(path, "an expert usage record", needs_layers=True)

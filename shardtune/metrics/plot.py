@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardtune.errors import InputError
-from shardtune.metrics.expert_heatmap import write_heatmap
+from shardtune.metrics.charts import write_charts
+from shardtune.metrics.expert_heatmap import draw_heatmap
 from shardtune.metrics.schema import LOG_FILES, read_rows
+from shardtune.run_dir import check_output_place
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def add_plot_parser(commands: argparse._SubParsersAction) -> None:
@@ -25,6 +30,9 @@ def add_plot_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (their logs/)")
     parser.add_argument(
         "--out", type=Path, default=None, help="directory for the PNGs (default with one run: RUN_DIR/plots)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace files in --out named as a chart that shardtune did not draw"
     )
     parser.set_defaults(handler=cmd_plot)
 
@@ -48,15 +56,27 @@ def cmd_plot(args: argparse.Namespace) -> int:
     runs = [Path(run) for run in args.runs]
     if args.out is None and len(runs) > 1:
         raise InputError("plot: with several runs, name the directory for the charts with --out DIR")
+    requested: Path = args.out or runs[0] / "plots"
+    out = check_output_place(requested, [run / "logs" for run in runs])
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {requested}: is not a directory; name a directory for the charts")
+    from shardtune.metrics.expert_usage import read_usage  # imports torch: not for every command's parser
+
     logs = {}
     for run, label in zip(runs, run_labels(runs), strict=True):
         train = read_log(run / "logs" / LOG_FILES["train"])
         if not train:
             raise InputError(f"{run}: no rows in logs/{LOG_FILES['train']} (not a run directory, or no step logged)")
-        logs[label] = {"run": run, "train": train, "eval": read_log(run / "logs" / LOG_FILES["eval"])}
-    out: Path = args.out or runs[0] / "plots"
-    written = write_charts(logs, out)
-    for path in written:
+        try:
+            usage = read_usage(run)
+        except FileNotFoundError:
+            usage = None  # a dense model
+        logs[label] = {"train": train, "eval": read_log(run / "logs" / LOG_FILES["eval"]), "usage": usage}
+    figures = {out / name: figure for name, figure in draw_charts(logs).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    # The default place is the command's own: what is there are its earlier charts, replaced as they always were.
+    write_charts(figures, requested, overwrite=args.overwrite or args.out is None)
+    for path in figures:
         print(f"wrote {path}")
     return 0
 
@@ -77,11 +97,10 @@ def _series(rows: list[dict[str, Any]], field: str, scale: float = 1.0) -> tuple
     return [step for step, _ in points], [value for _, value in points]
 
 
-def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
-    """Every chart the logs have data for, into ``out``; returns the files written."""
+def draw_charts(logs: dict[str, dict[str, Any]]) -> dict[str, Figure]:
+    """Every chart the logs have data for, by file name: its matplotlib figure, for ``write_charts``."""
     plt = _pyplot()
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+    figures = {}
 
     def chart(name: str, panels: list[tuple[str, list[tuple[str, str, str]]]]) -> None:
         """One PNG with a panel per (y label, [(log, field, style)]) that some run logged, a line per run and field;
@@ -111,10 +130,7 @@ def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
                 axis.legend(fontsize="small")
         axes[-1, 0].set_xlabel("step")
         figure.tight_layout()
-        path = out / f"{name}.png"
-        figure.savefig(path, dpi=100)
-        written.append(path)
-        plt.close(figure)
+        figures[f"{name}.png"] = figure
 
     chart("loss", [("loss", [("train", "loss", "-"), ("eval", "eval_loss", "--")])])
     chart("lr", [("learning rate", [("train", "lr", "-")])])
@@ -131,15 +147,14 @@ def write_charts(logs: dict[str, dict[str, Any]], out: Path) -> list[Path]:
                             ("train", "step_time_s_min", ":")]),
          ("data wait per step (s)", [("train", "data_wait_s", "-")])],
     )  # fmt: skip
-    from shardtune.metrics.expert_usage import read_usage, summarize  # imports torch: not for every command's parser
+    from shardtune.metrics.expert_usage import summarize  # imports torch: not for every command's parser
 
     for label, run_logs in logs.items():
-        try:
-            records = read_usage(run_logs["run"])
-        except FileNotFoundError:
+        records = run_logs["usage"]
+        if records is None:
             continue  # a dense model
-        path = out / ("expert_usage.png" if len(logs) == 1 else f"expert_usage-{label.replace('/', '_')}.png")
+        name = "expert_usage.png" if len(logs) == 1 else f"expert_usage-{label.replace('/', '_')}.png"
         layers, counts = summarize(records)
-        write_heatmap(layers, counts, path, f"{label}, logging steps {records[0]['step']}-{records[-1]['step']}")
-        written.append(path)
-    return written
+        steps = f"logging steps {records[0]['step']}-{records[-1]['step']}"
+        figures[name] = draw_heatmap(layers, counts, f"{label}, {steps}")
+    return figures

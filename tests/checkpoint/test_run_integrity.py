@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runs import jsonl
+from cli_runs import jsonl, snapshot
 from conftest import REPO
 from test_checkpoints import ENV, command, interrupt_after, train
 from torch.distributed.checkpoint import FileSystemReader
@@ -24,15 +24,6 @@ from shardtune.checkpoint.layout import resume_conflicts
 from shardtune.config import load_config
 from shardtune.run_dir import output_dir_problem
 from shardtune.run_lock import current_holder
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
-    """Every file under ``directory``: its modification time and content hash."""
-    return {
-        str(path.relative_to(directory)): (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 def steps(path: Path) -> list[int]:
