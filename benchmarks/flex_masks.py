@@ -4,7 +4,7 @@ shardtune's mask of packed rows (``shardtune.model.packed_attention``) with one 
 Gemma 2's cap on the scores. Milliseconds a call (compiled, synchronized, after three warm-up calls), and the
 masks' block counts.
 
-    python benchmarks/flex_masks.py          (a GPU; results/flex_masks_h200.txt)
+    python benchmarks/flex_masks.py          (a GPU; results/flex_masks_h100.txt)
 """
 
 from __future__ import annotations
