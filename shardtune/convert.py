@@ -97,7 +97,7 @@ def convert_to_messages(
     if out.is_dir():
         raise InputError(f"{out}: is a directory; --out needs a file name")
     local_source = Path(source.path)
-    out = check_output_path(out, [local_source] if local_source.exists() else [], overwrite)
+    out = check_output_path(out, {local_source: "the input"} if local_source.exists() else {}, overwrite)
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
 
     written = 0

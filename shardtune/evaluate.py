@@ -21,7 +21,7 @@ from shardtune.config import Config, looks_local
 from shardtune.distributed.env import DistributedEnv
 from shardtune.errors import ConfigError, DataError, InputError
 from shardtune.metrics.progress import EvalProgress
-from shardtune.run_dir import check_output_path, write_atomic
+from shardtune.run_dir import BASE_MODEL, check_output_path, write_atomic
 
 log = logging.getLogger("shardtune")
 
@@ -87,10 +87,10 @@ def check_weights_match(weights: TrainedWeights, config: Config, config_path: st
         )
 
 
-def result_path(weights: TrainedWeights, out: str | None, overwrite: bool, inputs: list[Path]) -> Path:
+def result_path(weights: TrainedWeights, out: str | None, overwrite: bool, inputs: dict[Path, str]) -> Path:
     """Where the JSON result goes; an existing file is replaced only with ``--overwrite``. The default,
     ``eval.json`` beside the weights it describes, is eval's own file; any other ``--out`` is never one of the
-    command's ``inputs``, a checkpoint or a run's own file (``check_output_path``)."""
+    command's ``inputs`` (each with what it is), a checkpoint or a run's own file (``check_output_path``)."""
     default = weights.path / "eval.json"
     path = Path(out) if out else default
     if path.is_dir():
@@ -145,9 +145,11 @@ def check_request(
         raise ConfigError(
             f"{config_path}: no eval data (data.eval_path or data.eval_split_ratio); pass --data FILE to evaluate on"
         )
-    # What the command reads: the config, the weights, the data and the base model, where they are local.
-    named = [config_path, data_file, config.model.name_or_path, config.data.eval_path, *config.data.paths]
-    inputs = [weights.path, *(Path(path) for path in named if path and Path(path).exists())]
+    # What the command reads: the weights, the config, the data and the base model, where they are local.
+    named = [config_path, data_file, config.data.eval_path, *config.data.paths]
+    inputs = {weights.path: "the input", **{Path(path): "the input" for path in named if path and Path(path).exists()}}
+    if Path(config.model.name_or_path).exists():
+        inputs[Path(config.model.name_or_path)] = BASE_MODEL
     return EvalRequest(config, config_path, weights, data_file, result_path(weights, out, overwrite, inputs))
 
 

@@ -213,7 +213,11 @@ def run_record(path: Path) -> tuple[Path, Path] | None:
     return None
 
 
-def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
+# How ``check_output_place`` names an input that is the base model trained weights adapt (``export``, ``eval``).
+BASE_MODEL = "the checkpoint's base model"
+
+
+def check_output_path(out: Path, inputs: dict[Path, str], overwrite: bool) -> Path:
     """``--out`` of ``export``, ``convert`` and ``eval``: a place ``check_output_place`` allows; an existing file or
     non-empty directory only with ``--overwrite`` (the caller writes a sibling and swaps it in once complete).
     Returns the path to write, as ``check_output_place`` does."""
@@ -224,18 +228,20 @@ def check_output_path(out: Path, inputs: list[Path], overwrite: bool) -> Path:
     return path
 
 
-def check_output_place(out: Path, inputs: list[Path]) -> Path:
+def check_output_place(out: Path, inputs: dict[Path, str]) -> Path:
     """Where a command's ``--out`` may never be, whatever is there and even with ``--overwrite``: one of the
-    command's inputs, a checkpoint, a run directory, one of a run's own entries (``run_record``), or a path inside
-    any of them. Returns the path to write: ``out``, or where ``out`` leads when it is a link, which is what was
-    checked (the link stays and shows the new output; replacing the link itself would write beside a target it
-    may point into)."""
+    command's ``inputs`` (each named in the line as the caller says what it is: "the input", "the checkpoint's base
+    model"), a checkpoint, a run directory, one of a run's own entries (``run_record``), or a path inside any of
+    them. Returns the path to write: ``out``, or where ``out`` leads when it is a link, which is what was checked
+    (the link stays and shows the new output; replacing the link itself would write beside a target it may point
+    into)."""
     target = out.resolve()
-    for source in (path.resolve() for path in inputs):
+    for path, what in inputs.items():
+        source = path.resolve()
         overlap = (
-            f"is the input {source}" if target == source
-            else f"is inside the input {source}" if source in target.parents
-            else f"contains the input {source}" if target in source.parents
+            f"is {what} {source}" if target == source
+            else f"is inside {what} {source}" if source in target.parents
+            else f"contains {what} {source}" if target in source.parents
             else None
         )  # fmt: skip
         if overlap:

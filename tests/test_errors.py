@@ -116,7 +116,7 @@ def test_a_damaged_checkpoint_is_one_line_for_export_and_eval(tmp_path, saved_ru
         shardtune("eval", str(run / "config.yaml"), "--checkpoint", str(checkpoint)),
         f"--checkpoint {checkpoint}: cannot be read: {shard} is {size // 2:,} bytes, but the manifest records "
         f"{size:,} as written by rank 0 on {HOST}: it was truncated or changed after the save; copy it again from "
-        f"{HOST}, or use an earlier checkpoint",
+        f"{HOST}, or use an earlier checkpoint of its run ({run} holds none that reads whole)",
     )
     shutil.copyfile(saved_run / "checkpoint-2" / "model" / "__0_0.distcp", shard)
     with open(shard, "r+b") as handle:  # the size stays; the content is gone
@@ -124,9 +124,86 @@ def test_a_damaged_checkpoint_is_one_line_for_export_and_eval(tmp_path, saved_ru
     assert_one_line(
         shardtune("export", str(checkpoint), "--out", str(tmp_path / "adapter")),
         f"{checkpoint}: cannot export: {checkpoint / 'model'}: the shards do not read back (UnpicklingError on "
-        "rank 0): the checkpoint is damaged; use an earlier checkpoint",
+        f"rank 0): the checkpoint is damaged; use an earlier checkpoint of its run ({run} holds none that reads whole)",
     )
     assert not (tmp_path / "adapter").exists()
+
+
+@pytest.fixture(scope="module", params=["lite", pytest.param("full", marks=pytest.mark.variants)])
+def three_checkpoints(request, tmp_path_factory) -> Path:
+    """A one-process run with checkpoints at steps 2, 4 and 6, lite or full; copy before changing."""
+    tmp_path = tmp_path_factory.mktemp(f"three-{request.param}")
+    result = train(
+        tmp_path, 1, "training.max_steps=6", "training.save_steps=2", f"training.checkpoint_mode={request.param}"
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp_path / "run"
+
+
+def garble(file: Path) -> None:
+    """Its content gone, its size kept: the manifest's sizes do not tell."""
+    file.write_bytes(b"x" * file.stat().st_size)
+
+
+def test_a_damaged_checkpoint_names_the_earlier_ones_export_and_eval_can_use(tmp_path, three_checkpoints):
+    """A checkpoint whose DCP metadata is damaged, cut, missing, or whose shard is cut: export and eval say so before
+    any model is built, and name the earlier checkpoints of its run that read whole, newest first (a damaged one is
+    left out). A damaged .metadata used to advise export and eval to "resume from an earlier checkpoint", a missing
+    one gave no advice, and a cut one named no other checkpoint."""
+    for case in ["garbled metadata", "empty metadata", "no metadata", "cut shard"]:
+        run = Path(shutil.copytree(three_checkpoints, tmp_path / case / "run"))
+        checkpoint, model = run / "checkpoint-6", run / "checkpoint-6" / "model"
+        earlier = f"use an earlier checkpoint of its run: {run / 'checkpoint-4'}, {run / 'checkpoint-2'}"
+        size = (model / ".metadata").stat().st_size
+        if case == "garbled metadata":
+            garble(model / ".metadata")
+            problem = (
+                f"{model}: its DCP metadata does not read (invalid load key, 'x'.): the checkpoint is damaged; "
+                f"{earlier}"
+            )
+        elif case == "empty metadata":
+            (model / ".metadata").write_bytes(b"")
+            problem = (
+                f"{model / '.metadata'} is 0 bytes, but the manifest records {size:,} as written by rank 0 on {HOST}: "
+                f"it was truncated or changed after the save; copy it again from {HOST}, or {earlier}"
+            )
+        elif case == "no metadata":
+            (model / ".metadata").unlink()
+            garble(run / "checkpoint-4" / "model" / ".metadata")  # not named: it does not read either
+            problem = (
+                f"{model}: no .metadata, and no node-*/.metadata of a node-local save: the checkpoint is incomplete; "
+                f"use an earlier checkpoint of its run: {run / 'checkpoint-2'}"
+            )
+        else:
+            shard = model / "__0_0.distcp"
+            size = shard.stat().st_size
+            os.truncate(shard, size // 2)
+            problem = (
+                f"{shard} is {size // 2:,} bytes, but the manifest records {size:,} as written by rank 0 on {HOST}: "
+                f"it was truncated or changed after the save; copy it again from {HOST}, or {earlier}"
+            )
+        out = tmp_path / case / "adapter"
+        assert_one_line(
+            shardtune("export", str(checkpoint), "--out", str(out)), f"{checkpoint}: cannot be read: {problem}"
+        )
+        assert not out.exists()
+        assert_one_line(
+            shardtune("eval", str(run / "config.yaml"), "--checkpoint", str(checkpoint)),
+            f"--checkpoint {checkpoint}: cannot be read: {problem}",
+        )
+        assert not (checkpoint / "eval.json").exists()
+
+
+def test_a_resume_from_a_checkpoint_without_its_metadata_is_one_line(tmp_path, saved_run):
+    """Its .metadata gone: the line said only that it was missing."""
+    run = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    model = run / "checkpoint-2" / "model"
+    (model / ".metadata").unlink()
+    assert_one_line(
+        resume(tmp_path, run, nproc=1),
+        f"training.resume_from_checkpoint: {run / 'checkpoint-2'} cannot be loaded here: {model}: no .metadata, and "
+        "no node-*/.metadata of a node-local save: the checkpoint is incomplete; resume from an earlier checkpoint",
+    )
 
 
 @pytest.mark.parametrize("command", ["generate", "eval", "export"])

@@ -197,9 +197,9 @@ def test_eval_bad_input_is_one_line_with_exit_status_2(lora_run: dict, tmp_path:
 
 def test_eval_never_writes_over_a_runs_files_or_its_input(lora_run: dict, monkeypatch, capsys):
     """--out, even with --overwrite, is never a run's own file (the result written over logs/train_log.jsonl or
-    config.yaml broke ``shardtune plot``), a checkpoint's manifest, or the --data file just read: one line, exit
-    2, the file as it was. A new file in the run directory, and the default CHECKPOINT/eval.json named as --out,
-    are written."""
+    config.yaml broke ``shardtune plot``), a checkpoint's manifest, the --data file just read, or a file of the base
+    model (named as such): one line, exit 2, the file as it was. A new file in the run directory, and the default
+    CHECKPOINT/eval.json named as --out, are written."""
     from shardtune.cli import main
 
     out, data = lora_run["out"], lora_run["eval_file"]
@@ -219,6 +219,13 @@ def test_eval_never_writes_over_a_runs_files_or_its_input(lora_run: dict, monkey
         assert main([*command, "--data", str(data), "--out", str(path), "--overwrite"]) == 2
         assert capsys.readouterr().err.strip() == f"shardtune: error: --out {path}: {why}; choose another --out"
     assert {path: path.read_bytes() for path in before} == before
+    # A file of the checkpoint's base model (without --overwrite: it exists).
+    model_config = Path("examples/tiny-llama/config.json")
+    assert main([*command, "--out", str(model_config)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"shardtune: error: --out {model_config}: is inside the checkpoint's base model "
+        f"{REPO / 'examples/tiny-llama'}; choose another --out"
+    )
     for path in (out / "eval-2.json", checkpoint / "eval.json"):
         path.unlink(missing_ok=True)
         result = result_of(shardtune_eval(lora_run, "--checkpoint", str(checkpoint), "--out", str(path)), path)

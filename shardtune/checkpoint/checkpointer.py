@@ -63,10 +63,11 @@ from shardtune.checkpoint.layout import (
 from shardtune.checkpoint.names import without_wrappers
 from shardtune.checkpoint.shards import (
     METADATA_FILE,
-    USE_EARLIER,
+    RESUME_EARLIER,
     NodeSavePlanner,
     ShardMismatch,
     ShardsReader,
+    UseEarlier,
     merge_rank_problems,
     missing_shards,
     resized_files,
@@ -529,8 +530,8 @@ def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> di
     reader = ShardsReader(path / "model")
     manifest = json.loads((path / "manifest.json").read_text())
     try:
-        problems = describe_missing(path, "model", viewed, reader, manifest)
-    except ShardMismatch as mismatch:  # its DCP metadata does not read
+        problems = describe_missing(path, "model", viewed, reader, manifest, UseEarlier(path))
+    except ShardMismatch as mismatch:  # its DCP metadata is missing or does not read
         problems = [str(mismatch)]
     if problems:
         raise InputError(f"{path}: cannot {purpose}: {'; '.join(problems)}")
@@ -540,7 +541,8 @@ def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> di
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(viewed, storage_reader=reader, no_dist=True)
     except CheckpointException as error:  # a shard of the recorded size whose content does not read back
-        raise InputError(f"{path}: cannot {purpose}: {unreadable_shards(path, 'model', error, USE_EARLIER)}") from None
+        damage = unreadable_shards(path, "model", error, UseEarlier(path))
+        raise InputError(f"{path}: cannot {purpose}: {damage}") from None
     except Exception as error:  # DCP wraps a shape mismatch in its own exception, with a traceback text
         problem = f"its tensors do not fit the config's model ({first_line(error)})"
         raise InputError(f"{path}: cannot {purpose}: {problem}") from None
@@ -548,18 +550,22 @@ def read_trainable_state(path: Path, model: torch.nn.Module, purpose: str) -> di
 
 
 def describe_missing(
-    path: Path, kind: str, state: dict[str, Any], reader: ShardsReader, manifest: dict[str, Any]
+    path: Path,
+    kind: str,
+    state: dict[str, Any],
+    reader: ShardsReader,
+    manifest: dict[str, Any],
+    instead: str | UseEarlier = RESUME_EARLIER,
 ) -> list[str]:
-    """Why ``state`` cannot be read from ``path/kind`` here, naming the files and where they were written."""
+    """Why ``state`` cannot be read from ``path/kind`` here, naming the files and where they were written; raises
+    ``ShardMismatch`` as ``missing_shards`` does (``instead``: what the user may do where the checkpoint is
+    damaged)."""
     writers = {
         entry["path"]: f"rank {rank} on {entry['host']}"
         for rank, entries in manifest["files"].items()
         for entry in entries
     }
-    try:
-        uncovered, absent = missing_shards(state, reader)
-    except FileNotFoundError as exc:
-        return [str(exc)]
+    uncovered, absent = missing_shards(state, reader, instead)
     problems = [
         f"{kind}/{name} (written by {writers.get(f'{kind}/{name}', 'an unknown rank')}) is missing" for name in absent
     ]

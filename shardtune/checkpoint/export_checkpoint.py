@@ -19,7 +19,7 @@ from shardtune.checkpoint.merge import save_merged
 from shardtune.checkpoint.trained_weights import find_trained_weights, read_trained_state
 from shardtune.errors import InputError
 from shardtune.model.load import Precision, build_model, load_tokenizer
-from shardtune.run_dir import check_output_path
+from shardtune.run_dir import BASE_MODEL, check_output_path
 
 log = logging.getLogger("shardtune")
 
@@ -37,7 +37,8 @@ def export_checkpoint(checkpoint: Path, out: Path, merge: bool = False, overwrit
     if config is None:
         raise InputError(f"{checkpoint}: no config.yaml in it or in its run directory names the model it adapts")
     base = Path(config.model.name_or_path)
-    out = check_output_path(out, [checkpoint, *([base] if base.exists() else [])], overwrite)
+    inputs = {checkpoint: "the input", **({base: BASE_MODEL} if base.exists() else {})}
+    out = check_output_path(out, inputs, overwrite)
     tokenizer = load_tokenizer(config.model.model_copy(update={"name_or_path": str(checkpoint)}))
     # Built as training builds it, on the CPU; the checkpoint supplies the trained weights.
     cpu = torch.device("cpu")

@@ -13,6 +13,7 @@ written.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pickle
 from collections import ChainMap
@@ -30,12 +31,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, SavePlan
 from torch.distributed.tensor import DTensor
 
+from shardtune.checkpoint.layout import checkpoint_step, complete_checkpoints
 from shardtune.errors import first_line
 
 METADATA_FILE = ".metadata"
-# What a damaged checkpoint leaves to do: a training run, and ``export`` and ``eval``.
+# What a damaged checkpoint leaves a training run to do (``export`` and ``eval``: ``UseEarlier``).
 RESUME_EARLIER = "resume from an earlier checkpoint"
-USE_EARLIER = "use an earlier checkpoint"
+# How many of a run's earlier checkpoints ``UseEarlier`` names.
+EARLIER_NAMED = 3
 
 
 class NodeSavePlanner(DefaultSavePlanner):
@@ -99,19 +102,62 @@ class ShardMismatch(ValueError):
     that does not read."""
 
 
-def missing_shards(state_dict: dict[str, Any], reader: ShardsReader) -> tuple[list[str], list[str]]:
-    """What this rank cannot load from here: (tensors with chunks no present shard holds, shard files
-    the metadata names that do not exist), both empty when the load can go ahead. Raises ``ShardMismatch``
-    when the checkpoint holds other tensors than ``state_dict`` (a run with another model or adapter)."""
+class UseEarlier:
+    """What a damaged checkpoint leaves ``export`` and ``eval`` to do: use an earlier checkpoint of its run, named
+    (newest first) where it is a run's ``checkpoint-<step>`` among earlier ones that read whole. An error line's
+    ``instead``, worded only when the line is: that reads the run's other checkpoints."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        step = checkpoint_step(self.checkpoint)
+        if step is None:  # renamed or copied out of its run: which checkpoints the run holds is not known here
+            return "use an earlier checkpoint of its run"
+        run = self.checkpoint.parent
+        earlier = [path for path in reversed(complete_checkpoints(run)) if checkpoint_step(path) < step]
+        # Only whether each reads whole: its own advice is never said.
+        whole = [path for path in earlier if not checkpoint_damage(path, instead="")]
+        if not whole:
+            return f"use an earlier checkpoint of its run ({run} holds none that reads whole)"
+        more = f" (and {len(whole) - EARLIER_NAMED} older)" if len(whole) > EARLIER_NAMED else ""
+        return f"use an earlier checkpoint of its run: {', '.join(map(str, whole[:EARLIER_NAMED]))}{more}"
+
+
+def checkpoint_damage(checkpoint: Path, instead: str | UseEarlier) -> list[str]:
+    """Why a complete checkpoint's weights do not read whole, found from its files before any model is built:
+    files whose size differs from the manifest's (cut short), or ``model/``'s DCP metadata missing or not reading;
+    empty when neither. ``instead``: what else the user may do."""
+    problems = resized_files(checkpoint, json.loads((checkpoint / "manifest.json").read_text()), instead)
+    if not problems:  # a .metadata cut short is named above, with the host that wrote it
+        try:
+            read_shard_metadata(ShardsReader(checkpoint / "model"), instead)
+        except ShardMismatch as damage:
+            problems.append(str(damage))
+    return problems
+
+
+def read_shard_metadata(reader: ShardsReader, instead: str | UseEarlier = RESUME_EARLIER) -> Metadata:
+    """The DCP metadata ``reader`` plans with; ``ShardMismatch`` naming the directory where it is missing or does not
+    read (the checkpoint is incomplete or damaged), saying ``instead``: what the user may do."""
     try:
-        metadata = reader.read_metadata()
-    except FileNotFoundError:
-        raise
+        return reader.read_metadata()
+    except FileNotFoundError as error:
+        raise ShardMismatch(f"{error}: the checkpoint is incomplete; {instead}") from None
     except Exception as error:  # a damaged .metadata: pickle's errors are of many kinds
         raise ShardMismatch(
-            f"{reader.path}: its DCP metadata does not read ({first_line(error)}): the checkpoint is damaged; "
-            "resume from an earlier checkpoint"
+            f"{reader.path}: its DCP metadata does not read ({first_line(error)}): the checkpoint is damaged; {instead}"
         ) from None
+
+
+def missing_shards(
+    state_dict: dict[str, Any], reader: ShardsReader, instead: str | UseEarlier = RESUME_EARLIER
+) -> tuple[list[str], list[str]]:
+    """What this rank cannot load from here: (tensors with chunks no present shard holds, shard files
+    the metadata names that do not exist), both empty when the load can go ahead. Raises ``ShardMismatch``
+    when the checkpoint holds other tensors than ``state_dict`` (a run with another model or adapter), or its
+    metadata is missing or does not read (``instead``: what the user may do then)."""
+    metadata = read_shard_metadata(reader, instead)
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state_dict, metadata, is_coordinator=False)
     _check_shapes(planner.state_dict, metadata)
@@ -154,7 +200,7 @@ def _check_shapes(state_dict: dict[str, Any], metadata: Metadata) -> None:
         raise ShardMismatch(f"{len(differing)} tensor(s) differ in shape: {differing[0]}{more}{ANOTHER_CONFIG}")
 
 
-def resized_files(checkpoint: Path, manifest: dict[str, Any], instead: str = RESUME_EARLIER) -> list[str]:
+def resized_files(checkpoint: Path, manifest: dict[str, Any], instead: str | UseEarlier = RESUME_EARLIER) -> list[str]:
     """The files the manifest lists whose size here differs from the size recorded when they were written
     (a truncated copy, a disk that lost its tail): each named with the rank and host that wrote it. Read
     before anything is loaded; a file absent here is ``missing_shards``' concern. ``instead``: what else the
@@ -172,7 +218,9 @@ def resized_files(checkpoint: Path, manifest: dict[str, Any], instead: str = RES
     return problems
 
 
-def unreadable_shards(checkpoint: Path, kind: str, error: BaseException, instead: str = RESUME_EARLIER) -> str:
+def unreadable_shards(
+    checkpoint: Path, kind: str, error: BaseException, instead: str | UseEarlier = RESUME_EARLIER
+) -> str:
     """One line for a DCP load that failed on some rank (a shard whose content is damaged); ``instead``: what the
     user may do."""
     # The causes' own words are about unpickling and tensor formats; the kind of error and where suffice.

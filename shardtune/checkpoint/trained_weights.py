@@ -14,7 +14,7 @@ import torch
 from shardtune.checkpoint.checkpointer import read_trainable_shards, read_trainable_state, trainable_state_dict
 from shardtune.checkpoint.export import saved_run_config
 from shardtune.checkpoint.layout import checkpoint_step, not_a_checkpoint, read_step, what_to_name_in_a_run
-from shardtune.checkpoint.shards import USE_EARLIER, resized_files
+from shardtune.checkpoint.shards import UseEarlier, checkpoint_damage
 from shardtune.config import Config, load_config
 from shardtune.errors import InputError, first_line
 
@@ -44,10 +44,11 @@ def find_trained_weights(path: Path, argument: str = "--checkpoint") -> TrainedW
         problem = not_a_checkpoint(path)
         if problem:
             raise InputError(f"{named} {problem}")
-        # Before any model is built: a shard cut short would fail deep inside DCP's reader.
-        resized = resized_files(path, json.loads((path / "manifest.json").read_text()), USE_EARLIER)
-        if resized:
-            raise InputError(f"{named}: cannot be read: {'; '.join(resized)}")
+        # Before any model is built: a shard cut short, or metadata that is missing or does not read, would
+        # fail deep inside DCP's reader.
+        damage = checkpoint_damage(path, UseEarlier(path))
+        if damage:
+            raise InputError(f"{named}: cannot be read: {'; '.join(damage)}")
         return TrainedWeights(path, "checkpoint", read_step(path), load_config(path / "config.yaml", check_paths=False))
     if (path / "adapter_config.json").is_file():
         kind = "adapter"

@@ -49,7 +49,7 @@ def cmd_expert_usage(args: argparse.Namespace) -> int:
     source = Path(args.run)
     run = source if source.is_dir() else source.parent.parent
     requested = Path(args.out) if args.out else run / "expert_usage.png"
-    out = check_output_place(requested, [usage_log(source)])
+    out = check_output_place(requested, {usage_log(source): "the input"})
     if out.is_dir():
         raise InputError(f"--out {requested}: is a directory; name a .png file")
     if requested.suffix.lower() != ".png":

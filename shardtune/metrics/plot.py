@@ -57,7 +57,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if args.out is None and len(runs) > 1:
         raise InputError("plot: with several runs, name the directory for the charts with --out DIR")
     requested: Path = args.out or runs[0] / "plots"
-    out = check_output_place(requested, [run / "logs" for run in runs])
+    out = check_output_place(requested, {run / "logs": "the input" for run in runs})
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {requested}: is not a directory; name a directory for the charts")
     from shardtune.metrics.expert_usage import read_usage  # imports torch: not for every command's parser

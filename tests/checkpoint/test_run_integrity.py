@@ -338,12 +338,22 @@ def test_export_never_replaces_a_run_a_checkpoint_or_its_input(runs, tmp_path, c
         (checkpoint / "adapter", f"--out {checkpoint / 'adapter'}: is inside the input {checkpoint}"),
         (runs["straight"], f"--out {runs['straight']}: holds a training run (config.yaml, final, "),
         (older / "x", f"--out {older / 'x'}: {older} is a checkpoint, which is never written to"),
-        (Path("examples/tiny-llama"), f"--out examples/tiny-llama: is the input {REPO / 'examples/tiny-llama'}"),
+        (
+            Path("examples/tiny-llama"),
+            f"--out examples/tiny-llama: is the checkpoint's base model {REPO / 'examples/tiny-llama'}; choose another "
+            "--out",
+        ),
     ]:  # fmt: skip
         assert main(["export", str(checkpoint), "--out", str(out), "--overwrite"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"shardtune: error: {why}"), lines
     assert snapshot(run) == before
+    # A file of the base model the checkpoint was trained from (without --overwrite: it exists).
+    assert main(["export", str(checkpoint), "--out", "examples/tiny-llama/config.json"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "shardtune: error: --out examples/tiny-llama/config.json: is inside the checkpoint's base model "
+        f"{REPO / 'examples/tiny-llama'}; choose another --out"
+    )
 
     # An existing output is replaced only with --overwrite, and then whole.
     adapter = tmp_path / "adapter"
