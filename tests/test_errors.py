@@ -194,6 +194,27 @@ def test_a_damaged_checkpoint_names_the_earlier_ones_export_and_eval_can_use(tmp
         assert not (checkpoint / "eval.json").exists()
 
 
+def test_a_cut_optimizer_shard_stops_neither_export_nor_eval(tmp_path, saved_run):
+    """export and eval read a checkpoint's weights alone: its optimizer state cut short (which a resume could not
+    use) stopped both with the cut file's line."""
+    run = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    checkpoint = run / "checkpoint-2"
+    shard = checkpoint / "optimizer" / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+    exported = shardtune("export", str(checkpoint), "--out", str(tmp_path / "adapter"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    # The checkpoint is the run's last step: its adapter is final/'s.
+    files = [tmp_path / "adapter" / "adapter_model.safetensors", run / "final" / "adapter_model.safetensors"]
+    with safe_open(files[0], "pt") as got, safe_open(files[1], "pt") as want:
+        names = sorted(want.keys())
+        assert sorted(got.keys()) == names
+        for key in names:
+            torch.testing.assert_close(got.get_tensor(key), want.get_tensor(key), rtol=0, atol=0)
+    evaluated = shardtune("eval", str(run / "config.yaml"), "--checkpoint", str(checkpoint))
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads((checkpoint / "eval.json").read_text())["step"] == 2
+
+
 def test_a_resume_from_a_checkpoint_without_its_metadata_is_one_line(tmp_path, saved_run):
     """Its .metadata gone: the line said only that it was missing."""
     run = Path(shutil.copytree(saved_run, tmp_path / "run"))

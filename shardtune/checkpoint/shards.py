@@ -126,9 +126,9 @@ class UseEarlier:
 
 def checkpoint_damage(checkpoint: Path, instead: str | UseEarlier) -> list[str]:
     """Why a complete checkpoint's weights do not read whole, found from its files before any model is built:
-    files whose size differs from the manifest's (cut short), or ``model/``'s DCP metadata missing or not reading;
-    empty when neither. ``instead``: what else the user may do."""
-    problems = resized_files(checkpoint, json.loads((checkpoint / "manifest.json").read_text()), instead)
+    ``model/``'s files whose size differs from the manifest's (cut short), or its DCP metadata missing or not
+    reading; empty when neither. ``instead``: what else the user may do."""
+    problems = resized_files(checkpoint, json.loads((checkpoint / "manifest.json").read_text()), instead, "model")
     if not problems:  # a .metadata cut short is named above, with the host that wrote it
         try:
             read_shard_metadata(ShardsReader(checkpoint / "model"), instead)
@@ -200,14 +200,19 @@ def _check_shapes(state_dict: dict[str, Any], metadata: Metadata) -> None:
         raise ShardMismatch(f"{len(differing)} tensor(s) differ in shape: {differing[0]}{more}{ANOTHER_CONFIG}")
 
 
-def resized_files(checkpoint: Path, manifest: dict[str, Any], instead: str | UseEarlier = RESUME_EARLIER) -> list[str]:
+def resized_files(
+    checkpoint: Path, manifest: dict[str, Any], instead: str | UseEarlier = RESUME_EARLIER, kind: str | None = None
+) -> list[str]:
     """The files the manifest lists whose size here differs from the size recorded when they were written
     (a truncated copy, a disk that lost its tail): each named with the rank and host that wrote it. Read
     before anything is loaded; a file absent here is ``missing_shards``' concern. ``instead``: what else the
-    user may do, after copying the file again."""
+    user may do, after copying the file again; ``kind``: only the files of that part (``model``: what ``export``
+    and ``eval`` read, whose use a damaged optimizer state does not stop)."""
     problems = []
     for rank, entries in manifest["files"].items():
         for entry in entries:
+            if kind is not None and not entry["path"].startswith(f"{kind}/"):
+                continue
             file = checkpoint / entry["path"]
             if file.is_file() and (size := file.stat().st_size) != entry["bytes"]:
                 problems.append(
