@@ -35,7 +35,9 @@ from shardtune.model.fused_moe import (
     expert_activation,
     expert_slabs,
     identity_experts,
+    identity_rows,
     input_projection,
+    routed_expert_count,
     unsupported_layout,
 )
 from shardtune.model.moe import EXPERT_PAIR_NAMES, ExpertPair, expert_pair
@@ -143,7 +145,7 @@ def shard_experts(model: torch.nn.Module, dims: ParallelDims) -> int:
         root = _experts_root(block)
         for name, tensor in expert_tensors(block).items():
             owner, attribute = _owner(root, name)
-            with_identities = identities if _adapted_weight(root, name) != "down_proj" else 0
+            with_identities = identity_rows(_base_experts(block.experts), _adapted_weight(root, name))
             experts = expert_runs(gemm_experts + with_identities, with_identities, dims.ep_rank, dims.ep_size)
             local = _local_slice(tensor_kind(name, pair), tensor, gemm_experts + with_identities, experts)
             setattr(owner, attribute, torch.nn.Parameter(local, requires_grad=tensor.requires_grad))
@@ -233,8 +235,8 @@ def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int, int]
     those are identity experts) of every routed-expert tensor: those of each ``experts`` module holding 3-D
     ``gate_up_proj`` weights (ungated experts: ``up_proj``; DBRX's: 2-D slabs), and of each block holding its experts
     as two modules of its own (JetMoE's ``moe.expert_pair``), fused or not (an export's model is not). LongCat-Flash's
-    gate_up_proj and its adapters have the identity experts' (the last ones) beside the GEMM experts'; its down_proj
-    and its adapters the GEMM experts' alone."""
+    gate_up_proj and its adapters may have the identity experts' (the last ones) beside the GEMM experts'
+    (``identity_rows``); its down_proj and its adapters the GEMM experts' alone."""
     names: dict[str, tuple[str, int, int]] = {}
     for module_name, module in model.named_modules():
         if all(hasattr(module, name) for name in EXPERT_PAIR_NAMES) and (pair := expert_pair(module)) is not None:
@@ -256,12 +258,14 @@ def expert_state_names(model: torch.nn.Module) -> dict[str, tuple[str, int, int]
         # The fused block's count (this rank holds a run of them): the parent's, or for experts beside their router in
         # the decoder layer (Gemma 4's) the FusedRouter child's; an unfused model's experts are all there.
         fused = (block for block in (parent, *parent.children()) if isinstance(block, FusedMoeBlock))
-        num_experts = next((block.num_routed_experts for block in fused if block.experts is module), first.shape[0])
+        num_experts = next((block.num_routed_experts for block in fused if block.experts is module), None)
+        if num_experts is None:
+            num_experts = routed_expert_count(base)
         identities = identity_experts(base)
         for name, _ in module.named_parameters():
             kind = tensor_kind(name)
             if kind is not None:
-                held = identities if _adapted_weight(module, name) != "down_proj" else 0
+                held = identity_rows(base, _adapted_weight(module, name))
                 names[without_wrappers(f"{module_name}.{name}")] = (kind, num_experts - identities + held, held)
     return names
 

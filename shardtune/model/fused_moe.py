@@ -121,9 +121,12 @@ LAYOUT_TRAITS = {
     "identity": "zero-computation identity experts",  # IDENTITY_EXPERTS, whatever their GEMM experts' layout
 }
 
-# Experts whose last ids are "zero-computation" identities, by class name: the attribute that holds how many. An
-# identity expert's output is the token itself (times its routing weight); the GEMM experts are the first
-# down_proj.shape[0] (LongCat-Flash's gate_up_proj has a row for each identity expert too, which nothing reads).
+# Experts whose last ids are "zero-computation" identities, by class name: the attribute of the experts, or else of
+# their config, that holds how many (transformers up to 5.24 keeps it on LongCat-Flash's experts; 5.25 computes the
+# identities in the MoE block, which shardtune's fused block replaces, and keeps it in the experts' config alone).
+# An identity expert's output is the token itself (times its routing weight); the GEMM experts are the first
+# down_proj.shape[0] (LongCat-Flash's gate_up_proj had a row for each identity expert too up to 5.24, which nothing
+# reads).
 IDENTITY_EXPERTS = {"LongcatFlashExperts": "zero_expert_num"}
 
 
@@ -225,9 +228,36 @@ def expert_slabs(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, 
 def identity_experts(experts: torch.nn.Module) -> int:
     """How many of ``experts`` (transformers' module, under no wrapper) are identities, the last ids
     (``IDENTITY_EXPERTS``; looked up by their class or the class FSDP made of it, as ``slab_names``)."""
+    attribute = _identity_attribute(experts)
+    if attribute is None:
+        return 0
+    return int(getattr(experts, attribute, None) or getattr(getattr(experts, "config", None), attribute, None) or 0)
+
+
+def identity_rows(experts: torch.nn.Module, weight: str) -> int:
+    """How many identity experts' rows (or LoRA factors) ``experts``' routed weight named ``weight`` holds after its
+    GEMM experts' (``experts``: transformers' module, under no wrapper). LongCat-Flash's experts up to transformers
+    5.24 keep the count themselves and a gate_up_proj row for each identity expert, which nothing reads; 5.25's keep
+    it in their config alone, and their gate_up_proj holds the GEMM experts' rows alone, as every down_proj does."""
+    attribute = _identity_attribute(experts)
+    if attribute is None or weight == "down_proj":
+        return 0
+    return int(getattr(experts, attribute, None) or 0)
+
+
+def routed_expert_count(experts: torch.nn.Module) -> int:
+    """Every routed expert of ``experts`` (transformers' module, under no wrapper), the identities too, whether its
+    input projection holds rows for them or not (``identity_rows``)."""
+    activation = expert_activation(experts)
+    if activation == "split_silu":
+        return expert_slabs(experts)[0].shape[0]
+    projection = input_projection(activation)
+    return getattr(experts, projection).shape[0] - identity_rows(experts, projection) + identity_experts(experts)
+
+
+def _identity_attribute(experts: torch.nn.Module) -> str | None:
     names = (IDENTITY_EXPERTS.get(cls.__name__) for cls in type(experts).__mro__)
-    attribute = next((name for name in names if name is not None), None)
-    return 0 if attribute is None else int(getattr(experts, attribute) or 0)
+    return next((name for name in names if name is not None), None)
 
 
 def swiglu_limit(experts: torch.nn.Module) -> float | None:
@@ -665,9 +695,7 @@ def use_routed_experts(experts: torch.nn.Module, routing: Routing, grouped_gemm:
     experts.weights_input = routing.weights_input
     experts.swiglu_limit = swiglu_limit(base_experts)
     experts.identity_experts = identity_experts(base_experts)
-    if activation == "split_silu":
-        return expert_slabs(base_experts)[0].shape[0]
-    return getattr(base_experts, input_projection(activation)).shape[0]
+    return routed_expert_count(base_experts)
 
 
 def report_routing(

@@ -27,6 +27,7 @@ from cli_runs import jsonl, train
 from conftest import REPO
 from safetensors.torch import load_file
 from tiny_models import FUSED_MOE_ARCHITECTURES, write_tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.distributed.mesh import ParallelDims
 from shardtune.errors import ConfigError
@@ -279,9 +280,13 @@ def test_export_of_an_ep_checkpoint_is_the_runs_own_adapter(runs, arch, tmp_path
     # The merged model of the checkpoint is the run's own final-merged/ (merged from the gathered experts).
     merged, final_merged = (weights(directory) for directory in (tmp_path / "merged", run["out"] / "final-merged"))
     expert_weights = [name for name in merged if "experts" in name and name.endswith("up_proj")]  # gate_up, up
-    # Every expert's: LongCat-Flash's gate_up_proj has the 2 identity experts' rows after the 8 GEMM experts'.
-    rows = 10 if arch in IDENTITY_EXPERTS else 8
-    assert expert_weights and all(merged[name].shape[0] == rows for name in expert_weights)
+    # Every expert's, as transformers' own model of the config holds them (from_pretrained's layout): 8, and
+    # LongCat-Flash's gate_up_proj up to transformers 5.24 the 2 identity experts' rows after the 8 GEMM experts'.
+    with torch.device("meta"):
+        own = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run["out"] / "final-merged"))
+    rows = {name: own.get_parameter(name).shape[0] for name in expert_weights}
+    assert expert_weights and set(rows.values()) <= ({8, 10} if arch in IDENTITY_EXPERTS else {8})
+    assert all(merged[name].shape[0] == rows[name] for name in expert_weights)
     assert sorted(merged) == sorted(final_merged)
     for name, tensor in merged.items():
         assert tensor.equal(final_merged[name]), name
