@@ -34,8 +34,9 @@ def _home_expanded(value: object) -> object:
 
 
 class _Section(BaseModel):
-    # extra="forbid": an unknown key is an error (with a suggestion), never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # extra="forbid": an unknown key is an error (with a suggestion), never silently ignored. allow_inf_nan=False: YAML
+    # reads .inf and .nan as numbers, which no count, rate, size or timeout can be.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # Router weights of a randomly drawn MoE model (shardtune/model/init_routing.py); bench --routing offers the same.

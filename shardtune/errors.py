@@ -7,6 +7,8 @@ a script or scheduler can tell them apart). Anything else is a bug and keeps its
 
 from __future__ import annotations
 
+import math
+
 # The exit status of a process stopped by an InputError. A restart cannot fix such input, so the
 # launcher does not restart workers that exit with it.
 EXIT_BAD_INPUT = 2
@@ -87,3 +89,11 @@ def first_and_last_line(error: BaseException) -> str:
     message with its reason (datasets' and Arrow's "Couldn't cast ... because column names don't match")."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return first_line(error) if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+
+
+def positive_number_problem(option: str, value: float) -> str | None:
+    """The line for a command-line number that must be positive (a count, seconds, GiB), or None when it is.
+    argparse's ``float`` takes ``nan`` and ``inf`` too, which no count, wait or size can be."""
+    if not math.isfinite(value):
+        return f"{option}: must be a finite number, got {value}"
+    return None if value > 0 else f"{option}: must be positive, got {value}"

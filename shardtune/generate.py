@@ -22,6 +22,7 @@ from shardtune.data.formats import RowError, render_generation_prompt
 from shardtune.data.tokenize import ExampleTokenizer
 from shardtune.errors import InputError, first_line
 from shardtune.hub import not_cached_line, use_the_cache_if_the_hub_is_out_of_reach
+from shardtune.train.preflight import model_positions
 
 
 def load_for_inference(model_dir: str | Path, base: str | None = None) -> torch.nn.Module:
@@ -122,7 +123,28 @@ def prompt_ids(
         rendered = render_generation_prompt(format, tokenizer, text, input_text, system)
     except RowError as error:  # a chat template that refuses a system turn (Gemma's), say
         raise InputError(f"--system/--instruction: {error}") from None
-    return ExampleTokenizer(tokenizer, max_length=10**9).encode_prompt(rendered)
+    ids = ExampleTokenizer(tokenizer, max_length=10**9).encode_prompt(rendered)
+    if not ids:  # a text-format model, and a tokenizer that puts no BOS before text: nothing to continue from
+        raise InputError("--instruction: the prompt is empty (not one token); give the text to continue")
+    return ids
+
+
+def check_length(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The prompt and the answer fit the positions the model was built for, as training's ``data.max_length`` must:
+    beyond them, learned position embeddings fail to index (a traceback) and rotary ones answer nonsense."""
+    built_for = model_positions(model.config.get_text_config())
+    if built_for is None or prompt_tokens + max_new_tokens <= built_for[1]:
+        return
+    key, positions = built_for
+    if prompt_tokens >= positions:
+        raise InputError(
+            f"--instruction: the prompt is {prompt_tokens:,} tokens, and the model was built for {positions:,} "
+            f"positions ({key}): none is left for the answer; shorten it"
+        )
+    raise InputError(
+        f"--max-new-tokens: {max_new_tokens:,} after the prompt's {prompt_tokens:,} tokens go beyond the "
+        f"{positions:,} positions the model was built for ({key}); set at most {positions - prompt_tokens:,}"
+    )
 
 
 @torch.no_grad()
@@ -147,6 +169,7 @@ def generate_response(
         raise InputError(f"{model_dir}: its tokenizer cannot be loaded ({first_line(error)})") from None
     ids = prompt_ids(tokenizer, format, instruction, input_text, system)
     model = load_for_inference(model_dir, base).eval()
+    check_length(model, len(ids), max_new_tokens)
     input_ids = torch.tensor([ids])
     output = model.generate(
         input_ids=input_ids,

@@ -58,13 +58,16 @@ def hub_host() -> str:
     return urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
 
 
-def not_cached_line(where: str, name: str, reason: str, fix: str) -> str:
-    """The error line for hub id ``name`` (``where``: what names it), absent from the cache of a machine the hub
-    is out of reach of (``reason``); ``fix`` says where the downloaded copy's directory goes."""
+def not_cached_line(where: str, name: str, reason: str, fix: str, dataset: bool = False) -> str:
+    """The error line for hub id ``name`` (``where``: what names it; a model's, or a ``dataset``'s), absent from the
+    cache of a machine the hub is out of reach of (``reason``); ``fix`` says where the downloaded copy's directory
+    goes."""
+    # hf download fetches a model repository unless told otherwise: a dataset's id there is "not found".
+    repo_type = " --repo-type dataset" if dataset else ""
     return (
         f"{where}: {name} is not in this machine's Hugging Face cache, and {hub_host()} cannot be reached from "
-        f"here ({reason}): download it where the hub can be reached (hf download {name} --local-dir DIR), copy "
-        f"DIR here and {fix}"
+        f"here ({reason}): download it where the hub can be reached (hf download {name}{repo_type} --local-dir DIR), "
+        f"copy DIR here and {fix}"
     )
 
 

@@ -76,6 +76,10 @@ def test_overrides_are_typed(seed_config: Path):
         ),
         ("training.loss_chunk_tokens=some", "training.loss_chunk_tokens: should be auto, 0 (all logits at once)"),
         ("training.memory_budget_gib=0", "training.memory_budget_gib: Input should be greater than 0"),
+        # YAML reads .inf and .nan as numbers: plan's and the run's arithmetic then ended in a traceback.
+        ("training.memory_budget_gib=.inf", "training.memory_budget_gib: Input should be a finite number (got inf)"),
+        ("training.num_train_epochs=.inf", "training.num_train_epochs: Input should be a finite number (got inf)"),
+        ("data.dataset_weights=[.nan]", "data.dataset_weights: Input should be a finite number (got nan)"),
     ],
 )
 def test_bad_values_name_the_key(seed_config: Path, override: str, message: str):

@@ -158,6 +158,91 @@ def test_two_workers_share_directories_and_measure_bandwidth(tmp_path):
     assert not list((tmp_path / "run").glob(".domain-*")), "the shared-directory marker is removed"
 
 
+@pytest.mark.parametrize(
+    ("model", "row", "detail"),
+    [
+        ("./no-such-model", "model", "model.name_or_path: directory not found: ./no-such-model"),
+        # transformers' reason follows (the tests run with HF_HUB_OFFLINE=1)
+        (
+            "acme/unheard-of-7b",
+            "model config",
+            "model.name_or_path: acme/unheard-of-7b is not a model this machine can read (",
+        ),
+    ],
+    ids=["missing-directory", "hub-id-not-cached"],
+)
+def test_a_model_that_is_not_there_is_one_failed_row(tmp_path, model, row, detail):
+    """Said once, by the row that finds it. A missing directory also failed the model config row (transformers took
+    the path for a hub id: "Repo id must be in the form ..."), and both failed the memory row, whose second line of
+    transformers' message broke out of the table."""
+    result = doctor(tmp_path, "--port", str(free_port()), f"model.name_or_path={model}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = table(result.stdout)
+    assert [(check, status) for (_, check), (status, _) in rows.items() if status != OK] == [
+        (row, FAIL), ("memory", WARN), ("disk", WARN),
+    ]  # fmt: skip
+    assert rows["0", row][1].startswith(detail)
+    assert rows["0", "memory"][1] == f"not estimated: see {row}"
+    assert rows["0", "weights"][1] == "not checked (no model config)"
+
+
+def test_expert_parallelism_the_model_cannot_take_fails_as_training_does(tmp_path):
+    """Training refuses expert parallelism for a model without MoE layers once it is built; the doctor said ok."""
+    result = doctor(tmp_path, "--nproc", "2", "--port", str(free_port()), "parallel.expert_parallel_size=2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = table(result.stdout)
+    assert rows["0", "expert parallel"] == (
+        FAIL,
+        "parallel.expert_parallel_size: 2 needs an MoE model; examples/tiny-llama has no MoE layers; set it to 1",
+    )
+    assert [check for (_, check), (status, _) in rows.items() if status != OK] == ["expert parallel"]
+
+
+def test_workers_stopped_by_bad_input_say_so_once(tmp_path):
+    """The workers' one line, and nothing from the doctor after it (it added "the workers stopped before
+    reporting (exit 2); see their errors above"; after Ctrl-C too)."""
+    result = doctor(tmp_path, "--nproc", "2", "--port", str(free_port()), "parallel.expert_parallel_size=3")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        "shardtune: error: parallel.expert_parallel_size: 3 does not divide the world size 2; choose a divisor of 2 "
+        "(the number of processes) or change --nproc/--nodes\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        (["--port", "0"], "--port: must be in 1..65535, got 0"),  # the doctor checked port 29500 instead
+        (["--port", "70000"], "--port: must be in 1..65535, got 70000"),
+        (["--timeout", "nan"], "--timeout: must be a finite number, got nan"),
+        (["--join-timeout", "inf"], "--join-timeout: must be a finite number, got inf"),
+    ],
+)
+def test_bad_options_are_one_line(tmp_path, options, line):
+    result = doctor(tmp_path, *options)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"shardtune: error: {line}\n")
+
+
+def test_a_node_that_never_comes_is_named_with_the_command_to_start(tmp_path):
+    """The line said to start `shardtune launch` on the missing node, and nothing said that the doctor waited."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    options = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint, "--join-timeout", "2"]
+    result = doctor(tmp_path, *options)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    waiting, error = result.stderr.splitlines()
+    host = socket.gethostname()
+    assert re.fullmatch(
+        rf"\d\d:\d\d:\d\d INFO node 0 of 2 on {re.escape(host)}: waiting up to 2 s at {endpoint} for the other nodes",
+        waiting,
+    )
+    assert error == (
+        f"shardtune: error: node 0: waited 2 s (--join-timeout) at {endpoint} for node rank(s) 1 of 2, which never "
+        f"arrived (arrived: node 0 on {host}). Start `shardtune doctor` on those nodes with the same --rdzv-endpoint "
+        "and --rdzv-id shardtune, or raise --join-timeout"
+    )
+
+
 @pytest.mark.variants
 def test_two_nodes_with_node_local_output_dirs(tmp_path):
     """Node ranks 0 and 1 on one host, as two `launch`-style commands; each node names its own output dir."""

@@ -458,6 +458,21 @@ def test_no_usable_row_counts_the_reasons_once_for_two_workers(tmp_path):
     )
 
 
+@pytest.mark.variants
+def test_an_eval_file_with_no_example_is_one_line_for_two_workers(tmp_path):
+    """The run used to train on without evaluating, its log saying "eval: 0 examples"."""
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"instruction": "word " * 300, "output": "cut off"}])
+    overrides = [f"data.eval_path={data}", "data.eval_split_ratio=0", "data.truncation=drop", "training.max_steps=2"]
+    result = train(tmp_path, 2, *overrides)
+    assert_one_line(
+        result,
+        f"{data}: no eval example left of 1 rows read: 1 longer than data.max_length with data.truncation: drop "
+        f"(first: {data}:1); fix or replace the rows, or raise data.max_length (128), or leave data.eval_path out "
+        "to train without evaluation",
+    )
+    assert not (tmp_path / "run" / "final").exists()
+
+
 def test_no_usable_row_accounts_for_every_row_read(tmp_path, tokenizer):
     """The counts add up to the rows read: the eval rows held out are all counted, not the subset evaluated, and
     the rows data.subset_size left out are named."""
@@ -588,6 +603,23 @@ def test_a_hub_model_not_in_the_cache_of_a_machine_without_the_hub_is_one_line_a
         f"hub.invalid cannot be reached from here ({why_no_hub()}): download it where the hub can be "
         "reached (hf download someone/some-model --local-dir DIR), copy DIR here and set model.name_or_path to it"
     ]
+
+
+def test_a_hub_dataset_not_in_the_cache_names_the_download_of_a_dataset(tmp_path):
+    """hf download fetches a model repository unless told otherwise: the line's command must say --repo-type dataset
+    (without, it answers "repository not found" for a dataset's id)."""
+    out = tmp_path / "out.jsonl"
+    env = {**NO_HUB, "HF_HOME": str(tmp_path / "hf")}
+    result = shardtune("convert", "someone/some-dataset", "--out", str(out), "--input-col", "q", "--output-col", "a",
+                       env=env)  # fmt: skip
+    assert_one_line(
+        result,
+        f"someone/some-dataset[train]: someone/some-dataset is not in this machine's Hugging Face cache, and "
+        f"hub.invalid cannot be reached from here ({why_no_hub()}): download it where the hub can be reached (hf "
+        "download someone/some-dataset --repo-type dataset --local-dir DIR), copy DIR here and name DIR in its place "
+        "(a directory is read as the hub dataset is)",
+    )
+    assert not out.exists()
 
 
 def test_a_hub_model_in_the_cache_trains_on_two_workers_without_the_hub(tmp_path):

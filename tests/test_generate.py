@@ -245,6 +245,37 @@ def test_an_empty_answer_says_so_and_max_new_tokens_below_1_is_one_line(tmp_path
         ]
 
 
+def test_an_empty_prompt_and_one_beyond_the_models_positions_are_one_line(tmp_path: Path, tokenizer, capsys):
+    """GPT-2 learns its 256 position embeddings: a prompt and answer beyond them failed to index one (a traceback;
+    rotary models answer nonsense there); an empty text prompt made an empty tensor of floats (a traceback)."""
+    from tiny_models import tiny_config, write_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+
+    model_dir = write_tiny_model(tmp_path / "gpt2", "gpt2")
+    AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(model_dir)
+
+    def generate(instruction: str, new_tokens: int) -> int:
+        args = ["--format", "text", "--instruction", instruction, "--max-new-tokens", str(new_tokens)]
+        return main(["generate", str(model_dir), *args])
+
+    text = "word " * 250
+    prompt, longer = len(prompt_ids(tokenizer, "text", text)), len(prompt_ids(tokenizer, "text", text * 2))
+    cases = [
+        ("", 4, "--instruction: the prompt is empty (not one token); give the text to continue"),
+        (text, 10, f"--max-new-tokens: 10 after the prompt's {prompt} tokens go beyond the 256 positions the model "
+                   f"was built for (max_position_embeddings); set at most {256 - prompt}"),
+        (text * 2, 1, f"--instruction: the prompt is {longer} tokens, and the model was built for 256 positions "
+                      "(max_position_embeddings): none is left for the answer; shorten it"),
+    ]  # fmt: skip
+    capsys.readouterr()
+    for instruction, new_tokens, line in cases:
+        assert generate(instruction, new_tokens) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"shardtune: error: {line}"]
+    assert generate(text, 256 - prompt) == 0  # up to the last position
+
+
 def test_an_adapter_trained_on_random_weights_is_refused_without_them(tmp_path: Path, capsys):
     """Its adapter_config names the base's architecture only: on any weights but the run's random ones it would
     answer as if untrained. generate says where the run's weights are (final-merged/), or how to get them."""

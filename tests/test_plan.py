@@ -368,6 +368,8 @@ def test_the_loss_term_follows_the_loss_a_run_computes():
             "training.learning_rat: unknown key (did you mean 'training.learning_rate'?)",
         ),
         (["examples/quickstart.yaml", "--gpus-per-node", "0"], "--gpus-per-node: must be positive, got 0"),
+        (["examples/quickstart.yaml", "--gpu-memory-gib", "nan"], "--gpu-memory-gib: must be a finite number, got nan"),
+        (["examples/quickstart.yaml", "--gpu-memory-gib", "inf"], "--gpu-memory-gib: must be a finite number, got inf"),
         (
             ["examples/quickstart.yaml", "model.name_or_path=./no-such-model"],
             "model.name_or_path: directory not found: ./no-such-model",

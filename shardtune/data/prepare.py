@@ -124,11 +124,22 @@ def _weighted(items: list, weight: float, rng: random.Random) -> list:
     return items * int(whole) + _sample(items, round(fraction * len(items)), rng)
 
 
-def select_rows(
-    config: Config, tokenizer: PreTrainedTokenizerBase | None
-) -> tuple[list[_Example], list[_Example], dict]:
-    """The training and eval rows of a run, chosen as its token store chooses them (see the module docstring),
-    and what reading them found. ``tokenizer`` None: the rows are read and chosen, not rendered."""
+@dataclass
+class Selection:
+    """The training and eval rows of a run, and what reading them found: ``read`` for the store's summary (every
+    row read), and each part's own reader (the training sources', the eval file's) to say why a split is empty."""
+
+    train: list[_Example]
+    eval: list[_Example]
+    read: dict[str, Any]
+    sources: _RowReader
+    eval_file: _RowReader | None
+    left_out_of_eval: int  # by training.eval_subset_size
+
+
+def select_rows(config: Config, tokenizer: PreTrainedTokenizerBase | None) -> Selection:
+    """The training and eval rows of a run, chosen as its token store chooses them (see the module docstring).
+    ``tokenizer`` None: the rows are read and chosen, not rendered."""
     data, training = config.data, config.training
     rng = random.Random(training.seed)
     reader = _RowReader(config, tokenizer)
@@ -144,23 +155,32 @@ def select_rows(
         sources.append({"path": path, "weight": weight, "rows": len(rows)})
         train += _weighted(rows, weight, rng)
     held_out_for_eval = 0 if data.eval_path else len(eval_rows)
+    eval_reader = None
     if data.eval_path:
-        eval_rows = reader.read(SourceSpec(data.eval_path))
+        eval_reader = _RowReader(config, tokenizer)
+        eval_rows = eval_reader.read(SourceSpec(data.eval_path))
     left_out_by_subset = 0
     if data.subset_size is not None and data.subset_size < len(train):
         left_out_by_subset = len(train) - data.subset_size
         train = _sample(train, data.subset_size, rng)
+    left_out_of_eval = 0
     if training.eval_subset_size is not None and training.eval_subset_size < len(eval_rows):
+        left_out_of_eval = len(eval_rows) - training.eval_subset_size
         eval_rows = _sample(eval_rows, training.eval_subset_size, random.Random(training.seed + 1))
+    readers = [reader, *([eval_reader] if eval_reader else [])]
+    bad_row_locations: dict[str, list[str]] = {}
+    for each in readers:
+        for reason, rows in each.bad_row_locations.items():
+            bad_row_locations.setdefault(reason, []).extend(rows)
     read = {
-        "rows_read": reader.rows_read,
-        "bad_rows": dict(reader.bad_rows),
-        "bad_row_locations": reader.bad_row_locations,
+        "rows_read": sum(each.rows_read for each in readers),
+        "bad_rows": dict(sum((each.bad_rows for each in readers), Counter())),
+        "bad_row_locations": bad_row_locations,
         "sources": sources,
         "held_out_for_eval": held_out_for_eval,
         "left_out_by_subset": left_out_by_subset,
     }
-    return train, eval_rows, read
+    return Selection(train, eval_rows, read, reader, eval_reader, left_out_of_eval)
 
 
 def _tokenize_split(
@@ -190,14 +210,18 @@ def _tokenize_split(
 def build_splits(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[dict, dict, dict]:
     """Read, render, tokenize and pack: the arrays and summary a token store holds."""
     started = time.perf_counter()
-    train_rows, eval_rows, read = select_rows(config, tokenizer)
-    example_tokenizer = ExampleTokenizer(tokenizer, config.data.max_length, config.data.truncation)
-    train, train_summary = _tokenize_split(train_rows, example_tokenizer, config.data.packing, config.data.max_length)
-    eval_split, eval_summary = _tokenize_split(eval_rows, example_tokenizer, False, config.data.max_length)
+    data = config.data
+    selection = select_rows(config, tokenizer)
+    example_tokenizer = ExampleTokenizer(tokenizer, data.max_length, data.truncation)
+    train, train_summary = _tokenize_split(selection.train, example_tokenizer, data.packing, data.max_length)
+    eval_split, eval_summary = _tokenize_split(selection.eval, example_tokenizer, False, data.max_length)
     if len(train) == 0:
-        raise DataError(no_training_example(config, read, train_summary))
+        raise DataError(no_training_example(config, selection, train_summary))
+    # Evaluation asked for and nothing to evaluate: a run would go on without one eval_loss, unnoticed.
+    if len(eval_split) == 0 and (data.eval_path or data.eval_split_ratio > 0):
+        raise DataError(no_eval_example(config, selection, eval_summary))
     summary = {
-        **read,
+        **selection.read,
         "train": train_summary.as_dict(),
         "eval": eval_summary.as_dict(),
         "packing": config.data.packing,
@@ -212,34 +236,79 @@ DROP_REASONS = {
 }
 
 
-def no_training_example(config: Config, read: dict[str, Any], train: SplitSummary) -> str:
-    """Why no training example is left, counted by reason, with the first row of each and what to change."""
-    data = config.data
-    counts: list[str] = []
-    first: list[str] = []
-    if read["rows_read"] == 0:
+def no_training_example(config: Config, selection: Selection, train: SplitSummary) -> str:
+    """Why no training example is left of the rows the training sources hold, counted by reason, with the first row
+    of each and what to change."""
+    data, read, sources = config.data, selection.read, selection.sources
+    counts, first = _why_none(sources, train)
+    if not sources.rows_read:
         counts.append("the file holds no rows" if len(data.paths) == 1 else "the files hold no rows")
-    for reason, count in sorted(read["bad_rows"].items()):
-        counts.append(f"{count:,} bad ({reason})")
-        first.append(read["bad_row_locations"][reason][0])
-    for reason, count in sorted(train.dropped.items()):
-        counts.append(f"{count:,} {DROP_REASONS.get(reason, reason)}")
-        first.append(train.dropped_rows[reason][0])
+    fixes = _fixes(config, train) if counts else []
     if read["held_out_for_eval"]:
         counts.append(f"{read['held_out_for_eval']:,} held out for evaluation (data.eval_split_ratio)")
     if read["left_out_by_subset"]:
         counts.append(f"{read['left_out_by_subset']:,} left out by data.subset_size ({data.subset_size:,})")
     selected = sum(source["rows"] for source in read["sources"])
+    if read["held_out_for_eval"] and not selected:
+        fixes.append(
+            f"lower data.eval_split_ratio ({data.eval_split_ratio:g}: it holds out at least one row of each source), "
+            "or name an eval file in data.eval_path"
+        )
     if selected and not train.rows:
         counts.append("no row selected by data.dataset_weights")
-    fix = "fix or replace the rows"
-    if train.dropped.get(Outcome.TOO_LONG.value) or train.dropped.get(Outcome.NO_TARGET_TOKENS.value):
-        fix += f", or raise data.max_length ({data.max_length})"
-    where = f" (first: {', '.join(first)})" if first else ""
+        fixes.append("raise data.dataset_weights")
     return (
-        f"{', '.join(data.paths)}: no training example left of {read['rows_read']:,} rows read: "
-        f"{'; '.join(counts)}{where}; {fix}"
+        f"{', '.join(data.paths)}: no training example left of {sources.rows_read:,} rows read: "
+        f"{'; '.join(counts)}{_first(first)}; {', or '.join(fixes)}"
     )
+
+
+def no_eval_example(config: Config, selection: Selection, evaluation: SplitSummary) -> str:
+    """Why no eval example is left of the eval file's rows (``data.eval_path``) or of those ``data.eval_split_ratio``
+    held out, counted by reason as ``no_training_example`` counts them."""
+    data = config.data
+    if selection.eval_file is not None:
+        counts, first = _why_none(selection.eval_file, evaluation)
+        if not selection.eval_file.rows_read:
+            counts.append("the file holds no rows")
+        of = f"{data.eval_path}: no eval example left of {selection.eval_file.rows_read:,} rows read"
+        instead = "leave data.eval_path out"
+    else:  # bad rows are left out before any is held out: only examples dropped
+        counts, first = _why_none(None, evaluation)
+        held_out = selection.read["held_out_for_eval"]
+        of = f"{', '.join(data.paths)}: no eval example left of the {held_out:,} rows data.eval_split_ratio held out"
+        instead = "set data.eval_split_ratio: 0"
+    if selection.left_out_of_eval:
+        subset = config.training.eval_subset_size
+        counts.append(f"{selection.left_out_of_eval:,} left out by training.eval_subset_size ({subset:,})")
+    fixes = [*_fixes(config, evaluation), f"{instead} to train without evaluation"]
+    return f"{of}: {'; '.join(counts)}{_first(first)}; {', or '.join(fixes)}"
+
+
+def _why_none(reader: _RowReader | None, split: SplitSummary) -> tuple[list[str], list[str]]:
+    """What became of the rows of a split that has no example, counted by reason (the bad rows ``reader`` skipped,
+    then the examples the split dropped), and the first row of each reason."""
+    counts: list[str] = []
+    first: list[str] = []
+    for reason, count in sorted(reader.bad_rows.items() if reader is not None else []):
+        counts.append(f"{count:,} bad ({reason})")
+        first.append(reader.bad_row_locations[reason][0])
+    for reason, count in sorted(split.dropped.items()):
+        counts.append(f"{count:,} {DROP_REASONS.get(reason, reason)}")
+        first.append(split.dropped_rows[reason][0])
+    return counts, first
+
+
+def _fixes(config: Config, split: SplitSummary) -> list[str]:
+    """What to change about rows that made no example of ``split``."""
+    fixes = ["fix or replace the rows"]
+    if split.dropped.get(Outcome.TOO_LONG.value) or split.dropped.get(Outcome.NO_TARGET_TOKENS.value):
+        fixes.append(f"raise data.max_length ({config.data.max_length})")
+    return fixes
+
+
+def _first(rows: list[str]) -> str:
+    return f" (first: {', '.join(rows)})" if rows else ""
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -298,7 +367,9 @@ def prepare_dataset(
 def describe(summary: dict[str, Any]) -> str:
     """One line for the log: what preparation read, kept and dropped."""
     train, evaluation = summary["train"], summary["eval"]
-    dropped = {**train["dropped"], **{f"bad row: {k}": v for k, v in summary["bad_rows"].items()}}
+    # Bad rows are read before the split: counted with the rows read, not as train's (an eval file has its own).
+    bad = sum(summary["bad_rows"].values())
+    read = f"{summary['rows_read']:,} rows read" + (f" ({bad:,} bad)" if bad else "")
     rows = {
         **{f"bad row ({reason})": rows for reason, rows in summary["bad_row_locations"].items()},
         **{f"{name} {reason}": rows for name, split in (("train", train), ("eval", evaluation))
@@ -306,8 +377,8 @@ def describe(summary: dict[str, Any]) -> str:
     }  # fmt: skip
     listed = [f"{reason}: {_some(where)}" for reason, where in rows.items()]
     return (
-        f"{summary['rows_read']:,} rows read; train: {train['kept']:,} examples kept "
-        f"({train['truncated']:,} truncated, dropped {dropped or 'none'}), {train['tokens']:,} tokens, "
+        f"{read}; train: {train['kept']:,} examples kept ({train['truncated']:,} truncated, dropped "
+        f"{train['dropped'] or 'none'}), {train['tokens']:,} tokens, "
         f"{train['target_tokens']:,} target tokens, {train['sequences']:,} sequences"
         f"{' (packed)' if summary['packing'] else ''}; eval: {evaluation['kept']:,} examples"
         + (f"; rows dropped: {'; '.join(listed)}" if listed else "")

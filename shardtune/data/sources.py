@@ -161,6 +161,7 @@ def _json_type_name(value: Any) -> str:
 def _iter_jsonl(path: Path, name: str) -> Generator[Row | BadRow, None, None]:
     # Bytes, decoded line by line: one line of bad UTF-8 is one bad row, not the end of the file.
     with open(path, "rb") as handle:
+        first = True  # the first line that holds anything
         for number, line, bad_utf8 in _decoded_lines(handle):
             where = f"{name}:{number}"
             if bad_utf8:
@@ -168,14 +169,30 @@ def _iter_jsonl(path: Path, name: str) -> Generator[Row | BadRow, None, None]:
                 continue
             if not line.strip():
                 continue
+            hint = _one_document_hint(line) if first else ""
+            first = False
             try:
                 # Without its line end, so an error at the end of the line reports this line's column.
                 value = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                yield BadRow(where, f"not valid JSON ({exc.msg} at column {exc.colno})")
+                detail = f"{exc.msg} at column {exc.colno}" + (f"; {hint}" if hint else "")
+                yield BadRow(where, f"not valid JSON ({detail})")
                 continue
             reason = _object_or_reason(value)
+            if reason is not None and hint:
+                reason += f" ({hint})"
             yield Row(value, where) if reason is None else BadRow(where, reason)
+
+
+def _one_document_hint(first_line: str) -> str:
+    """What a .jsonl file whose first line opens one JSON document (a list of rows, a row indented over several
+    lines) is, for the reason its first bad row gives: each of its lines is a bad row, and none says why."""
+    text = first_line.strip()
+    if text.startswith("["):
+        return "one JSON list of rows is JSON, not JSON Lines: name the file .json"
+    if text == "{":
+        return "JSON Lines holds each row on one line"
+    return ""
 
 
 def _iter_json(path: Path, name: str) -> Generator[Row | BadRow, None, None]:
@@ -289,8 +306,8 @@ def _load_dataset(spec: SourceSpec, datasets: Any) -> Any:
         dataset = datasets.load_dataset(path, name=spec.subset, split=spec.split)
     except (datasets.exceptions.DatasetsError, ValueError, FileNotFoundError, ConnectionError) as exc:
         if out_of_reach is not None:
-            fix = "name DIR in its place in the config (a directory is read as the hub dataset is)"
-            raise DataError(not_cached_line(spec.label, spec.path, out_of_reach, fix)) from None
+            fix = "name DIR in its place (a directory is read as the hub dataset is)"
+            raise DataError(not_cached_line(spec.label, spec.path, out_of_reach, fix, dataset=True)) from None
         # Unknown dataset, split or subset, no network, unparsable data files: all fixed by the user.
         cause = f" ({first_and_last_line(exc.__cause__)})" if exc.__cause__ is not None else ""
         hint = ""

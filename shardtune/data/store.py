@@ -327,6 +327,12 @@ def build_once(
             failure = _failure_path(cache_dir, key)
             failure.unlink(missing_ok=True)
             try:
+                if final.exists():
+                    # Not left by write_store, which names a store only once it is complete: a copy cut short.
+                    # Its rename onto it would fail after the whole build.
+                    raise DataError(
+                        f"{final}: damaged token store (no {META_FILE}); delete the directory to rebuild it"
+                    )
                 splits, summary, meta = build()
             except DataError as error:
                 # The processes waiting for this store learn why it will never come (and say the same),

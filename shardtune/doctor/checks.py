@@ -19,12 +19,20 @@ from pathlib import Path
 import torch
 
 from shardtune.checkpoint.layout import not_a_checkpoint
-from shardtune.config import Config, DataConfig, ModelConfig, NetworkConfig, TrainingConfig, looks_local
+from shardtune.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    NetworkConfig,
+    TrainingConfig,
+    looks_local,
+    model_path_problem,
+)
 from shardtune.data.sources import is_local
 from shardtune.distributed.env import DistributedEnv
 from shardtune.doctor.estimates import available_host_memory, disk_check, memory_checks
 from shardtune.doctor.report import FAIL, GIB, OK, WARN, Check, plural, size
-from shardtune.errors import InputError
+from shardtune.errors import InputError, first_line
 from shardtune.launch.network import network_environment
 from shardtune.plan.shape import model_shape_on
 from shardtune.run_dir import output_dir_problem
@@ -37,7 +45,7 @@ def guarded(name: str, check: Callable[[], list[Check]]) -> list[Check]:
     except InputError as exc:
         return [Check(name, FAIL, "; ".join(exc.lines), fix="fix the setting named")]
     except Exception as exc:  # any error is a finding here; the other checks must still run
-        return [Check(name, FAIL, f"{type(exc).__name__}: {exc}", fix="see the error")]
+        return [Check(name, FAIL, f"{type(exc).__name__}: {first_line(exc)}", fix="see the error")]
 
 
 # -- before any worker starts ----------------------------------------------------------------------
@@ -289,13 +297,19 @@ def previous_run_check(training: TrainingConfig) -> list[Check]:
 
 def run_preflight_checks(config: Config, device: torch.device, world_size: int) -> list[Check]:
     """The checks ``shardtune train`` on ``world_size`` ranks makes before it writes or loads anything, one row
-    each."""
+    each. A local model directory that is not there is the ``model`` row's finding (training's config check names
+    it before its preflight): its config is not read, where transformers would take the path for a hub id."""
     from shardtune.train.preflight import preflight_checks
 
+    no_directory = model_path_problem(config.model) is not None
     return [
         row
         for name, check in preflight_checks(config, device, world_size)
-        for row in guarded(name, lambda check=check, name=name: [Check(name, OK, check())])
+        for row in (
+            [Check(name, OK, "not checked (no model directory)")]
+            if no_directory and name == "model config"
+            else guarded(name, lambda check=check, name=name: [Check(name, OK, check())])
+        )
     ]
 
 
@@ -318,14 +332,22 @@ def node_checks(config: Config, env: DistributedEnv) -> list[Check]:
         *previous_run_check(config.training),
         *run_preflight_checks(config, env.device, env.world_size),
     ]
+    unknown_size = Check("disk", WARN, "not estimated: the model's size is unknown", fix="fix the memory check first")
+    # No model config to build the model from: the row that says why says it once.
+    unread = "model" if model_path_problem(config.model) else None
+    if unread is None and any(row.name == "model config" and row.status == FAIL for row in rows):
+        unread = "model config"
+    if unread:
+        fix = f"fix the {unread} check first"
+        return [*rows, Check("memory", WARN, f"not estimated: see {unread}", fix=fix), unknown_size]
     try:
         shape = model_shape_on(config, env.device)
     except Exception as exc:  # a model that cannot even be shaped is the finding
-        reason = "; ".join(exc.lines) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
+        reason = "; ".join(exc.lines) if isinstance(exc, InputError) else f"{type(exc).__name__}: {first_line(exc)}"
         return [
             *rows,
             Check("memory", FAIL, f"cannot build the model from its config: {reason}", fix="check model.*"),
-            Check("disk", WARN, "not estimated: the model's size is unknown", fix="fix the memory check first"),
+            unknown_size,
         ]
     return [
         *rows,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.doctor.report import FAIL, OK, WARN, Check, failed, format_report, plural
-from shardtune.errors import InputError
+from shardtune.errors import InputError, positive_number_problem
 from shardtune.launch.elastic import NodeSpec, add_node_arguments
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # Paths are checked by the nodes, each for itself, and reported in the table; bad keys stop here.
     config = load_config(args.config, args.overrides, check_paths=False)
     from shardtune.doctor.checks import interface_checks, workers_check
-    from shardtune.launch.elastic import default_nproc, launch_node, node_spec_from_args
+    from shardtune.launch.elastic import SELF_REPORTED, default_nproc, launch_node, node_spec_from_args, port_problem
 
     if _is_worker(args):
         state = Path(args.worker_state) if args.worker_state else None
@@ -162,8 +162,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         # The verdict travels by file: a worker exiting non-zero would read as a crash to the launcher.
         return 0
 
-    if args.timeout <= 0:
-        raise InputError(f"--timeout: must be positive, got {args.timeout}")
+    if problem := positive_number_problem("--timeout", args.timeout):
+        raise InputError(problem)
+    if args.port is not None and (problem := port_problem("--port", args.port)):
+        raise InputError(problem)
     # A failed check is a finding, not a crash for the launcher to retry.
     spec = replace(node_spec_from_args(args), max_restarts=0)
     endpoint_port = spec.host_port()[1] if spec.rdzv_endpoint else None
@@ -179,6 +181,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     if not spec.multi_node and nproc == 1:
         return run_checks(config, args.timeout, front)
+    from shardtune.cli import setup_logging
+
+    setup_logging(is_main=True)  # the launcher says who it waits for (the other nodes, the rendezvous store)
     with tempfile.TemporaryDirectory(prefix="shardtune-doctor-") as state:
         Path(state, FRONT_CHECKS).write_text(json.dumps([asdict(check) for check in front]))
         worker = ["doctor", args.config, *args.overrides, "--timeout", str(args.timeout), "--worker-state", state]
@@ -186,6 +191,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         verdict = Path(state, VERDICT)
         if verdict.is_file():
             return int(verdict.read_text())
+    if status in SELF_REPORTED:
+        return status  # the workers said why, in one line (bad input, Ctrl-C, ...)
     print(
         f"shardtune doctor: the workers stopped before reporting (exit {status}); see their errors above",
         file=sys.stderr,

@@ -38,6 +38,8 @@ from shardtune.errors import (
     EXIT_OUT_OF_MEMORY,
     EXIT_SAVE_FAILED,
     InputError,
+    first_line,
+    positive_number_problem,
 )
 from shardtune.launch.local import LAUNCHER_PID_VARIABLE, REPORTED_ERRORS_VARIABLE
 from shardtune.launch.network import apply_network_environment
@@ -51,7 +53,7 @@ SELF_REPORTED = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_OUT_OF_M
 
 __all__ = [
     "PREEMPTED_EXIT_CODE", "NodeSpec", "add_node_arguments", "endpoint_addresses", "is_this_host", "launch_node",
-    "node_spec_from_args",
+    "node_spec_from_args", "port_problem",
 ]  # fmt: skip
 
 
@@ -72,6 +74,7 @@ class NodeSpec:
     max_restarts: int = 0
     # How long workers get to commit their preemption checkpoint before the agent kills them.
     shutdown_grace_s: float = 300.0
+    command: str = "launch"  # what every node runs (``launch``, ``doctor``): named to a node left waiting
 
     @property
     def multi_node(self) -> bool:
@@ -141,8 +144,8 @@ def node_spec_from_args(args: argparse.Namespace) -> NodeSpec:
             raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
-    if args.join_timeout <= 0:
-        raise LaunchError(f"--join-timeout: must be positive, got {args.join_timeout}")
+    if problem := positive_number_problem("--join-timeout", args.join_timeout):
+        raise LaunchError(problem)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts: must be 0 or more, got {args.max_restarts}")
     return NodeSpec(
@@ -153,7 +156,13 @@ def node_spec_from_args(args: argparse.Namespace) -> NodeSpec:
         nproc_per_node=args.nproc_per_node,
         join_timeout_s=args.join_timeout,
         max_restarts=args.max_restarts,
+        command=args.command,
     )
+
+
+def port_problem(option: str, port: int) -> str | None:
+    """The line for a TCP port number that is none (outside 1..65535), or None when it is one."""
+    return None if 0 < port < 65536 else f"{option}: must be in 1..65535, got {port}"
 
 
 def default_nproc() -> int:
@@ -192,7 +201,7 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
     reported_errors = tempfile.TemporaryDirectory(prefix="shardtune-errors-")
     os.environ[REPORTED_ERRORS_VARIABLE] = reported_errors.name
     os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # the workers end with it (end_with_the_launcher)
-    store = _host_or_join_store(spec) if spec.multi_node else None
+    store = None
     if spec.multi_node:
         os.environ.update(
             SHARDTUNE_NNODES=str(spec.nnodes),
@@ -200,6 +209,8 @@ def launch_node(spec: NodeSpec, worker_command: list[str], network: NetworkConfi
             SHARDTUNE_RDZV_ENDPOINT=str(spec.rdzv_endpoint),
         )
     try:
+        if spec.multi_node:
+            store = _host_or_join_store(spec)
         # Restarts are counted here rather than by the agent: torch's agent lets the node whose
         # worker failed count a restart while the others restart for "membership change" without
         # counting, and its workers then look for each other under different store prefixes and
@@ -364,23 +375,44 @@ def _host_or_join_store(spec: NodeSpec):
 
     host, port = spec.host_port()
     timeout = datetime.timedelta(seconds=spec.join_timeout_s)
-    store = None
     if is_this_host(endpoint_addresses(host)):
         try:
-            store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+            return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
         except (RuntimeError, OSError):
-            store = None  # another launcher on this machine hosts it already (or the port is taken)
-    if store is None:
+            pass  # another launcher on this machine hosts it already (or the port is taken)
+    _wait_until_the_store_listens(spec)
+    try:
+        return TCPStore(host, port, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as error:
+        raise LaunchError(
+            f"node {spec.node_rank}: joining the rendezvous store at {spec.rdzv_endpoint} failed "
+            f"({first_line(error)}): is port {port} on {host} the first launcher's, and is that node still up?"
+        ) from None
+
+
+def _wait_until_the_store_listens(spec: NodeSpec) -> None:
+    """Wait, up to ``--join-timeout``, until the rendezvous store's endpoint takes a connection: its node may start
+    after this one, and its name may resolve only once it has. Tried here rather than by TCPStore's client, whose
+    connect lasts about twice its timeout, holds off Ctrl-C and SIGTERM until it returns, and prints a C++ stack
+    for every failed try."""
+    host, port = spec.host_port()
+    log.info("node %d of %d on %s: waiting up to %g s for the rendezvous store at %s", spec.node_rank, spec.nnodes,
+             socket.gethostname(), spec.join_timeout_s, spec.rdzv_endpoint)  # fmt: skip
+    deadline = time.monotonic() + spec.join_timeout_s
+    while True:
+        left = deadline - time.monotonic()
         try:
-            # A client retries connecting until the timeout: node 0 may start after this one.
-            store = TCPStore(host, port, is_master=False, timeout=timeout)
-        except (RuntimeError, OSError) as error:
+            socket.create_connection((host, port), timeout=min(max(left, 0.1), 5.0)).close()
+            return
+        except OSError as error:  # the name does not resolve (yet), nothing listens, no route, no answer
+            reason = error.strerror or str(error)
+        if time.monotonic() >= deadline:
             raise LaunchError(
                 f"node {spec.node_rank}: could not reach the rendezvous store at {spec.rdzv_endpoint} within "
-                f"{spec.join_timeout_s:.0f} s (--join-timeout): is the node at {host} started, and port {port} "
-                f"open between the nodes? ({error})"
-            ) from error
-    return store
+                f"{spec.join_timeout_s:g} s (--join-timeout): is the node at {host} started, and port {port} open "
+                f"between the nodes? (last try: {reason})"
+            )
+        time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
 
 
 def _wait_for_the_other_nodes(spec: NodeSpec, store, rdzv_id: str) -> None:
@@ -393,8 +425,8 @@ def _wait_for_the_other_nodes(spec: NodeSpec, store, rdzv_id: str) -> None:
             f"{spec.node_rank}: give every node its own --node-rank, or a new --rdzv-id for a new run"
         )
     store.set(f"{prefix}/{spec.node_rank}", socket.gethostname())
-    log.info("node %d of %d on %s: waiting at %s for the other nodes", spec.node_rank, spec.nnodes,
-             socket.gethostname(), spec.rdzv_endpoint)  # fmt: skip
+    log.info("node %d of %d on %s: waiting up to %g s at %s for the other nodes", spec.node_rank, spec.nnodes,
+             socket.gethostname(), spec.join_timeout_s, spec.rdzv_endpoint)  # fmt: skip
     keys = [f"{prefix}/{rank}" for rank in range(spec.nnodes)]
     while True:
         arrived = [rank for rank, key in enumerate(keys) if store.check([key])]
@@ -406,7 +438,7 @@ def _wait_for_the_other_nodes(spec: NodeSpec, store, rdzv_id: str) -> None:
             raise LaunchError(
                 f"node {spec.node_rank}: waited {spec.join_timeout_s:.0f} s (--join-timeout) at {spec.rdzv_endpoint} "
                 f"for node rank(s) {', '.join(map(str, missing))} of {spec.nnodes}, which never arrived "
-                f"(arrived: {hosts}). Start `shardtune launch` on those nodes with the same --rdzv-endpoint "
+                f"(arrived: {hosts}). Start `shardtune {spec.command}` on those nodes with the same --rdzv-endpoint "
                 f"and --rdzv-id {spec.rdzv_id}, or raise --join-timeout"
             )
         time.sleep(0.2)

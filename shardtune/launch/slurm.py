@@ -14,6 +14,8 @@ plain ``scancel``, the end of the time limit) also reaches ``srun``, which kills
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import re
 import shlex
 import shutil
@@ -22,8 +24,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtune.atomic import write_atomic
 from shardtune.config import Config, add_config_arguments, dump_config, load_config
 from shardtune.errors import InputError
+from shardtune.launch.elastic import port_problem
 from shardtune.launch.network import network_environment
 from shardtune.run_dir import output_dir_problem
 from shardtune.train.preemption import PREEMPTED_EXIT_CODE
@@ -196,9 +200,41 @@ def render_sbatch(job: SlurmJob, files: JobFiles, network_env: dict[str, str]) -
     return "\n".join(header) + "\n" + body
 
 
-def write_job(config: Config, job: SlurmJob) -> JobFiles:
+# The script's third line: the sha256 of the script (without that line) and of config.yaml as ``write_job`` wrote
+# them. Written again, they replace the job's files only while both still read so: an edit (the script invites
+# one) or a file of their name that shardtune did not write is replaced only with --overwrite.
+_AS_WRITTEN = re.compile(r"^# as written: job\.sbatch ([0-9a-f]{16}), config\.yaml ([0-9a-f]{16}) .*\n", re.MULTILINE)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read(path: Path) -> str | None:
+    """The text of ``path``; None when nothing is there; "" when what is there does not read as text."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def changed_job_files(files: JobFiles) -> list[Path]:
+    """The job's files there that are not as ``write_job`` wrote them: edited since, or never written by it."""
+    script, config = _read(files.script), _read(files.config)
+    record = _AS_WRITTEN.search(script or "")
+    if record is None:
+        return [path for path, text in ((files.script, script), (files.config, config)) if text is not None]
+    body = _AS_WRITTEN.sub("", script, count=1)
+    changed = [files.script] if _digest(body) != record[1] else []
+    return changed + ([files.config] if config is not None and _digest(config) != record[2] else [])
+
+
+def write_job(config: Config, job: SlurmJob, overwrite: bool = False) -> JobFiles:
     """Write ``<output_dir>/slurm/config.yaml`` (the resolved config) and ``job.sbatch`` next to it. The job
-    runs in the current directory, with this Python interpreter."""
+    runs in the current directory, with this Python interpreter. Files there that are not as this wrote them
+    (``changed_job_files``) are replaced only with ``overwrite``."""
     workdir = Path.cwd().resolve()
     files = JobFiles(run_dir=workdir / config.training.output_dir, workdir=workdir, python=sys.executable)
     problems = [
@@ -213,9 +249,27 @@ def write_job(config: Config, job: SlurmJob) -> JobFiles:
     ]
     if problems:
         raise InputError(problems)
+    from shardtune.train.preflight import check_writable  # imports torch: not for every command's parser
+
+    check_writable("training.output_dir", files.slurm_dir)
+    if not overwrite and (changed := changed_job_files(files)):
+        raise InputError(
+            [
+                f"{path}: not as shardtune slurm wrote it (edited since, or not its own); pass --overwrite to "
+                "replace it, or choose another training.output_dir"
+                for path in changed
+            ]
+        )
+    config_text = dump_config(config)
+    script = render_sbatch(job, files, network_environment(config.network))
+    shebang, title, rest = script.split("\n", 2)
+    as_written = (
+        f"# as written: job.sbatch {_digest(script)}, config.yaml {_digest(config_text)} (sha256; shardtune "
+        "slurm replaces an edited one only with --overwrite)"
+    )
     files.slurm_dir.mkdir(parents=True, exist_ok=True)
-    files.config.write_text(dump_config(config), encoding="utf-8")
-    files.script.write_text(render_sbatch(job, files, network_environment(config.network)), encoding="utf-8")
+    write_atomic(files.config, config_text)
+    write_atomic(files.script, "\n".join([shebang, title, as_written, rest]))
     files.script.chmod(0o755)
     return files
 
@@ -260,8 +314,8 @@ def job_from_args(args: argparse.Namespace, config: Config) -> SlurmJob:
         value = getattr(args, option)
         if value is not None and not re.fullmatch(r"[\w.,:+@-]+", value):
             problems.append(f"--{option.replace('_', '-')}: {value!r} is not a Slurm name")
-    if not 0 < args.port < 65536:
-        problems.append(f"--port: must be in 1..65535, got {args.port}")
+    if problem := port_problem("--port", args.port):
+        problems.append(problem)
     if not 0 < args.signal_seconds < 65536:
         problems.append(f"--signal-seconds: must be in 1..65535, got {args.signal_seconds}")
     if args.max_restarts < 0:
@@ -309,7 +363,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     job = job_from_args(args, config)
     check_run_dir_is_free(config)
-    files = write_job(config, job)
+    files = write_job(config, job, args.overwrite)
     if not args.submit:
         print(files.script.read_text(), end="")
         print(f"shardtune: wrote {files.script}; submit it with: sbatch {files.script}", file=sys.stderr)
@@ -370,5 +424,11 @@ def add_slurm_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "--max-restarts", type=int, default=0, help="restart a node's workers this many times after a failure"
     )
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+    slurm.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace slurm/job.sbatch and slurm/config.yaml even where they were edited since written, or are not "
+        "shardtune's",
+    )
     slurm.set_defaults(handler=cmd_slurm)
     return slurm

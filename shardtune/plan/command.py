@@ -13,7 +13,7 @@ import argparse
 
 from shardtune.config import Config, add_config_arguments, load_config
 from shardtune.doctor.report import plural, size
-from shardtune.errors import InputError
+from shardtune.errors import InputError, positive_number_problem
 from shardtune.plan.memory import describe_checkpointing, micro_batch_tokens, usable_share
 from shardtune.plan.run import (
     DEFAULT_GPU_MEMORY_GIB,
@@ -56,8 +56,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     for option in ("nodes", "gpus_per_node", "gpu_memory_gib"):
-        if getattr(args, option) <= 0:
-            raise InputError(f"--{option.replace('_', '-')}: must be positive, got {getattr(args, option)}")
+        if problem := positive_number_problem(f"--{option.replace('_', '-')}", getattr(args, option)):
+            raise InputError(problem)
     # The data need not be on this machine: the run is sized without it (steps per epoch then unknown).
     config = load_config(args.config, args.overrides, check_paths=False)
     from shardtune.cli import setup_logging

@@ -61,8 +61,7 @@ def check_expert_parallel(config: Config, shape: ModelShape, cluster: Cluster) -
     from shardtune.distributed.mesh import ParallelDims  # imports torch: not for every command's parser
 
     dims = ParallelDims(cluster.world_size, 0, cluster.gpus_per_node, "cuda", config.parallel.expert_parallel_size)
-    expert_counts = [(layer.num_experts, layer.identity_experts) for layer in shape.moe_layers]
-    dims.check_model(expert_counts, config.model.name_or_path)
+    dims.check_model(shape.expert_counts, config.model.name_or_path)
 
 
 def plan_run(config: Config, shape: ModelShape, cluster: Cluster) -> RunPlan:

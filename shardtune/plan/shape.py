@@ -119,6 +119,12 @@ class ModelShape:
     def moe_layers(self) -> list[LayerShape]:
         return [layer for layer in self.layers if layer.num_experts]
 
+    @property
+    def expert_counts(self) -> list[tuple[int, int]]:
+        """Each MoE layer's routed experts and how many of them are identities, which expert parallelism splits
+        (``ParallelDims.check_model``)."""
+        return [(layer.num_experts, layer.identity_experts) for layer in self.moe_layers]
+
 
 def read_model_shape(model: torch.nn.Module, config: Config, precision: Precision) -> ModelShape:
     """The shape of ``model``, built by ``build_model`` for ``config`` with ``precision`` (on any device)."""

@@ -77,8 +77,7 @@ def epoch_steps(config: Config, world_size: int) -> EpochSteps:
         how = f"tokenized with {config.model.name_or_path}'s tokenizer" + (", packed" if config.data.packing else "")
         exact = True
     else:
-        train, _, _ = select_rows(config, None)
-        sequences = len(train)
+        sequences = len(select_rows(config, None).train)
         how = f"rows counted, not tokenized: {config.model.name_or_path}'s tokenizer is not on this machine"
         exact = False
     training = config.training

@@ -85,15 +85,13 @@ def check_model_config(config: Config, model_config: PretrainedConfig) -> Pretra
             "not a causal language model: AutoModelForCausalLM cannot load it"
         )
     text_config = model_config.get_text_config()
-    for key in POSITION_KEYS:
-        positions = getattr(text_config, key, None)
-        if isinstance(positions, int) and positions > 0:
-            if config.data.max_length > positions:
-                raise ConfigError(
-                    f"data.max_length: {config.data.max_length} tokens is beyond the {positions} positions "
-                    f"{model.name_or_path} was built for ({key}); set data.max_length to at most {positions}"
-                )
-            break
+    built_for = model_positions(text_config)
+    if built_for is not None and config.data.max_length > built_for[1]:
+        key, positions = built_for
+        raise ConfigError(
+            f"data.max_length: {config.data.max_length} tokens is beyond the {positions} positions "
+            f"{model.name_or_path} was built for ({key}); set data.max_length to at most {positions}"
+        )
     for key, value, chunked in (("model.liger_kernel", config.model.liger_kernel, False),
                                 ("training.loss_chunk_tokens", config.training.loss_chunk_tokens, True)):  # fmt: skip
         transforms = logit_transforms(text_config, chunked=chunked)
@@ -103,6 +101,15 @@ def check_model_config(config: Config, model_config: PretrainedConfig) -> Pretra
                 f"({', '.join(transforms)}), which a fused or chunked loss would skip; turn {key} off"
             )
     return text_config
+
+
+def model_positions(text_config: PretrainedConfig) -> tuple[str, int] | None:
+    """The number of positions the model was built for, and the config key that says so; None where none does."""
+    for key in POSITION_KEYS:
+        positions = getattr(text_config, key, None)
+        if isinstance(positions, int) and positions > 0:
+            return key, positions
+    return None
 
 
 def check_weights(config: Config) -> str:
@@ -257,16 +264,37 @@ def preflight_checks(config: Config, device: torch.device, world_size: int) -> l
     def kernels() -> str:
         return check_kernels(config, device, model_config[0] if model_config else None, world_size)
 
+    def expert_parallel() -> str:
+        return check_expert_groups(config, device, world_size) if model_config else "not checked (no model config)"
+
     return [
         ("model config", model),
         # A directory that holds no causal LM has no weights worth naming.
         ("weights", lambda: check_weights(config) if model_config else "not checked (no model config)"),
         ("precision", lambda: check_precision(config, device)),
         ("kernels", kernels),
+        *([("expert parallel", expert_parallel)] if config.parallel.expert_parallel_size > 1 else []),
         ("logging", lambda: check_logging_packages(config)),
         ("output dir", lambda: check_writable("training.output_dir", Path(config.training.output_dir))),
         ("cache dir", lambda: check_writable("data.cache_dir", config.data.resolved_cache_dir)),
     ]
+
+
+def check_expert_groups(config: Config, device: torch.device, world_size: int) -> str:
+    """``parallel.expert_parallel_size`` against the routed experts of the model, built on the meta device: an
+    MoE model whose every MoE layer's experts split evenly over the EP group (``ParallelDims.check_model``, which
+    training asks again of the built model). Checked here, before the run writes anything, as it costs a build
+    on the meta device only where expert parallelism is on."""
+    from shardtune.distributed.mesh import ParallelDims
+    from shardtune.doctor.report import plural
+    from shardtune.plan.shape import model_shape_on
+
+    size = config.parallel.expert_parallel_size
+    shape = model_shape_on(config, device)
+    ParallelDims(world_size, 0, world_size, device.type, size).check_model(
+        shape.expert_counts, config.model.name_or_path
+    )
+    return f"groups of {size} ranks split the routed experts of {plural(len(shape.moe_layers), 'MoE layer')}"
 
 
 def preflight(config: Config, device: torch.device, world_size: int) -> None:

@@ -53,6 +53,75 @@ def test_bad_rows_skipped_and_counted(tmp_path, tokenizer):
     assert stored["bad_rows"] == summary["bad_rows"]
 
 
+def test_bad_rows_of_an_eval_file_are_counted_with_the_rows_read_not_as_trains(tmp_path, tokenizer):
+    from shardtune.data.prepare import describe
+
+    train = write_jsonl(tmp_path / "train.jsonl", GOOD)
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", [GOOD[0], {"instruction": "no output"}])
+    config = make_config(tmp_path, train, data={"eval_path": str(evaluation), "on_bad_row": "skip"})
+    line = describe(prepare_dataset(config, tokenizer).summary)
+    assert line.startswith("14 rows read (1 bad); train: 12 examples kept (0 truncated, dropped none), "), line
+    assert line.endswith(f"; eval: 1 examples; rows dropped: bad row (missing field 'output' (fields: "
+                         f"['instruction'])): {evaluation}:2")  # fmt: skip
+
+
+def no_example_line(tmp_path: Path, tokenizer, train: Path, **data) -> list[str]:
+    with pytest.raises(DataError) as error:
+        prepare_dataset(make_config(tmp_path, train, data=data), tokenizer)
+    return error.value.lines
+
+
+def test_no_training_example_counts_the_training_sources_rows_and_names_the_setting_to_change(tmp_path, tokenizer):
+    """The rows of data.eval_path are not the training sources' (an empty one read as "of 12 rows read: ;"), and rows
+    that are all good but all held out or weighted away are not rows to fix."""
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    one = write_jsonl(tmp_path / "one.jsonl", GOOD[:1])
+    assert no_example_line(tmp_path, tokenizer, empty, eval_path=str(good)) == [
+        f"{empty}: no training example left of 0 rows read: the file holds no rows; fix or replace the rows"
+    ]
+    assert no_example_line(tmp_path, tokenizer, one, eval_split_ratio=0.05) == [
+        f"{one}: no training example left of 1 rows read: 1 held out for evaluation (data.eval_split_ratio); lower "
+        "data.eval_split_ratio (0.05: it holds out at least one row of each source), or name an eval file in "
+        "data.eval_path"
+    ]
+    assert no_example_line(tmp_path, tokenizer, good, dataset_weights=[0.01]) == [
+        f"{good}: no training example left of 12 rows read: no row selected by data.dataset_weights; raise "
+        "data.dataset_weights"
+    ]
+
+
+def test_evaluation_asked_for_with_no_eval_example_is_one_line_with_the_reasons(tmp_path, tokenizer):
+    """data.eval_path or data.eval_split_ratio, and not one example left to evaluate: the run used to go on without
+    an evaluation, saying only "eval: 0 examples"."""
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    too_long = {"instruction": "word " * 300, "output": "cut off"}
+    long_rows = write_jsonl(tmp_path / "long.jsonl", [too_long] * 2)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "no output"}])
+    leave_out = "or leave data.eval_path out to train without evaluation"
+    assert no_example_line(tmp_path, tokenizer, good, eval_path=str(empty)) == [
+        f"{empty}: no eval example left of 0 rows read: the file holds no rows; fix or replace the rows, {leave_out}"
+    ]
+    assert no_example_line(tmp_path, tokenizer, good, eval_path=str(long_rows), truncation="drop") == [
+        f"{long_rows}: no eval example left of 2 rows read: 2 longer than data.max_length with data.truncation: drop "
+        f"(first: {long_rows}:1); fix or replace the rows, or raise data.max_length (128), {leave_out}"
+    ]
+    assert no_example_line(tmp_path, tokenizer, good, eval_path=str(bad), on_bad_row="skip") == [
+        f"{bad}: no eval example left of 1 rows read: 1 bad (missing field 'output' (fields: ['instruction'])) "
+        f"(first: {bad}:1); fix or replace the rows, {leave_out}"
+    ]
+    # Seed 0 holds out the second row of two: the one too long.
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [GOOD[0], too_long])
+    assert no_example_line(tmp_path, tokenizer, mixed, eval_split_ratio=0.5) == [
+        f"{mixed}: no eval example left of the 1 rows data.eval_split_ratio held out: 1 no target token left (e.g. "
+        f"the response cut off by data.max_length) (first: {mixed}:2); fix or replace the rows, or raise "
+        "data.max_length (128), or set data.eval_split_ratio: 0 to train without evaluation"
+    ]
+
+
 def test_unknown_role_in_messages_names_the_line(tmp_path, tokenizer):
     rows = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},

@@ -115,6 +115,28 @@ def test_json_lines_in_a_json_file_gets_a_hint(tmp_path: Path):
     ]
 
 
+def test_one_json_document_in_a_jsonl_file_gets_a_hint_at_its_first_line(tmp_path: Path):
+    """A list of rows saved as .jsonl (indented or on one line), or rows indented over several lines: every line is
+    a bad row, and none but the first says why (the mirror of the hint above)."""
+    rows = [{"instruction": "Add 1 and 1.", "output": "2"}] * 2
+    as_json = "one JSON list of rows is JSON, not JSON Lines: name the file .json"
+    cases = {
+        "indented-list": (json.dumps(rows, indent=2), f"not valid JSON (Expecting value at column 2; {as_json})"),
+        "one-line-list": (json.dumps(rows), f"expected a JSON object, got list ({as_json})"),
+        "indented-row": (
+            json.dumps(rows[0], indent=2),
+            "not valid JSON (Expecting property name enclosed in double quotes at column 2; JSON Lines holds each "
+            "row on one line)",
+        ),
+    }
+    for name, (text, reason) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(f"\n{text}\n")  # the first line that holds anything names the document
+        bad = read(path)
+        assert bad[0] == BadRow(f"{path}:2", reason), name
+        assert all(as_json not in row.reason and "one line" not in row.reason for row in bad[1:]), name
+
+
 def test_parquet_rows_across_record_batches(tmp_path: Path):
     import pyarrow as pa  # a dev dependency: not skipped when missing
     import pyarrow.parquet as pq

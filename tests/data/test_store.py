@@ -286,6 +286,28 @@ def test_processes_waiting_for_a_store_get_the_error_that_stopped_its_builder(tm
     assert not (tmp_path / f"{KEY}.failed").exists()
 
 
+def test_a_store_without_its_meta_in_the_way_is_one_line_before_any_build(tmp_path: Path):
+    """A directory at the store's name without meta.json (write_store never leaves one: a copy of the cache cut
+    short) is named at once, to every process, and left as it is; the build used to run whole before its rename
+    failed with a traceback."""
+    path = write_store(tmp_path, KEY, make_splits(), {}, {})
+    (path / "meta.json").unlink()
+    left = sorted(entry.name for entry in path.iterdir())
+    builds = []
+
+    def build():
+        builds.append(1)
+        return make_splits(), {}, {}
+
+    line = f"{path}: damaged token store (no meta.json); delete the directory to rebuild it"
+    with pytest.raises(DataError) as built:
+        build_once(tmp_path, KEY, build, is_builder=True, timeout_s=5)
+    with pytest.raises(DataError) as waited:
+        build_once(tmp_path, KEY, build, is_builder=False, timeout_s=30, poll_s=0.05)
+    assert built.value.lines == waited.value.lines == [line] and builds == []
+    assert sorted(entry.name for entry in path.iterdir()) == left
+
+
 def test_a_failure_while_writing_leaves_no_partial_store(tmp_path: Path, monkeypatch):
     real_save, saved = np.save, []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,6 +96,71 @@ def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path):
     assert time.monotonic() - started < 60
     assert "for node rank(s) 1 of 2, which never arrived (arrived: node 0 on" in log
     assert "--join-timeout" in log
+
+
+# TEST-NET-1 (RFC 5737): an address of no machine here, which takes no connection.
+UNREACHABLE = "192.0.2.1"
+# What a launcher prints while it waits for an unreachable store: the time, then this.
+WAITING_FOR_THE_STORE = (
+    r"\d\d:\d\d:\d\d INFO node 1 of 2 on .+: waiting up to {timeout} s for the rendezvous store at {endpoint}"
+)
+
+
+def start_alone(tmp_path: Path, endpoint: str, join_timeout: str) -> subprocess.Popen:
+    """Node 1 of 2, whose rendezvous store would be at ``endpoint``, on another machine; in a process group of its
+    own, as a terminal starts a command. Its stdout and stderr go to ``node1.out`` and ``node1.err``."""
+    command = [
+        sys.executable, "-m", "shardtune", "launch", "examples/quickstart.yaml", "--nnodes", "2", "--node-rank", "1",
+        "--rdzv-endpoint", endpoint, "--nproc-per-node", "1", "--join-timeout", join_timeout,
+        *overrides(tmp_path, tmp_path / "run"),
+    ]  # fmt: skip
+    with open(tmp_path / "node1.out", "w") as out, open(tmp_path / "node1.err", "w") as err:
+        return subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=err, start_new_session=True)
+
+
+def test_an_unreachable_rendezvous_store_is_one_line_within_the_join_timeout(tmp_path):
+    """TCPStore's own connect lasted twice the join timeout and printed a C++ stack for every try."""
+    endpoint = f"{UNREACHABLE}:{free_port()}"
+    node1 = start_alone(tmp_path, endpoint, "2")
+    assert node1.wait(timeout=120) == 2, (tmp_path / "node1.err").read_text()
+    assert (tmp_path / "node1.out").read_text() == ""
+    waiting, error = (tmp_path / "node1.err").read_text().splitlines()
+    assert re.fullmatch(WAITING_FOR_THE_STORE.format(timeout=2, endpoint=re.escape(endpoint)), waiting)
+    assert error.startswith(
+        f"shardtune: error: node 1: could not reach the rendezvous store at {endpoint} within 2 s (--join-timeout): "
+        f"is the node at {UNREACHABLE} started, and port {endpoint.split(':')[1]} open between the nodes? (last try: "
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "line"),
+    [
+        (signal.SIGINT, 130, "shardtune: SIGINT: stopped (launch)"),
+        (signal.SIGTERM, 75, "shardtune: SIGTERM before the workers ran: stopping"),
+    ],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_signal_while_waiting_for_the_rendezvous_store_stops_at_once(tmp_path, signum, status, line):
+    """TCPStore's connect held a signal off until it gave up (twice the join timeout), and SIGTERM then ended in a
+    traceback."""
+    endpoint = f"{UNREACHABLE}:{free_port()}"
+    node1 = start_alone(tmp_path, endpoint, "600")
+    log = tmp_path / "node1.err"
+    try:
+        deadline = time.monotonic() + 60
+        while not log.read_text().endswith("\n"):  # the launcher says it waits for the store, then waits
+            assert node1.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        (waiting,) = log.read_text().splitlines()
+        assert re.fullmatch(WAITING_FOR_THE_STORE.format(timeout=600, endpoint=re.escape(endpoint)), waiting)
+        os.killpg(node1.pid, signum)
+        assert node1.wait(timeout=20) == status
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+    assert (tmp_path / "node1.out").read_text() == ""
+    assert log.read_text().splitlines()[1:] == [line]
 
 
 def test_two_nodes_claiming_one_rank_are_told(tmp_path):

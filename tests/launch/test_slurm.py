@@ -123,11 +123,12 @@ def test_a_directory_a_run_is_training_in_is_refused_before_the_queue(tmp_path, 
 
     run = tmp_path / "run"
     script = run / "slurm" / "job.sbatch"
-    script.parent.mkdir(parents=True)
-    script.write_text("the running job's script")
+    assert slurm(tmp_path, "--nodes", "2", "training.resume_from_checkpoint=auto") == 0
+    running = script.read_text()  # the running job's script
+    capsys.readouterr()
     lock = RunLock.take(run)
     try:
-        assert slurm(tmp_path, "--nodes", "2", "training.resume_from_checkpoint=auto") == 2
+        assert slurm(tmp_path, "--nodes", "3", "training.resume_from_checkpoint=auto") == 2
         error = capsys.readouterr().err
         assert re.fullmatch(
             rf"shardtune: error: training.output_dir: {re.escape(str(run))} is in use by another run \(host "
@@ -135,11 +136,59 @@ def test_a_directory_a_run_is_training_in_is_refused_before_the_queue(tmp_path, 
             r"choose another output_dir\n",
             error,
         )
-        assert script.read_text() == "the running job's script"
+        assert script.read_text() == running
     finally:
         lock.release()
-    assert slurm(tmp_path, "--nodes", "2", "training.resume_from_checkpoint=auto") == 0  # once it has ended
-    assert script.read_text().startswith("#!")
+    assert slurm(tmp_path, "--nodes", "3", "training.resume_from_checkpoint=auto") == 0  # once it has ended
+    assert "#SBATCH --nodes=3\n" in script.read_text()
+
+
+def test_the_job_files_are_written_again_and_an_edited_or_foreign_one_only_with_overwrite(tmp_path, capsys):
+    """The script invites edits (its network exports); writing the job again replaced them, and any file of the
+    name, without a word."""
+    slurm_dir = tmp_path / "run" / "slurm"
+    script, config = slurm_dir / "job.sbatch", slurm_dir / "config.yaml"
+    assert slurm(tmp_path, "--nodes", "2") == 0
+    assert slurm(tmp_path, "--nodes", "3") == 0  # as it wrote them: replaced
+    assert "#SBATCH --nodes=3\n" in script.read_text()
+    capsys.readouterr()
+
+    def refused(*paths: Path) -> list[str]:
+        return [
+            f"shardtune: error: {path}: not as shardtune slurm wrote it (edited since, or not its own); pass "
+            "--overwrite to replace it, or choose another training.output_dir"
+            for path in paths
+        ]
+
+    edited = script.read_text().replace("set -uo pipefail\n", "set -uo pipefail\nmodule load nccl\n")
+    script.write_text(edited)
+    assert slurm(tmp_path, "--nodes", "2") == 2
+    assert capsys.readouterr().err.splitlines() == refused(script)
+    config.write_text(config.read_text() + "# tuned by hand\n")
+    assert slurm(tmp_path, "--nodes", "2") == 2
+    assert capsys.readouterr().err.splitlines() == refused(script, config)
+    assert script.read_text() == edited and config.read_text().endswith("# tuned by hand\n")
+    assert slurm(tmp_path, "--nodes", "2", "--overwrite") == 0
+    assert "module load" not in script.read_text() and "#SBATCH --nodes=2\n" in script.read_text()
+    assert load_config(config) == load_config(QUICKSTART, [f"training.output_dir={tmp_path / 'run'}"])
+    capsys.readouterr()
+
+    # A project's own slurm/ that no `shardtune slurm` wrote.
+    own = tmp_path / "project"
+    (own / "slurm").mkdir(parents=True)
+    (own / "slurm" / "config.yaml").write_text("partition: gpu\n")
+    assert main(["slurm", QUICKSTART, f"training.output_dir={own}", "--nodes", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == refused(own / "slurm" / "config.yaml")
+    assert sorted(path.name for path in (own / "slurm").iterdir()) == ["config.yaml"]
+
+
+def test_an_output_dir_the_job_cannot_be_written_into_is_one_line(tmp_path, capsys):
+    (tmp_path / "run").write_text("a file, not a directory\n")
+    assert slurm(tmp_path, "--nodes", "2") == 2
+    assert capsys.readouterr().err == (
+        f"shardtune: error: training.output_dir: cannot write {tmp_path / 'run' / 'slurm'} (Not a directory); set "
+        "training.output_dir to a directory this user can create and write (on every node)\n"
+    )
 
 
 def test_submit_without_sbatch_says_so_and_leaves_the_script(tmp_path, capsys, monkeypatch):

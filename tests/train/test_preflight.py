@@ -69,6 +69,18 @@ def test_a_model_that_is_not_a_causal_lm(tmp_path):
     assert_every_rank_stopped_before_training(result, "is a 'vit' model (ViTModel), not a causal language model")
 
 
+def test_expert_parallelism_on_a_model_without_moe_layers(tmp_path):
+    """Refused by the built model, once the run had written config.yaml and run_args.json: the next run there found
+    "a run" in the directory. Now by the preflight, on the model built on the meta device, before anything is
+    written."""
+    result = run(tmp_path, tmp_path / "run", 2, "parallel.expert_parallel_size=2", "training.max_steps=2")
+    assert_every_rank_stopped_before_training(
+        result,
+        "parallel.expert_parallel_size: 2 needs an MoE model; examples/tiny-llama has no MoE layers; set it to 1",
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_model_checks(tmp_path):
     def config(**model):
         return make_config(tmp_path, tmp_path / "data.jsonl", model=model)
